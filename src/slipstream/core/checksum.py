@@ -1,0 +1,25 @@
+"""Fast checksums of byte ranges, in fixed-size blocks.
+
+xxh3-64 runs at about 20 GiB/s on one core, so checksumming what is written or read costs
+a fraction of the copy itself. Checksums are taken per block of ``BLOCK_BYTES`` of a
+record's data so that a reader of part of a record can still verify what it read.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+BLOCK_BYTES = 8 * 1024 * 1024
+ALGORITHM = "xxh3_64"
+
+
+def checksum(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def block_checksums(data: memoryview, block_bytes: int = BLOCK_BYTES) -> list[int]:
+    """Checksums of consecutive ``block_bytes`` blocks of ``data`` (the last may be short)."""
+    n = len(data)
+    if n == 0:
+        return [checksum(b"")]
+    return [checksum(data[i : i + block_bytes]) for i in range(0, n, block_bytes)]

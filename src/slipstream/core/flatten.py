@@ -1,0 +1,83 @@
+"""Flattening of nested state dicts, with the same rules and names as PyTorch DCP.
+
+Mappings are always descended into (keys become strings); a list is descended into only
+when it holds a tensor or a non-leaf container; tuples and everything else are leaves. A
+leaf's flat name is its path joined with dots, e.g. ``("optim", "state", 0, "exp_avg")``
+becomes ``"optim.state.0.exp_avg"``. Keeping DCP's rules is what lets ``dcp.load`` read
+what slipstream writes and the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+Path = tuple[str | int, ...]
+
+
+def _is_leaf(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _is_leaf(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Return ``(flat, paths)``: flat name -> leaf value, flat name -> original path."""
+    flat: dict[str, Any] = {}
+    paths: dict[str, Path] = {}
+
+    def visit(path: Path, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(path + (str(k),), v)
+        elif _is_leaf(value):
+            name = ".".join(str(p) for p in path)
+            if name in flat:
+                raise ValueError(f"two entries of the state dict flatten to the same key {name!r}")
+            flat[name] = value
+            paths[name] = path
+        else:
+            for i, v in enumerate(value):
+                visit(path + (i,), v)
+
+    for key, value in state_dict.items():
+        visit((str(key),), value)
+    return flat, paths
+
+
+def set_path(root: dict, path: Path, value: Any) -> None:
+    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed."""
+    node: Any = root
+    for here, nxt in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            while len(node) <= here:
+                node.append(None)
+            if node[here] is None:
+                node[here] = [] if isinstance(nxt, int) else {}
+            node = node[here]
+        else:
+            if here not in node:
+                node[here] = [] if isinstance(nxt, int) else {}
+            node = node[here]
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def unflatten(flat: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, Any]:
+    """Inverse of :func:`flatten`."""
+    root: dict[str, Any] = {}
+    for name, value in flat.items():
+        set_path(root, paths[name], value)
+    return root

@@ -1,0 +1,32 @@
+"""Waiting with a deadline, and an error that says who did not answer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+from ..errors import PeerTimeoutError
+
+
+def wait_future(fut: concurrent.futures.Future, timeout: float | None, who: str) -> object:
+    """``fut.result(timeout)``, raising :class:`PeerTimeoutError` naming ``who`` on expiry."""
+    try:
+        return fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise PeerTimeoutError(f"timed out after {timeout:.1f} s waiting for {who}") from None
+
+
+class Deadline:
+    """A point in time shared by several waits, so their sum respects one timeout."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        if self._end is None:
+            return None
+        return max(0.0, self._end - time.monotonic())
+
+    def expired(self) -> bool:
+        return self._end is not None and time.monotonic() >= self._end

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from slipstream.core.buffers import (
+    StagingBudgetError,
+    StagingPool,
+    byte_view,
+    reallocate_storage,
+    release_storage,
+)
+from slipstream.core.checksum import block_checksums
+from slipstream.core.flatten import flatten, unflatten
+from slipstream.core.handles import TwoPhaseHandle
+
+
+def test_staging_pool_reuses_buffers_by_key():
+    pool = StagingPool()
+    a = pool.acquire("layout", 1024)
+    pool.release("layout")
+    b = pool.acquire("layout", 1024)
+    assert a.data_ptr() == b.data_ptr()
+    assert pool.allocations == 1
+
+
+def test_staging_pool_refuses_double_acquire_and_budget():
+    pool = StagingPool(budget_bytes=1000)
+    pool.acquire("a", 600)
+    with pytest.raises(Exception, match="already in use"):
+        pool.acquire("a", 600)
+    with pytest.raises(StagingBudgetError, match="budget of 1000"):
+        pool.acquire("b", 600)
+
+
+def test_byte_view_aliases_tensor_memory():
+    t = torch.zeros(4, dtype=torch.float32)
+    view = byte_view(t)
+    view[0:4] = bytes(torch.tensor([1.5]).view(torch.uint8).tolist())
+    assert t[0].item() == 1.5
+
+
+def test_release_and_reallocate_keep_views_valid():
+    t = torch.arange(8, dtype=torch.float32)
+    view = t[2:4]
+    release_storage(t)
+    assert t.untyped_storage().size() == 0
+    reallocate_storage(t, 32)
+    t.copy_(torch.arange(8, dtype=torch.float32) * 2)
+    assert view.tolist() == [4.0, 6.0]
+
+
+def test_block_checksums_change_with_one_byte():
+    data = bytearray(3 * 1024)
+    before = block_checksums(memoryview(data), block_bytes=1024)
+    data[2000] = 7
+    after = block_checksums(memoryview(data), block_bytes=1024)
+    assert len(before) == 3
+    assert before[0] == after[0] and before[2] == after[2] and before[1] != after[1]
+
+
+def test_flatten_matches_dcp_rules():
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    sd = {
+        "model": {"w": torch.ones(2), "b": torch.zeros(1)},
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "lst": [torch.ones(1), torch.zeros(1)],
+        "tup": (1, 2),
+        "step": 5,
+    }
+    flat, paths = flatten(sd)
+    ref_flat, ref_paths = flatten_state_dict(sd)
+    assert list(flat) == list(ref_flat)
+    assert paths == ref_paths
+    back = unflatten(flat, paths)
+    assert back["optim"]["param_groups"][0]["lr"] == 0.1
+    assert torch.equal(back["lst"][1], torch.zeros(1))
+
+
+def test_two_phase_handle_failure_fails_both():
+    h = TwoPhaseHandle()
+    h.fail(ValueError("boom"))
+    with pytest.raises(ValueError):
+        h.staged.result(0)
+    with pytest.raises(ValueError):
+        h.done.result(0)

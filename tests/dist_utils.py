@@ -1,0 +1,74 @@
+"""Run a function on N local processes joined by a gloo group on 127.0.0.1 and a free port.
+
+Every worker is joined with a timeout; a worker's exception is re-raised in the test with
+its rank, and a worker that does not finish in time fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, errors):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, tb = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"workers exited abnormally (rank, exit code): {bad}")
