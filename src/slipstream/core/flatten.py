@@ -57,7 +57,7 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Pa
 def set_path(root: dict, path: Path, value: Any) -> None:
     """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed."""
     node: Any = root
-    for here, nxt in zip(path[:-1], path[1:]):
+    for here, nxt in zip(path[:-1], path[1:], strict=True):
         if isinstance(node, list):
             while len(node) <= here:
                 node.append(None)
