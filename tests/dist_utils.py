@@ -35,6 +35,7 @@ def _worker(rank, world_size, port, fn, args, errors):
             timeout=timedelta(seconds=60),
         )
         fn(rank, world_size, *args)
+        dist.barrier()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise

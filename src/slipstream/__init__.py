@@ -3,6 +3,7 @@
 Public API lives here; everything else may change between releases.
 """
 
+from .checkpoint import AsyncSaveResponse, Checkpointer, SaveOptions, async_save, load, save
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -16,6 +17,12 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSaveResponse",
+    "Checkpointer",
+    "SaveOptions",
+    "async_save",
+    "load",
+    "save",
     "CheckpointError",
     "CorruptCheckpointError",
     "FsdpError",

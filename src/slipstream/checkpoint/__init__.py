@@ -1,0 +1,15 @@
+"""Checkpoints in PyTorch DCP's format, saved asynchronously and loaded in place."""
+
+from .api import async_save, load, save
+from .checkpointer import Checkpointer
+from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+
+__all__ = [
+    "AsyncSaveResponse",
+    "CheckpointSaver",
+    "Checkpointer",
+    "SaveOptions",
+    "async_save",
+    "load",
+    "save",
+]

@@ -1,0 +1,89 @@
+"""Drop-in functions with ``torch.distributed.checkpoint``'s argument names.
+
+``async_save`` keeps one :class:`CheckpointSaver` per process group so that staging
+buffers and plans are reused across calls; they are closed at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from . import loader
+from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+
+_savers: dict[tuple, CheckpointSaver] = {}
+_savers_lock = threading.Lock()
+
+
+def _group_key(process_group) -> tuple:
+    if not (dist.is_available() and dist.is_initialized()):
+        return ("local",)
+    group = process_group or dist.group.WORLD
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _saver(process_group, timeout: float) -> CheckpointSaver:
+    key = _group_key(process_group)
+    with _savers_lock:
+        saver = _savers.get(key)
+        if saver is None or saver.channel.world_size == 0:
+            saver = CheckpointSaver(process_group, SaveOptions(timeout=timeout))
+            _savers[key] = saver
+        saver.options.timeout = timeout
+        return saver
+
+
+@atexit.register
+def _close_savers() -> None:
+    with _savers_lock:
+        for saver in _savers.values():
+            saver.close()
+        _savers.clear()
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    timeout: float = 600.0,
+) -> AsyncSaveResponse:
+    """Save asynchronously; returns at once with ``staging_completion``/``upload_completion``.
+
+    Mutate the state only after ``staging_completion`` resolves. Every rank of the group
+    must call it with the same ``checkpoint_id``.
+    """
+    return _saver(process_group, timeout).save(state_dict, checkpoint_id)
+
+
+def save(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    timeout: float = 600.0,
+) -> None:
+    """Save and return once the checkpoint is durable and committed."""
+    async_save(state_dict, checkpoint_id, process_group, timeout=timeout).upload_completion.result()
+
+
+def load(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    strict: bool = True,
+) -> None:
+    """Load a committed checkpoint (slipstream- or DCP-written) into ``state_dict`` in place.
+
+    Resharding is implicit: each rank reads the parts of the saved chunks its tensors
+    and DTensor shards cover. ``process_group`` is accepted for DCP compatibility; loading
+    needs no communication.
+    """
+    del process_group
+    loader.load(state_dict, checkpoint_id, strict=strict)

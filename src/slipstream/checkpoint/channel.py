@@ -1,0 +1,70 @@
+"""Messages between the ranks of a save, through the job's key-value store.
+
+Checkpoint coordination never runs a collective on the user's process group: ranks post
+small JSON messages to the store that ``init_process_group`` already created (under a
+prefix of their own) and poll for each other's with a deadline. Background threads may
+use it safely, and a missing rank is named in the timeout error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.distributed as dist
+
+from ..core.waits import Deadline
+from ..errors import PeerTimeoutError
+
+_POLL_SECONDS = 0.002
+
+
+class RankChannel:
+    """Post and gather per-rank messages for one process group."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+
+    @classmethod
+    def for_group(cls, process_group: dist.ProcessGroup | None) -> RankChannel:
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(dist.HashStore(), 0, 1, "slipstream/local")
+        group = process_group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        store = dist.distributed_c10d._get_default_store()
+        namespace = "slipstream/" + "-".join(map(str, ranks))
+        return cls(store, dist.get_rank(group), dist.get_world_size(group), namespace)
+
+    def _key(self, topic: str, rank: int) -> str:
+        return f"{self.namespace}/{topic}/{rank}"
+
+    def post(self, topic: str, payload: object) -> None:
+        self.store.set(self._key(topic, self.rank), json.dumps(payload))
+
+    def _wait(self, topic: str, ranks: list[int], deadline: Deadline, what: str) -> None:
+        keys = [self._key(topic, r) for r in ranks]
+        while not self.store.check(keys):
+            if deadline.expired():
+                missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
+                raise PeerTimeoutError(
+                    f"rank(s) {missing} did not {what} within {deadline.timeout:.1f} s "
+                    f"(waiting on rank {self.rank}); they may have died or be stuck"
+                )
+            time.sleep(_POLL_SECONDS)
+
+    def gather(self, topic: str, deadline: Deadline, what: str) -> list:
+        """Every rank's payload for ``topic`` (index = rank)."""
+        ranks = list(range(self.world_size))
+        self._wait(topic, ranks, deadline, what)
+        return [json.loads(self.store.get(self._key(topic, r))) for r in ranks]
+
+    def receive(self, topic: str, from_rank: int, deadline: Deadline, what: str) -> object:
+        self._wait(topic, [from_rank], deadline, what)
+        return json.loads(self.store.get(self._key(topic, from_rank)))
+
+    def forget(self, topic: str, ranks: list[int] | None = None) -> None:
+        for r in range(self.world_size) if ranks is None else ranks:
+            self.store.delete_key(self._key(topic, r))

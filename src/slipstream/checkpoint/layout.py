@@ -1,0 +1,149 @@
+"""What one rank holds in a state dict: its tensor chunks and its plain values.
+
+A :class:`LocalLayout` is computed on every save and load (cheap: no data is touched) and
+is the key of the plan cache: the same layout means the same files, offsets and owners.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from ..core.flatten import Path, flatten
+from ..errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One tensor chunk this rank holds: a box of the global tensor."""
+
+    fqn: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    replicated: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n * dtype_from_name(self.dtype).itemsize
+
+    @property
+    def record_key(self) -> str:
+        return f"{self.fqn}@{','.join(map(str, self.offsets))}"
+
+
+@dataclass
+class LocalLayout:
+    """A rank's flattened state: chunk specs with their tensors, and plain values."""
+
+    chunks: list[ChunkSpec]
+    tensors: dict[str, torch.Tensor]  # record_key -> local tensor data for the chunk
+    values: dict[str, Any]
+    paths: dict[str, Path]
+
+    def fingerprint(self) -> str:
+        """A digest of everything that decides the plan (names, dtypes, shapes, chunks)."""
+        desc = json.dumps(
+            [
+                [c.fqn, c.dtype, c.global_shape, c.offsets, c.sizes, c.replicated]
+                for c in self.chunks
+            ]
+            + [sorted(self.values)]
+        )
+        return hashlib.sha256(desc.encode()).hexdigest()[:32]
+
+    def describe(self) -> list:
+        """A JSON-able description sent to other ranks when planning."""
+        return {
+            "chunks": [
+                [c.fqn, c.dtype, list(c.global_shape), list(c.offsets), list(c.sizes), c.replicated]
+                for c in self.chunks
+            ],
+            "values": list(self.values),
+            "paths": {k: list(v) for k, v in self.paths.items()},
+        }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace top-level Stateful objects by their ``state_dict()`` (as DCP does)."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+
+
+def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
+    flat, paths = flatten(resolve_stateful(state_dict))
+    chunks: list[ChunkSpec] = []
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            for chunk in value.__create_chunk_list__():
+                spec = ChunkSpec(
+                    fqn,
+                    dtype_name(value.dtype),
+                    tuple(value.shape),
+                    tuple(chunk.offsets),
+                    tuple(chunk.sizes),
+                    replicated=False,
+                )
+                if tuple(local.shape) != spec.sizes:
+                    raise CheckpointError(
+                        f"DTensor {fqn!r}: local shard shape {tuple(local.shape)} does not match "
+                        f"its chunk {spec.sizes}"
+                    )
+                chunks.append(spec)
+                tensors[spec.record_key] = local
+        elif isinstance(value, torch.Tensor):
+            if value.is_sparse or value.layout != torch.strided:
+                raise CheckpointError(f"{fqn!r}: only strided (dense) tensors can be saved")
+            spec = ChunkSpec(
+                fqn,
+                dtype_name(value.dtype),
+                tuple(value.shape),
+                (0,) * value.dim(),
+                tuple(value.shape),
+                replicated=True,
+            )
+            chunks.append(spec)
+            tensors[spec.record_key] = value
+        else:
+            values[fqn] = value
+    return LocalLayout(chunks, tensors, values, paths)
+
+
+def serialize_values(values: Mapping[str, Any]) -> dict[str, bytes]:
+    """``torch.save`` bytes of each plain value, as DCP stores them; names the key at fault."""
+    out: dict[str, bytes] = {}
+    for fqn, value in values.items():
+        buf = io.BytesIO()
+        try:
+            torch.save(value, buf)
+        except Exception as exc:
+            raise CheckpointError(
+                f"value {fqn!r} of type {type(value).__name__} cannot be saved: {exc}"
+            ) from exc
+        out[fqn] = buf.getvalue()
+    return out

@@ -1,0 +1,357 @@
+"""Asynchronous saves: stage into reused buffers off the caller's thread, then upload.
+
+Pipeline of one save (each stage on a thread this object owns and joins in ``close``):
+
+1. caller's thread: flatten the state dict, serialize plain values (so later mutation
+   cannot change them, and a bad value fails here, naming its key), look up the plan
+   for this layout (planning, through the store, only on a layout's first save), record
+   an event on the accelerator's current stream; return.
+2. staging thread: copy every tensor chunk this rank writes into its staging buffer,
+   whose bytes are the head of the rank's data file (record headers already in place);
+   on an accelerator the copy runs on a side stream that first waits on that event.
+   Then ``staging_completion`` resolves: the caller may mutate the state.
+3. upload thread: parallel ``pwrite`` of the buffer, block checksums, plain values
+   appended, ``fsync``; post the result; rank 0 gathers every rank's result and commits
+   (metadata last, atomically); every rank waits for that commit, then
+   ``upload_completion`` resolves.
+
+Backpressure: one save in flight; a new save first waits for the previous one to finish
+(its staging buffer is about to be reused). Nothing here touches the user's process group.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core import streams
+from ..core.buffers import StagingPool, byte_view
+from ..core.checksum import block_checksums, checksum
+from ..core.copy import copy_in_slices
+from ..core.waits import Deadline
+from ..errors import CheckpointError, SlipstreamError
+from .channel import RankChannel
+from .commit import build_index, build_metadata, publish, uncommit
+from .files import pwrite_all
+from .layout import LocalLayout, dtype_from_name, local_layout, serialize_values
+from .plan import SavePlan, make_save_plan
+
+WRITE_PIECE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class SaveOptions:
+    """Knobs of :class:`CheckpointSaver`; the defaults suit most jobs."""
+
+    timeout: float = 600.0
+    """Seconds any wait on another rank may take before failing with the rank's name."""
+    io_threads: int = 4
+    """Parallel writes per rank."""
+    staging_budget_bytes: int | None = None
+    """Upper bound on host staging memory; ``None`` means the size of one save."""
+    pin_memory: bool | None = None
+    """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
+
+
+@dataclass
+class AsyncSaveResponse:
+    """The two phases of a save, as futures (same names as DCP's ``AsyncSaveResponse``)."""
+
+    staging_completion: Future
+    upload_completion: Future
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the save is durable and committed."""
+        self.upload_completion.result(timeout)
+
+
+@dataclass
+class _Job:
+    plan: SavePlan
+    layout: LocalLayout
+    values: dict[str, bytes]
+    checkpoint_dir: str
+    seq: int
+    fingerprint: str
+    ready_event: Any
+    device: torch.device | None
+    response: AsyncSaveResponse
+    after_commit: Callable[[], None] | None
+
+
+class CheckpointSaver:
+    """Owns the threads, staging buffers and cached plans of saves for one process group."""
+
+    def __init__(self, process_group=None, options: SaveOptions | None = None) -> None:
+        self.options = options or SaveOptions()
+        self.channel = RankChannel.for_group(process_group)
+        self._stage_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-stage")
+        self._upload_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-upload")
+        self._io_pool = ThreadPoolExecutor(self.options.io_threads, "slipstream-io")
+        self._pool: StagingPool | None = None
+        self._framed: dict[str, int] = {}
+        self._plans: dict[str, SavePlan] = {}
+        self._seq = 0
+        self._last: AsyncSaveResponse | None = None
+        self._side_streams: dict[torch.device, Any] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        self.plans_made = 0
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    def save(
+        self,
+        state_dict: Mapping[str, Any],
+        checkpoint_id: str | os.PathLike,
+        after_commit: Callable[[], None] | None = None,
+    ) -> AsyncSaveResponse:
+        """Start a save; returns once the work is queued (see the module docstring).
+
+        ``after_commit`` runs on the upload thread once the save has committed and before
+        ``upload_completion`` resolves (used for retention).
+        """
+        if self._closed:
+            raise CheckpointError("this saver is closed")
+        self.wait_previous()
+        layout = local_layout(state_dict)
+        values = serialize_values(layout.values)
+        fingerprint = layout.fingerprint()
+        seq = self._seq
+        self._seq += 1
+        deadline = Deadline(self.options.timeout)
+        plan = self._plans.get(fingerprint)
+        if plan is None:
+            plan = self._make_plan(layout, fingerprint, seq, deadline)
+        checkpoint_dir = os.fspath(checkpoint_id)
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
+            ) from exc
+        if self.rank == 0:
+            uncommit(checkpoint_dir)
+        device = _accelerator_of(layout)
+        ready = streams.record_event(streams.current_stream(device)) if device else None
+        response = AsyncSaveResponse(Future(), Future())
+        job = _Job(
+            plan,
+            layout,
+            values,
+            checkpoint_dir,
+            seq,
+            fingerprint,
+            ready,
+            device,
+            response,
+            after_commit,
+        )
+        staged = self._stage_thread.submit(self._stage, job)
+        self._upload_thread.submit(self._upload, job, staged)
+        self._last = response
+        return response
+
+    def wait_previous(self) -> None:
+        """Block until the previous save has finished (its outcome is on its own futures)."""
+        if self._last is not None:
+            try:
+                self._last.upload_completion.result(self.options.timeout)
+            except SlipstreamError:
+                pass
+            except TimeoutError as exc:
+                raise CheckpointError(
+                    f"the previous save did not finish within {self.options.timeout} s"
+                ) from exc
+
+    def _make_plan(self, layout: LocalLayout, fingerprint: str, seq: int, deadline) -> SavePlan:
+        channel = self.channel
+        channel.post(f"{seq}/layout", {"fp": fingerprint, "desc": layout.describe()})
+        msgs = channel.gather(
+            f"{seq}/layout", deadline, "send their state dict layout for planning"
+        )
+        plan = make_save_plan(channel.rank, [m["desc"] for m in msgs], [m["fp"] for m in msgs])
+        self._plans[fingerprint] = plan
+        self.plans_made += 1
+        return plan
+
+    def _buffer(self, job: _Job) -> torch.Tensor:
+        if self._pool is None:
+            pin = self.options.pin_memory
+            if pin is None:
+                pin = job.device is not None
+            self._pool = StagingPool(self.options.staging_budget_bytes, pin=pin)
+        buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
+        if self._framed.get(job.fingerprint) != buf.data_ptr():
+            _write_frames(buf, job.plan)
+            self._framed[job.fingerprint] = buf.data_ptr()
+        return buf
+
+    def _stage(self, job: _Job) -> torch.Tensor:
+        try:
+            buf = self._buffer(job)
+            side = None
+            if job.device is not None:
+                side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
+                streams.wait_event(side, job.ready_event)
+            with streams.on_stream(side):
+                for rec in job.plan.records:
+                    src = job.layout.tensors[rec.chunk.record_key]
+                    dst = _data_view(buf, rec.data_offset, rec.nbytes, rec.chunk)
+                    if src.device.type == "cpu":
+                        copy_in_slices(dst, src.detach())
+                    else:
+                        dst.copy_(src.detach(), non_blocking=True)
+            if side is not None:
+                side.synchronize()
+            job.layout = LocalLayout([], {}, {}, {})
+            job.response.staging_completion.set_result(None)
+            return buf
+        except BaseException as exc:
+            self._fail(job, exc)
+            raise
+
+    def _upload(self, job: _Job, staged: Future) -> None:
+        try:
+            buf = staged.result()
+        except BaseException:
+            return
+        try:
+            self._upload_and_commit(job, buf)
+        except BaseException as exc:
+            self._pool.release(job.fingerprint)
+            self._fail(job, exc)
+        else:
+            self._pool.release(job.fingerprint)
+            job.response.upload_completion.set_result(None)
+
+    def _upload_and_commit(self, job: _Job, buf: torch.Tensor) -> None:
+        try:
+            done = self._write_rank_file(job, buf)
+        except BaseException as exc:
+            self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
+            raise
+        self.channel.post(f"{job.seq}/done", done)
+        deadline = Deadline(self.options.timeout)
+        if self.rank == 0:
+            self._commit(job, deadline)
+        outcome = self.channel.receive(
+            f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.checkpoint_dir}"
+        )
+        if outcome.get("error"):
+            raise CheckpointError(outcome["error"])
+        if job.after_commit is not None:
+            job.after_commit()
+
+    def _write_rank_file(self, job: _Job, buf: torch.Tensor) -> dict:
+        plan = job.plan
+        path = os.path.join(job.checkpoint_dir, plan.file)
+        image = byte_view(buf)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {path}: {exc}") from exc
+        try:
+            writes = [
+                self._io_pool.submit(
+                    pwrite_all, fd, image[start : start + WRITE_PIECE_BYTES], start, path
+                )
+                for start in range(0, len(image), WRITE_PIECE_BYTES)
+            ]
+            records = {
+                rec.chunk.record_key: block_checksums(
+                    image[rec.data_offset : rec.data_offset + rec.nbytes]
+                )
+                for rec in plan.records
+            }
+            cursor = len(image)
+            values = {}
+            for fqn in plan.my_values():
+                data = job.values[fqn]
+                pwrite_all(fd, memoryview(data), cursor, path)
+                values[fqn] = [plan.file, cursor, len(data), checksum(data)]
+                cursor += len(data)
+            for w in writes:
+                w.result()
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise CheckpointError(f"fsync of {path} failed: {exc}") from exc
+        finally:
+            os.close(fd)
+        return {"fp": job.fingerprint, "records": records, "values": values, "error": None}
+
+    def _commit(self, job: _Job, deadline: Deadline) -> None:
+        channel = self.channel
+        topic = f"{job.seq}/done"
+        try:
+            done = channel.gather(topic, deadline, f"finish writing {job.checkpoint_dir}")
+            errors = [f"rank {r}: {m['error']}" for r, m in enumerate(done) if m.get("error")]
+            if errors:
+                raise CheckpointError(f"save to {job.checkpoint_dir} failed; " + "; ".join(errors))
+            changed = [r for r, m in enumerate(done) if m["fp"] != job.plan.fingerprints[r]]
+            if changed:
+                raise CheckpointError(
+                    f"rank(s) {changed} saved a state dict whose layout differs from the plan "
+                    "made for this layout on rank 0; every rank must change layout together"
+                )
+            metadata = build_metadata(job.plan, done, job.checkpoint_dir)
+            publish(job.checkpoint_dir, metadata, build_index(job.plan, done))
+            outcome: dict = {"error": None}
+        except BaseException as exc:
+            outcome = {"error": str(exc)}
+        channel.post(f"{job.seq}/commit", outcome)
+        channel.forget(topic)
+        if job.seq > 0:
+            channel.forget(f"{job.seq - 1}/commit", [0])
+            channel.forget(f"{job.seq - 1}/layout")
+
+    @staticmethod
+    def _fail(job: _Job, exc: BaseException) -> None:
+        if not isinstance(exc, SlipstreamError):
+            exc = CheckpointError(f"save to {job.checkpoint_dir} failed: {exc!r}")
+        for fut in (job.response.staging_completion, job.response.upload_completion):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        """Wait for the save in flight, then join every thread this saver owns."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stage_thread.shutdown(wait=True)
+        self._upload_thread.shutdown(wait=True)
+        self._io_pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.clear()
+
+
+def _accelerator_of(layout: LocalLayout) -> torch.device | None:
+    for t in layout.tensors.values():
+        if streams.is_accelerator(t.device):
+            return t.device
+    return None
+
+
+def _data_view(buf: torch.Tensor, offset: int, nbytes: int, chunk) -> torch.Tensor:
+    return buf[offset : offset + nbytes].view(dtype_from_name(chunk.dtype)).view(chunk.sizes)
+
+
+def _write_frames(buf: torch.Tensor, plan: SavePlan) -> None:
+    """Put every record's constant zip bytes in place around its (still empty) data."""
+    from .records import tensor_frame
+
+    image = byte_view(buf)
+    for rec in plan.records:
+        frame = tensor_frame(dtype_from_name(rec.chunk.dtype), rec.chunk.sizes)
+        image[rec.offset : rec.offset + len(frame.prefix)] = frame.prefix
+        end = rec.data_offset + rec.nbytes
+        image[end : end + len(frame.suffix)] = frame.suffix
