@@ -35,7 +35,7 @@ from ..core.buffers import StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices
 from ..core.waits import Deadline
-from ..errors import CheckpointError, SlipstreamError
+from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
 from .commit import build_index, build_metadata, publish, uncommit
 from .files import pwrite_all
@@ -247,7 +247,7 @@ class CheckpointSaver:
             f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.checkpoint_dir}"
         )
         if outcome.get("error"):
-            raise CheckpointError(outcome["error"])
+            raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
         if job.after_commit is not None:
             job.after_commit()
 
@@ -307,7 +307,7 @@ class CheckpointSaver:
             publish(job.checkpoint_dir, metadata, build_index(job.plan, done))
             outcome: dict = {"error": None}
         except BaseException as exc:
-            outcome = {"error": str(exc)}
+            outcome = {"error": str(exc), "timeout": isinstance(exc, PeerTimeoutError)}
         channel.post(f"{job.seq}/commit", outcome)
         channel.forget(topic)
         if job.seq > 0:

@@ -1,0 +1,36 @@
+# Every target sets up what it needs from nothing: a venv with torch==2.13.0 (the CPU build
+# installed first and explicitly, so nothing pulls a multi-GB CUDA build), then slipstream.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,bench]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/python -m slipstream.demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+bench: setup
+	mkdir -p bench_out
+	$(BIN)/python benchmarks/checkpoint.py --out bench_out/checkpoint.json
+	$(BIN)/python benchmarks/sync.py --out bench_out/sync.json
+	$(BIN)/python benchmarks/fsdp.py --out bench_out/fsdp.json
+	$(BIN)/python benchmarks/report.py bench_out/checkpoint.json bench_out/sync.json bench_out/fsdp.json --out BENCHMARKS.md
+
+clean:
+	rm -rf $(VENV) bench_out demo_out
