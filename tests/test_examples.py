@@ -1,0 +1,25 @@
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_checkpoint_loop_example_resumes(tmp_path):
+    root = str(tmp_path / "run")
+    first = _run("checkpoint_loop.py", "--root", root, "--steps", "4")
+    assert "trained to step 3; committed steps: [2, 3]" in first
+    second = _run("checkpoint_loop.py", "--root", root, "--steps", "6")
+    assert "resumed from step 3" in second
+    assert "trained to step 5; committed steps: [4, 5]" in second
