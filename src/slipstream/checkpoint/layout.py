@@ -6,6 +6,7 @@ is the key of the plan cache: the same layout means the same files, offsets and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -39,7 +40,7 @@ class ChunkSpec:
             n *= s
         return n * dtype_from_name(self.dtype).itemsize
 
-    @property
+    @functools.cached_property
     def record_key(self) -> str:
         return f"{self.fqn}@{','.join(map(str, self.offsets))}"
 
@@ -74,6 +75,12 @@ class LocalLayout:
             "values": list(self.values),
             "paths": {k: list(v) for k, v in self.paths.items()},
         }
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _whole_tensor_spec(fqn: str, dtype: torch.dtype, shape: torch.Size) -> ChunkSpec:
+    """The spec of a plain (replicated) tensor; cached, since layouts repeat every save."""
+    return ChunkSpec(fqn, dtype_name(dtype), tuple(shape), (0,) * len(shape), tuple(shape), True)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,14 +126,7 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
         elif isinstance(value, torch.Tensor):
             if value.is_sparse or value.layout != torch.strided:
                 raise CheckpointError(f"{fqn!r}: only strided (dense) tensors can be saved")
-            spec = ChunkSpec(
-                fqn,
-                dtype_name(value.dtype),
-                tuple(value.shape),
-                (0,) * value.dim(),
-                tuple(value.shape),
-                replicated=True,
-            )
+            spec = _whole_tensor_spec(fqn, value.dtype, value.shape)
             chunks.append(spec)
             tensors[spec.record_key] = value
         else:

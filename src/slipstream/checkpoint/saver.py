@@ -124,13 +124,14 @@ class CheckpointSaver:
         self.wait_previous()
         layout = local_layout(state_dict)
         values = serialize_values(layout.values)
-        fingerprint = layout.fingerprint()
         seq = self._seq
         self._seq += 1
-        deadline = Deadline(self.options.timeout)
-        plan = self._plans.get(fingerprint)
+        signature = layout.signature
+        plan = self._plans.get(signature)
         if plan is None:
-            plan = self._make_plan(layout, fingerprint, seq, deadline)
+            plan = self._make_plan(layout, seq, Deadline(self.options.timeout))
+            self._plans[signature] = plan
+        fingerprint = plan.fingerprints[plan.rank]
         checkpoint_dir = os.fspath(checkpoint_id)
         try:
             os.makedirs(checkpoint_dir, exist_ok=True)
@@ -172,14 +173,14 @@ class CheckpointSaver:
                     f"the previous save did not finish within {self.options.timeout} s"
                 ) from exc
 
-    def _make_plan(self, layout: LocalLayout, fingerprint: str, seq: int, deadline) -> SavePlan:
+    def _make_plan(self, layout: LocalLayout, seq: int, deadline: Deadline) -> SavePlan:
         channel = self.channel
+        fingerprint = layout.fingerprint()
         channel.post(f"{seq}/layout", {"fp": fingerprint, "desc": layout.describe()})
         msgs = channel.gather(
             f"{seq}/layout", deadline, "send their state dict layout for planning"
         )
         plan = make_save_plan(channel.rank, [m["desc"] for m in msgs], [m["fp"] for m in msgs])
-        self._plans[fingerprint] = plan
         self.plans_made += 1
         return plan
 

@@ -35,22 +35,22 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Pa
     flat: dict[str, Any] = {}
     paths: dict[str, Path] = {}
 
-    def visit(path: Path, value: Any) -> None:
+    def visit(path: Path, name: str, value: Any) -> None:
         if isinstance(value, Mapping):
             for k, v in value.items():
-                visit(path + (str(k),), v)
+                key = str(k)
+                visit(path + (key,), f"{name}.{key}", v)
         elif _is_leaf(value):
-            name = ".".join(str(p) for p in path)
             if name in flat:
                 raise ValueError(f"two entries of the state dict flatten to the same key {name!r}")
             flat[name] = value
             paths[name] = path
         else:
             for i, v in enumerate(value):
-                visit(path + (i,), v)
+                visit(path + (i,), f"{name}.{i}", v)
 
     for key, value in state_dict.items():
-        visit((str(key),), value)
+        visit((str(key),), str(key), value)
     return flat, paths
 
 
