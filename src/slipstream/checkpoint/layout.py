@@ -54,14 +54,19 @@ class LocalLayout:
     values: dict[str, Any]
     paths: dict[str, Path]
 
+    @property
+    def signature(self) -> tuple:
+        """Everything that decides the plan, as a hashable tuple (the plan cache's key)."""
+        return (tuple(self.chunks), tuple(self.values))
+
     def fingerprint(self) -> str:
-        """A digest of everything that decides the plan (names, dtypes, shapes, chunks)."""
+        """A short digest of :attr:`signature`, comparable across ranks."""
         desc = json.dumps(
             [
                 [c.fqn, c.dtype, c.global_shape, c.offsets, c.sizes, c.replicated]
                 for c in self.chunks
             ]
-            + [sorted(self.values)]
+            + [list(self.values)]
         )
         return hashlib.sha256(desc.encode()).hexdigest()[:32]
 
