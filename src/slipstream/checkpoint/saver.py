@@ -16,7 +16,9 @@ Pipeline of one save (each stage on a thread this object owns and joins in ``clo
    ``upload_completion`` resolves.
 
 Backpressure: one save in flight; a new save first waits for the previous one to finish
-(its staging buffer is about to be reused). Nothing here touches the user's process group.
+(its staging buffer is about to be reused). Host memory: one staging buffer, for the
+layout being saved (a layout change frees the old one). Nothing here touches the user's
+process group.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .layout import LocalLayout, dtype_from_name, local_layout, serialize_values
 from .plan import SavePlan, make_save_plan
 
 WRITE_PIECE_BYTES = 64 * 1024 * 1024
+MAX_CACHED_PLANS = 8
 
 
 @dataclass
@@ -94,7 +97,7 @@ class CheckpointSaver:
         self._stage_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-stage")
         self._upload_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-upload")
         self._io_pool = ThreadPoolExecutor(self.options.io_threads, "slipstream-io")
-        self._pool: StagingPool | None = None
+        self._pool = StagingPool(self.options.staging_budget_bytes)
         self._framed: dict[str, int] = {}
         self._plans: dict[str, SavePlan] = {}
         self._seq = 0
@@ -130,6 +133,8 @@ class CheckpointSaver:
         plan = self._plans.get(signature)
         if plan is None:
             plan = self._make_plan(layout, seq, Deadline(self.options.timeout))
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
             self._plans[signature] = plan
         fingerprint = plan.fingerprints[plan.rank]
         checkpoint_dir = os.fspath(checkpoint_id)
@@ -185,11 +190,12 @@ class CheckpointSaver:
         return plan
 
     def _buffer(self, job: _Job) -> torch.Tensor:
-        if self._pool is None:
+        if self._pool.allocations == 0:
             pin = self.options.pin_memory
-            if pin is None:
-                pin = job.device is not None
-            self._pool = StagingPool(self.options.staging_budget_bytes, pin=pin)
+            self._pool.pin = (job.device is not None) if pin is None else pin
+        for stale in [k for k in self._framed if k != job.fingerprint]:
+            self._pool.drop(stale)
+            del self._framed[stale]
         buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
         if self._framed.get(job.fingerprint) != buf.data_ptr():
             _write_frames(buf, job.plan)
@@ -222,11 +228,7 @@ class CheckpointSaver:
 
     def _upload(self, job: _Job, staged: Future) -> None:
         try:
-            buf = staged.result()
-        except BaseException:
-            return
-        try:
-            self._upload_and_commit(job, buf)
+            self._upload_and_commit(job, staged)
         except BaseException as exc:
             self._pool.release(job.fingerprint)
             self._fail(job, exc)
@@ -234,9 +236,14 @@ class CheckpointSaver:
             self._pool.release(job.fingerprint)
             job.response.upload_completion.set_result(None)
 
-    def _upload_and_commit(self, job: _Job, buf: torch.Tensor) -> None:
+    def _upload_and_commit(self, job: _Job, staged: Future) -> None:
+        """Write this rank's file, report to rank 0, and wait for its commit decision.
+
+        A rank that fails before writing (staging included) still reports, so rank 0
+        fails the save at once instead of waiting for it until the timeout.
+        """
         try:
-            done = self._write_rank_file(job, buf)
+            done = self._write_rank_file(job, staged.result())
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
             raise
@@ -331,8 +338,7 @@ class CheckpointSaver:
         self._stage_thread.shutdown(wait=True)
         self._upload_thread.shutdown(wait=True)
         self._io_pool.shutdown(wait=True)
-        if self._pool is not None:
-            self._pool.clear()
+        self._pool.clear()
 
 
 def _accelerator_of(layout: LocalLayout) -> torch.device | None:
