@@ -27,7 +27,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from ..core import streams
 from ..core.buffers import StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices
+from ..core.handles import Watermark
 from ..core.waits import Deadline
 from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
@@ -86,6 +87,8 @@ class _Job:
     device: torch.device | None
     response: AsyncSaveResponse
     after_commit: Callable[[], None] | None
+    progress: Watermark = field(default_factory=Watermark)
+    buffer: torch.Tensor | None = None
 
 
 class CheckpointSaver:
@@ -161,8 +164,8 @@ class CheckpointSaver:
             response,
             after_commit,
         )
-        staged = self._stage_thread.submit(self._stage, job)
-        self._upload_thread.submit(self._upload, job, staged)
+        self._stage_thread.submit(self._stage, job)
+        self._upload_thread.submit(self._upload, job)
         self._last = response
         return response
 
@@ -202,9 +205,17 @@ class CheckpointSaver:
             self._framed[job.fingerprint] = buf.data_ptr()
         return buf
 
-    def _stage(self, job: _Job) -> torch.Tensor:
+    def _stage(self, job: _Job) -> None:
+        """Copy this rank's chunks into the staging buffer, front to back.
+
+        On CPU the watermark advances after every record so the upload thread writes each
+        part of the file as soon as it is staged; on an accelerator it advances once the
+        side stream has finished.
+        """
         try:
             buf = self._buffer(job)
+            job.buffer = buf
+            job.progress.advance(0)
             side = None
             if job.device is not None:
                 side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
@@ -215,20 +226,22 @@ class CheckpointSaver:
                     dst = _data_view(buf, rec.data_offset, rec.nbytes, rec.chunk)
                     if src.device.type == "cpu":
                         copy_in_slices(dst, src.detach())
+                        if side is None:
+                            job.progress.advance(rec.offset + rec.length)
                     else:
                         dst.copy_(src.detach(), non_blocking=True)
             if side is not None:
                 side.synchronize()
             job.layout = LocalLayout([], {}, {}, {})
+            job.progress.advance(job.plan.image_bytes)
             job.response.staging_completion.set_result(None)
-            return buf
         except BaseException as exc:
+            job.progress.fail(exc)
             self._fail(job, exc)
-            raise
 
-    def _upload(self, job: _Job, staged: Future) -> None:
+    def _upload(self, job: _Job) -> None:
         try:
-            self._upload_and_commit(job, staged)
+            self._upload_and_commit(job)
         except BaseException as exc:
             self._pool.release(job.fingerprint)
             self._fail(job, exc)
@@ -236,14 +249,14 @@ class CheckpointSaver:
             self._pool.release(job.fingerprint)
             job.response.upload_completion.set_result(None)
 
-    def _upload_and_commit(self, job: _Job, staged: Future) -> None:
+    def _upload_and_commit(self, job: _Job) -> None:
         """Write this rank's file, report to rank 0, and wait for its commit decision.
 
         A rank that fails before writing (staging included) still reports, so rank 0
         fails the save at once instead of waiting for it until the timeout.
         """
         try:
-            done = self._write_rank_file(job, staged.result())
+            done = self._write_rank_file(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
             raise
@@ -259,27 +272,36 @@ class CheckpointSaver:
         if job.after_commit is not None:
             job.after_commit()
 
-    def _write_rank_file(self, job: _Job, buf: torch.Tensor) -> dict:
+    def _write_piece(self, job: _Job, fd: int, image: memoryview, start: int, path: str) -> None:
+        end = min(len(image), start + WRITE_PIECE_BYTES)
+        job.progress.wait_for(end, self.options.timeout, f"staging of {path}")
+        pwrite_all(fd, image[start:end], start, path)
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+    def _write_rank_file(self, job: _Job) -> dict:
+        """Write the staged image as it fills, then the values; fsync; return the report.
+
+        Each written piece is handed to the kernel for write-back at once (fadvise), so the
+        final fsync waits for little and the page cache is not filled with checkpoint data.
+        """
         plan = job.plan
         path = os.path.join(job.checkpoint_dir, plan.file)
-        image = byte_view(buf)
+        job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {path}")
+        image = byte_view(job.buffer)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
             raise CheckpointError(f"cannot create {path}: {exc}") from exc
         try:
             writes = [
-                self._io_pool.submit(
-                    pwrite_all, fd, image[start : start + WRITE_PIECE_BYTES], start, path
-                )
+                self._io_pool.submit(self._write_piece, job, fd, image, start, path)
                 for start in range(0, len(image), WRITE_PIECE_BYTES)
             ]
-            records = {
-                rec.chunk.record_key: block_checksums(
-                    image[rec.data_offset : rec.data_offset + rec.nbytes]
-                )
-                for rec in plan.records
-            }
+            records = {}
+            for rec in plan.records:
+                end = rec.data_offset + rec.nbytes
+                job.progress.wait_for(end, self.options.timeout, f"staging of {path}")
+                records[rec.chunk.record_key] = block_checksums(image[rec.data_offset : end])
             cursor = len(image)
             values = {}
             for fqn in plan.my_values():

@@ -9,8 +9,11 @@ fails both.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+from ..errors import PeerTimeoutError
 
 
 @dataclass
@@ -41,3 +44,37 @@ def completed_future(value: object = None) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
+
+
+class Watermark:
+    """A byte count that only grows, with waits for it to pass a mark (producer/consumer).
+
+    The producer calls :meth:`advance` as it fills a buffer front to back, or :meth:`fail`;
+    consumers call :meth:`wait_for` to start on a prefix as soon as it is ready.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._level = -1
+        self._error: BaseException | None = None
+
+    def advance(self, level: int) -> None:
+        with self._cv:
+            self._level = max(self._level, level)
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = exc
+            self._cv.notify_all()
+
+    def wait_for(self, level: int, timeout: float | None, what: str) -> None:
+        """Block until the watermark reaches ``level``; re-raise the producer's failure."""
+        with self._cv:
+            reached = self._cv.wait_for(
+                lambda: self._level >= level or self._error is not None, timeout
+            )
+            if self._error is not None:
+                raise self._error
+            if not reached:
+                raise PeerTimeoutError(f"timed out after {timeout} s waiting for {what}")
