@@ -205,9 +205,9 @@ def _target_chunks(
     value: torch.Tensor,
 ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
     if isinstance(value, DTensor):
-        local = value.to_local()
+        local = value.to_local().detach()
         return [(local, tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
-    return [(value, (0,) * value.dim(), tuple(value.shape))]
+    return [(value.detach(), (0,) * value.dim(), tuple(value.shape))]
 
 
 def _check_keys(flat: Mapping[str, Any], metadata: Metadata, strict: bool, where: str) -> None:
