@@ -40,9 +40,17 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+PAGE_BYTES = 4096
+
+
 def allocate_host(nbytes: int, pin: bool) -> torch.Tensor:
-    """A flat ``uint8`` host buffer of ``nbytes``, every page touched once, pinned if asked."""
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """A flat ``uint8`` host buffer of ``nbytes``, every page touched once, pinned if asked.
+
+    The buffer starts on a page boundary, so it can be the source of ``O_DIRECT`` writes.
+    """
+    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % PAGE_BYTES
+    buf = raw[start : start + nbytes]
     buf.zero_()
     return buf
 
