@@ -280,7 +280,11 @@ class CheckpointSaver:
         out.write(start, end)
 
     def _write_rank_file(self, job: _Job) -> dict:
-        """Write the staged image as it fills, then the values; fsync; return the report."""
+        """Write the staged image as it fills, then the values; fsync; return the report.
+
+        Checksums are taken once staging is complete, so that they never compete with the
+        staging copy (the phase the training loop may be waiting on) for a core.
+        """
         plan = job.plan
         path = os.path.join(job.checkpoint_dir, plan.file)
         job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {path}")
@@ -290,11 +294,13 @@ class CheckpointSaver:
                 self._io_pool.submit(self._write_piece, job, out, start, end)
                 for start, end in out.pieces(WRITE_PIECE_BYTES)
             ]
-            records = {}
-            for rec in plan.records:
-                end = rec.data_offset + rec.nbytes
-                job.progress.wait_for(end, self.options.timeout, f"staging of {path}")
-                records[rec.chunk.record_key] = block_checksums(image[rec.data_offset : end])
+            job.progress.wait_for(len(image), self.options.timeout, f"staging of {path}")
+            records = {
+                rec.chunk.record_key: block_checksums(
+                    image[rec.data_offset : rec.data_offset + rec.nbytes]
+                )
+                for rec in plan.records
+            }
             cursor = len(image)
             values = {}
             for fqn in plan.my_values():
