@@ -43,7 +43,7 @@ def _convert(args) -> int:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        print("convert needs the safetensors package: pip install safetensors", file=sys.stderr)
+        print("convert needs safetensors: pip install 'slipstream[convert]'", file=sys.stderr)
         return 2
     start = time.perf_counter()
     entries = read_all(args.checkpoint)
