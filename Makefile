@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench report clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,14 @@ lint: setup
 	$(BIN)/ruff format --check src tests benchmarks
 
 bench: setup
-	mkdir -p bench_out
-	$(BIN)/python benchmarks/checkpoint.py --out bench_out/checkpoint.json
-	$(BIN)/python benchmarks/sync.py --out bench_out/sync.json
-	$(BIN)/python benchmarks/fsdp.py --out bench_out/fsdp.json
-	$(BIN)/python benchmarks/report.py bench_out/checkpoint.json bench_out/sync.json bench_out/fsdp.json --out BENCHMARKS.md
+	$(BIN)/python benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json
+	$(BIN)/python benchmarks/sync.py --out benchmarks/results/sync.json
+	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
+	$(MAKE) report
+
+report: setup
+	$(BIN)/python benchmarks/report.py benchmarks/results/checkpoint.json \
+		benchmarks/results/sync.json benchmarks/results/fsdp.json --out BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) bench_out demo_out
+	rm -rf $(VENV) demo_out
