@@ -1,1 +1,1 @@
-"""The demo: train, checkpoint, kill, resume, sync weights to a rollout (python -m slipstream.demo)."""
+"""The demo: train, checkpoint, kill, resume, sync to a rollout (``python -m slipstream.demo``)."""
