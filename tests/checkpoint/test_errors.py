@@ -114,12 +114,14 @@ def test_corrupted_value_bytes_name_file_key_and_offset(saved):
         ss.load(_blank(), saved)
 
 
-def test_truncated_data_file_names_the_file(saved):
-    data = saved / "__0_0.distcp"
-    size = data.stat().st_size
-    os.truncate(data, size - 100)
-    with pytest.raises(ss.CorruptCheckpointError, match=r"__0_0.distcp is truncated"):
+def test_truncated_data_file_names_the_file_and_the_first_key_cut_off(saved):
+    entry = _index(saved)["records"]["__0_0.distcp"]["model.w@0,0"]
+    os.truncate(saved / "__0_0.distcp", entry["offset"] + entry["length"] - 100)
+    with pytest.raises(ss.CorruptCheckpointError) as info:
         ss.load(_blank(), saved)
+    message = str(info.value)
+    assert "__0_0.distcp is truncated" in message
+    assert f"'model.w' is stored at offset {entry['offset']}" in message
 
 
 def test_directory_without_metadata_is_not_a_committed_checkpoint(saved):
