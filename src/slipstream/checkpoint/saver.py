@@ -126,8 +126,9 @@ class CheckpointSaver:
     ) -> AsyncSaveResponse:
         """Start a save; returns once the work is queued (see the module docstring).
 
-        ``after_commit`` runs on the upload thread once the save has committed and before
-        ``upload_completion`` resolves (used for retention).
+        ``after_commit`` runs on rank 0's upload thread once the save has committed and
+        before the commit is announced, so no rank's ``upload_completion`` resolves before
+        it has run (used for retention: every rank then sees the same steps).
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
@@ -276,8 +277,6 @@ class CheckpointSaver:
         )
         if outcome.get("error"):
             raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
-        if job.after_commit is not None:
-            job.after_commit()
 
     def _write_piece(self, job: _Job, out: _RankFile, start: int, end: int) -> None:
         job.progress.wait_for(end, self.options.timeout, f"staging of {out.path}")
@@ -339,6 +338,8 @@ class CheckpointSaver:
                 )
             metadata = build_metadata(job.plan, done, job.checkpoint_dir)
             publish(job.checkpoint_dir, metadata, build_index(job.plan, done))
+            if job.after_commit is not None:
+                job.after_commit()
             outcome: dict = {"error": None}
         except BaseException as exc:
             outcome = {"error": str(exc), "timeout": isinstance(exc, PeerTimeoutError)}
