@@ -1,5 +1,10 @@
 """Run a function on N local processes joined by a gloo group on 127.0.0.1 and a free port.
 
+Workers are forked from a forkserver that imports torch and slipstream once per test
+session: a fresh interpreter importing ``torch.distributed`` costs seconds per process,
+a fork from the server a few milliseconds. The server is single-threaded, so forking it
+is safe; every worker still starts from a clean process (no state of the test process).
+
 Every worker is joined with a timeout; a worker's exception is re-raised in the test with
 its rank, and a worker that does not finish in time fails the test instead of hanging it.
 """
@@ -13,6 +18,22 @@ from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "slipstream",
+    "dist_utils",
+]
+
+
+def worker_context():
+    """The multiprocessing context workers start from (a forkserver with torch preloaded)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def free_port() -> int:
@@ -46,7 +67,7 @@ def _worker(rank, world_size, port, fn, args, errors):
 
 def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [

@@ -1,6 +1,5 @@
 """Plan caching and rank coordination: behaviour that needs slipstream's internals."""
 
-import multiprocessing
 import os
 import traceback
 from datetime import timedelta
@@ -8,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import free_port, run_workers
+from dist_utils import free_port, run_workers, worker_context
 
 import slipstream as ss
 from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
@@ -82,7 +81,7 @@ def _save_where_rank1_dies(rank, world_size, port, root, results):
 
 
 def test_rank_dying_mid_save_is_named_and_nothing_commits(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [

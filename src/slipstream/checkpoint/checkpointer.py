@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from . import loader
-from .commit import METADATA_FILE
+from .commit import METADATA_FILE, uncommit
 from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,16 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
     def _retain(self) -> None:
+        """Delete committed steps older than the last ``keep_last`` (runs after a commit).
+
+        Each step is uncommitted first (its ``.metadata`` removed), so a deletion cut short
+        leaves a directory that is no longer listed and that the next save cleans up.
+        """
         if self.keep_last is None:
             return
         for step in self.steps()[: -self.keep_last]:
             try:
+                uncommit(str(self.path(step)))
                 shutil.rmtree(self.path(step))
             except OSError as exc:
                 logger.warning("could not delete old checkpoint %s: %s", self.path(step), exc)

@@ -113,18 +113,26 @@ class CheckpointReader:
         self._fds.clear()
 
     def check_file_sizes(self) -> None:
-        """Fail early, naming the file, if any data file is shorter than the metadata says."""
-        needed: dict[str, int] = {}
-        for info in self.metadata.storage_data.values():
-            needed[info.relative_path] = max(
-                needed.get(info.relative_path, 0), info.offset + info.length
+        """Fail early if a data file is shorter than the metadata says.
+
+        The error names the file, its size and the first record (key and offset) that
+        runs past its end.
+        """
+        sizes: dict[str, int] = {}
+        cut: tuple[int, int, str, str] | None = None
+        for index, info in self.metadata.storage_data.items():
+            rel = info.relative_path
+            if rel not in sizes:
+                sizes[rel] = os.fstat(self.fd(rel)).st_size
+            end = info.offset + info.length
+            if end > sizes[rel] and (cut is None or (rel, info.offset) < (cut[2], cut[0])):
+                cut = (info.offset, end, rel, index.fqn)
+        if cut is not None:
+            offset, end, rel, fqn = cut
+            raise CorruptCheckpointError(
+                f"{self.file_path(rel)} is truncated: {sizes[rel]} bytes, but {fqn!r} is "
+                f"stored at offset {offset} up to {end}"
             )
-        for rel, end in needed.items():
-            size = os.fstat(self.fd(rel)).st_size
-            if size < end:
-                raise CorruptCheckpointError(
-                    f"{self.file_path(rel)} is truncated: {size} bytes, metadata needs {end}"
-                )
 
     def source(
         self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype

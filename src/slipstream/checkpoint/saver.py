@@ -28,6 +28,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +126,9 @@ class CheckpointSaver:
     ) -> AsyncSaveResponse:
         """Start a save; returns once the work is queued (see the module docstring).
 
-        ``after_commit`` runs on the upload thread once the save has committed and before
-        ``upload_completion`` resolves (used for retention).
+        ``after_commit`` runs on rank 0's upload thread once the save has committed and
+        before the commit is announced, so no rank's ``upload_completion`` resolves before
+        it has run (used for retention: every rank then sees the same steps).
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
@@ -256,12 +258,15 @@ class CheckpointSaver:
         """Write this rank's file, report to rank 0, and wait for its commit decision.
 
         A rank that fails before writing (staging included) still reports, so rank 0
-        fails the save at once instead of waiting for it until the timeout.
+        fails the save at once instead of waiting for it until the timeout; when rank 0
+        itself fails it still runs the commit step, which posts the failure to every rank.
         """
         try:
             done = self._write_rank_file(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
+            if self.rank == 0:
+                self._commit(job, Deadline(self.options.timeout))
             raise
         self.channel.post(f"{job.seq}/done", done)
         deadline = Deadline(self.options.timeout)
@@ -272,8 +277,6 @@ class CheckpointSaver:
         )
         if outcome.get("error"):
             raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
-        if job.after_commit is not None:
-            job.after_commit()
 
     def _write_piece(self, job: _Job, out: _RankFile, start: int, end: int) -> None:
         job.progress.wait_for(end, self.options.timeout, f"staging of {out.path}")
@@ -294,24 +297,30 @@ class CheckpointSaver:
                 self._io_pool.submit(self._write_piece, job, out, start, end)
                 for start, end in out.pieces(WRITE_PIECE_BYTES)
             ]
-            job.progress.wait_for(len(image), self.options.timeout, f"staging of {path}")
-            records = {
-                rec.chunk.record_key: block_checksums(
-                    image[rec.data_offset : rec.data_offset + rec.nbytes]
-                )
-                for rec in plan.records
-            }
-            cursor = len(image)
-            values = {}
-            for fqn in plan.my_values():
-                data = job.values[fqn]
-                out.append(memoryview(data), cursor)
-                values[fqn] = [plan.file, cursor, len(data), checksum(data)]
-                cursor += len(data)
-            for w in writes:
-                w.result()
+            try:
+                job.progress.wait_for(len(image), self.options.timeout, f"staging of {path}")
+                records = {
+                    rec.chunk.record_key: block_checksums(
+                        image[rec.data_offset : rec.data_offset + rec.nbytes]
+                    )
+                    for rec in plan.records
+                }
+                values = self._append_values(job, out, len(image))
+            finally:
+                _join_writes(writes, self.options.timeout, path)
             out.sync()
         return {"fp": job.fingerprint, "records": records, "values": values, "error": None}
+
+    @staticmethod
+    def _append_values(job: _Job, out: _RankFile, cursor: int) -> dict[str, list]:
+        """Write this rank's plain values after its tensor records; return their index."""
+        values = {}
+        for fqn in job.plan.my_values():
+            data = job.values[fqn]
+            out.append(memoryview(data), cursor)
+            values[fqn] = [job.plan.file, cursor, len(data), checksum(data)]
+            cursor += len(data)
+        return values
 
     def _commit(self, job: _Job, deadline: Deadline) -> None:
         channel = self.channel
@@ -329,6 +338,8 @@ class CheckpointSaver:
                 )
             metadata = build_metadata(job.plan, done, job.checkpoint_dir)
             publish(job.checkpoint_dir, metadata, build_index(job.plan, done))
+            if job.after_commit is not None:
+                job.after_commit()
             outcome: dict = {"error": None}
         except BaseException as exc:
             outcome = {"error": str(exc), "timeout": isinstance(exc, PeerTimeoutError)}
@@ -419,6 +430,19 @@ class _RankFile:
         os.close(self.fd)
         if self.direct_fd >= 0:
             os.close(self.direct_fd)
+
+
+def _join_writes(writes: list[Future], timeout: float, path: str) -> None:
+    """Wait for every write of a file, then raise the first failure.
+
+    Waiting for all of them, failed or not, is what keeps a write from running after its
+    file descriptor is closed (and its number possibly reused by another file).
+    """
+    _, pending = futures_wait(writes, timeout)
+    if pending:
+        raise PeerTimeoutError(f"writes to {path} did not finish within {timeout} s")
+    for w in writes:
+        w.result()
 
 
 def _accelerator_of(layout: LocalLayout) -> torch.device | None:

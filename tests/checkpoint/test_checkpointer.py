@@ -1,0 +1,154 @@
+"""Checkpointer: retention, committed steps only, resume, thread ownership, two ranks."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from dist_utils import run_workers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import slipstream as ss
+from slipstream.checkpoint import checkpointer as checkpointer_module
+from slipstream.checkpoint import saver as saver_module
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((256, 64), float(step)), "step": step}
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(256, 64), "step": -1}
+
+
+def _save_steps(ck: ss.Checkpointer, steps) -> None:
+    for step in steps:
+        ck.save(step, _state(step)).result(60)
+
+
+def test_retention_keeps_the_last_n_committed_steps(tmp_path):
+    with ss.Checkpointer(tmp_path, keep_last=2) as ck:
+        _save_steps(ck, range(1, 6))
+        assert ck.steps() == [4, 5]
+        assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]
+
+
+def test_retention_deletes_nothing_until_a_newer_step_commits(tmp_path, monkeypatch):
+    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+        _save_steps(ck, [1])
+
+        def failing_publish(*args, **kwargs):
+            raise OSError("simulated failure while publishing .metadata")
+
+        monkeypatch.setattr(saver_module, "publish", failing_publish)
+        with pytest.raises(ss.CheckpointError, match="simulated failure"):
+            ck.save(2, _state(2)).result(60)
+        assert ck.steps() == [1]
+        target = _blank()
+        assert ck.load(target) == 1 and target["step"] == 1
+
+
+def test_steps_and_latest_ignore_uncommitted_directories(tmp_path):
+    with ss.Checkpointer(tmp_path, keep_last=None) as ck:
+        assert ck.latest() is None and ck.steps() == []
+        _save_steps(ck, [3, 7])
+        (tmp_path / "step_9").mkdir()
+        (tmp_path / "step_9" / "__0_0.distcp").write_bytes(b"partial")
+        (tmp_path / "step_12").write_bytes(b"a file, not a checkpoint")
+        (tmp_path / "notes").mkdir()
+        assert ck.steps() == [3, 7]
+        assert ck.latest() == 7
+
+
+def test_next_save_removes_directories_of_saves_that_never_committed(tmp_path):
+    with ss.Checkpointer(tmp_path, keep_last=None) as ck:
+        _save_steps(ck, [1])
+        for partial in ("step_2", "step_9"):
+            (tmp_path / partial).mkdir()
+            (tmp_path / partial / "__0_0.distcp").write_bytes(b"partial")
+        _save_steps(ck, [3])
+        assert sorted(os.listdir(tmp_path)) == ["step_1", "step_3"]
+
+
+def test_load_defaults_to_the_latest_step_and_returns_it(tmp_path):
+    with ss.Checkpointer(tmp_path, keep_last=3) as ck:
+        with pytest.raises(ss.CheckpointError, match="no committed checkpoint"):
+            ck.load(_blank())
+        _save_steps(ck, [10, 20])
+        target = _blank()
+        assert ck.load(target) == 20
+        assert target["step"] == 20 and torch.equal(target["w"], _state(20)["w"])
+        assert ck.load(target, step=10) == 10
+        assert target["step"] == 10 and torch.equal(target["w"], _state(10)["w"])
+
+
+def test_half_deleted_old_step_is_never_listed(tmp_path, monkeypatch):
+    """Retention that dies part way through deleting a step must not leave it listed."""
+
+    def dies_after_one_file(path, *args, **kwargs):
+        os.remove(os.path.join(path, "__0_0.distcp"))
+        raise OSError(f"simulated crash while deleting {path}")
+
+    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+        _save_steps(ck, [1])
+        monkeypatch.setattr(checkpointer_module.shutil, "rmtree", dies_after_one_file)
+        _save_steps(ck, [2])
+        monkeypatch.undo()
+        assert ck.steps() == [2]
+        _save_steps(ck, [3])
+        assert sorted(os.listdir(tmp_path)) == ["step_3"]
+
+
+def test_context_manager_finishes_the_save_in_flight_and_joins_its_threads(tmp_path):
+    before = set(threading.enumerate())
+    with ss.Checkpointer(tmp_path) as ck:
+        response = ck.save(1, _state(1))
+    assert response.upload_completion.done() and response.upload_completion.exception() is None
+    assert ck.steps() == [1]
+    leftover = [t for t in threading.enumerate() if t not in before]
+    assert leftover == []
+
+
+def test_wait_raises_the_error_of_the_last_save(tmp_path, monkeypatch):
+    with ss.Checkpointer(tmp_path) as ck:
+        monkeypatch.setattr(saver_module, "publish", _raise_disk_error)
+        ck.save(1, _state(1))
+        with pytest.raises(ss.CheckpointError, match="simulated disk error"):
+            ck.wait(60)
+
+
+def _raise_disk_error(*args, **kwargs):
+    raise OSError("simulated disk error")
+
+
+def _two_rank_run(rank: int, world: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(step: int) -> dict:
+        full = torch.arange(80.0).reshape(8, 10) + step
+        return {
+            "w": distribute_tensor(full, mesh, [Shard(0)]),
+            "shared": torch.ones(5) * step,
+            "step": step,
+        }
+
+    with ss.Checkpointer(root, keep_last=2) as ck:
+        for step in range(1, 5):
+            ck.save(step, state(step)).result(60)
+        assert ck.steps() == [3, 4], ck.steps()
+        target = state(0)
+        assert ck.load(target) == 4
+        assert torch.equal(target["w"].to_local(), state(4)["w"].to_local())
+        assert torch.equal(target["shared"], torch.ones(5) * 4) and target["step"] == 4
+
+
+def test_two_rank_checkpointer_saves_retains_and_resumes(tmp_path):
+    run_workers(_two_rank_run, 2, str(tmp_path), timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
+    target = {"w": torch.zeros(8, 10), "shared": torch.zeros(5), "step": 0}
+    with ss.Checkpointer(tmp_path) as ck:
+        assert ck.load(target) == 4
+    assert torch.equal(target["w"], torch.arange(80.0).reshape(8, 10) + 4)

@@ -1,0 +1,100 @@
+"""A process saving every step and killed with SIGKILL at random points never leaves a
+checkpoint that is listed but does not load and verify.
+
+Each trial forks a saver (from the preloaded forkserver, so a trial costs milliseconds
+of start-up), lets it save for a seeded random time, kills it, then checks from the test
+process: every committed step, ``latest()`` first, loads, passes every checksum and holds
+exactly what that step saved. The next run resumes after ``latest()`` and its first save
+removes the directories the killed run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import torch
+from dist_utils import worker_context
+
+import slipstream as ss
+from slipstream.checkpoint.commit import METADATA_FILE
+from slipstream.checkpoint.inspect import read_all
+
+TRIALS = 8
+SEED = 1234
+SHAPES = {"a": (1024, 1024), "b": (512, 1024), "c": (3, 7)}
+
+
+def step_state(step: int) -> dict:
+    """What step ``step`` saves: every element depends on the step and its position."""
+    tensors = {
+        name: torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols) + step * 1000
+        for name, (rows, cols) in SHAPES.items()
+    }
+    return {"model": tensors, "step": step, "note": f"step {step}"}
+
+
+def save_until_killed(root: str, started) -> None:
+    """Save step after step (resuming after the latest commit) until killed."""
+    torch.set_num_threads(1)
+    ck = ss.Checkpointer(root, keep_last=2)
+    step = (ck.latest() or 0) + 1
+    started.set()
+    while True:
+        ck.save(step, step_state(step)).staging_completion.result(60)
+        step += 1
+
+
+def _uncommitted(root) -> set[str]:
+    return {
+        entry.name
+        for entry in os.scandir(root)
+        if entry.is_dir() and not os.path.exists(os.path.join(entry.path, METADATA_FILE))
+    }
+
+
+def _check_committed_steps(root) -> list[int]:
+    with ss.Checkpointer(root) as ck:
+        steps = ck.steps()
+        for step in reversed(steps):
+            flat = read_all(ck.path(step))
+            want = step_state(step)
+            assert flat["step"] == step and flat["note"] == f"step {step}"
+            for name, tensor in want["model"].items():
+                assert torch.equal(flat[f"model.{name}"], tensor), (step, name)
+    return steps
+
+
+def test_sigkill_during_repeated_saves_always_leaves_latest_loadable_and_verified(tmp_path):
+    ctx = worker_context()
+    rng = random.Random(SEED)
+    latest_seen: list[int] = []
+    killed_mid_save = 0
+    for _ in range(TRIALS):
+        started = ctx.Event()
+        proc = ctx.Process(target=save_until_killed, args=(str(tmp_path), started), daemon=True)
+        proc.start()
+        try:
+            assert started.wait(60), "the saving process did not start"
+            time.sleep(rng.uniform(0.05, 0.6))
+        finally:
+            proc.kill()
+            proc.join(10)
+        assert proc.exitcode == -9
+        killed_mid_save += bool(_uncommitted(tmp_path))
+        steps = _check_committed_steps(tmp_path)
+        assert len(steps) <= 2
+        if steps:
+            assert not latest_seen or steps[-1] >= latest_seen[-1]
+            latest_seen.append(steps[-1])
+    assert latest_seen and latest_seen[-1] > 1, "no save ever committed"
+    assert killed_mid_save > 0, "no kill landed in the middle of a save"
+
+    leftovers = _uncommitted(tmp_path)
+    with ss.Checkpointer(tmp_path, keep_last=2) as ck:
+        resume = ck.latest() + 1
+        ck.save(resume, step_state(resume)).result(60)
+        assert ck.steps()[-1] == resume
+    assert not (leftovers - {f"step_{resume}"}) & set(os.listdir(tmp_path))
+    assert _uncommitted(tmp_path) == set()

@@ -1,0 +1,228 @@
+"""Each bad input fails with an error naming what is at fault, and nothing half-done is
+left looking committed."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+
+import pytest
+import torch
+from dist_utils import run_workers
+
+import slipstream as ss
+from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(300, 200, generator=g), "b": torch.arange(7.0)},
+        "step": 3,
+        "note": "hello",
+    }
+
+
+def _blank() -> dict:
+    return {"model": {"w": torch.zeros(300, 200), "b": torch.zeros(7)}, "step": 0, "note": ""}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "ck"
+    ss.save(_state(), path)
+    return path
+
+
+def _index(path) -> dict:
+    return json.loads((path / ".slipstream.json").read_text())
+
+
+def _flip(file, offset: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_missing_key_is_named(saved):
+    target = _blank()
+    target["model"]["extra"] = torch.zeros(2)
+    with pytest.raises(ss.CheckpointError, match=r"missing from the checkpoint: \['model.extra'\]"):
+        ss.load(target, saved)
+
+
+def test_unexpected_key_is_named_when_strict_and_skipped_otherwise(saved):
+    target = _blank()
+    del target["model"]["b"]
+    with pytest.raises(ss.CheckpointError, match=r"unexpected keys .*\['model.b'\]"):
+        ss.load(target, saved)
+    ss.load(target, saved, strict=False)
+    assert torch.equal(target["model"]["w"], _state()["model"]["w"])
+
+
+def test_shape_mismatch_names_key_and_both_shapes(saved):
+    target = _blank()
+    target["model"]["w"] = torch.zeros(200, 300)
+    with pytest.raises(ss.CheckpointError, match=r"shape mismatch for 'model.w'.*\[300, 200\]"):
+        ss.load(target, saved)
+
+
+def test_dtype_mismatch_names_key_and_both_dtypes(saved):
+    target = _blank()
+    target["model"]["b"] = torch.zeros(7, dtype=torch.float16)
+    with pytest.raises(ss.CheckpointError, match=r"dtype mismatch for 'model.b'.*float32.*float16"):
+        ss.load(target, saved)
+
+
+def test_checkpoint_of_a_different_layout_is_refused_before_any_byte_lands(saved):
+    target = {"model": {"w": torch.full((300, 100), 5.0), "b": torch.full((7,), 5.0)}}
+    target.update(step=0, note="")
+    with pytest.raises(ss.CheckpointError, match="shape mismatch for 'model.w'"):
+        ss.load(target, saved)
+    assert torch.equal(target["model"]["b"], torch.full((7,), 5.0))
+
+
+def test_tensor_where_checkpoint_has_a_value_is_named(saved):
+    target = _blank()
+    target["step"] = torch.zeros(1)
+    with pytest.raises(ss.CheckpointError, match="'step' is a tensor in the state dict"):
+        ss.load(target, saved)
+
+
+def test_corrupted_tensor_bytes_name_file_key_and_offset(saved):
+    entry = _index(saved)["records"]["__0_0.distcp"]["model.w@0,0"]
+    offset = entry["data_offset"] + 1000
+    _flip(saved / "__0_0.distcp", offset)
+    with pytest.raises(ss.CorruptCheckpointError) as info:
+        ss.load(_blank(), saved)
+    message = str(info.value)
+    assert "__0_0.distcp" in message and "'model.w'" in message
+    assert f"bytes {entry['data_offset']}-" in message
+
+
+def test_corrupted_value_bytes_name_file_key_and_offset(saved):
+    entry = _index(saved)["values"]["note"]
+    _flip(saved / entry["file"], entry["offset"] + entry["length"] - 30)
+    with pytest.raises(
+        ss.CorruptCheckpointError, match=rf"value 'note' at offset {entry['offset']}"
+    ):
+        ss.load(_blank(), saved)
+
+
+def test_truncated_data_file_names_the_file_and_the_first_key_cut_off(saved):
+    entry = _index(saved)["records"]["__0_0.distcp"]["model.w@0,0"]
+    os.truncate(saved / "__0_0.distcp", entry["offset"] + entry["length"] - 100)
+    with pytest.raises(ss.CorruptCheckpointError) as info:
+        ss.load(_blank(), saved)
+    message = str(info.value)
+    assert "__0_0.distcp is truncated" in message
+    assert f"'model.w' is stored at offset {entry['offset']}" in message
+
+
+def test_directory_without_metadata_is_not_a_committed_checkpoint(saved):
+    (saved / ".metadata").unlink()
+    with pytest.raises(
+        ss.CheckpointError, match=r"not a committed checkpoint: it has no .metadata"
+    ):
+        ss.load(_blank(), saved)
+    with pytest.raises(ss.CheckpointError, match="not a committed checkpoint"):
+        ss.load(_blank(), saved.parent / "never_saved")
+
+
+def test_unpicklable_value_is_named_and_nothing_is_written(tmp_path):
+    state = _state()
+    state["callback"] = lambda: None
+    with pytest.raises(ss.CheckpointError, match=r"value 'callback' of type function"):
+        ss.async_save(state, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_full_disk_fails_naming_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(1, _state()).result(60)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "pwrite", _enospc)
+            response = ck.save(2, _state())
+            with pytest.raises(ss.CheckpointError, match=r"step_2/__0_0.distcp.*No space left"):
+                response.result(60)
+        assert not (tmp_path / "step_2" / ".metadata").exists()
+        assert ck.steps() == [1]
+        target = _blank()
+        assert ck.load(target) == 1
+        assert torch.equal(target["model"]["w"], _state()["model"]["w"])
+        ck.save(3, _state()).result(60)
+        assert ck.steps() == [3]
+        assert not (tmp_path / "step_2").exists()
+
+
+def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(saver_module, "WRITE_PIECE_BYTES", 64 * 1024)
+    failed = threading.Event()
+    fstat_after_failure: list[bool] = []
+    real = saver_module.pwrite_all
+
+    def first_piece_fails(fd, data, offset, path):
+        if isinstance(data.obj, bytes):  # a plain value appended after the tensor records
+            return real(fd, data, offset, path)
+        if offset == 0:
+            failed.set()
+            raise ss.CheckpointError(f"writing {path} at offset 0 failed: disk full")
+        if failed.wait(10):
+            threading.Event().wait(0.05)
+            try:
+                os.fstat(fd)
+                fstat_after_failure.append(True)
+            except OSError:
+                fstat_after_failure.append(False)
+        real(fd, data, offset, path)
+
+    monkeypatch.setattr(saver_module, "pwrite_all", first_piece_fails)
+    saver = CheckpointSaver(options=SaveOptions(direct_io=False))
+    try:
+        response = saver.save(_state(), tmp_path / "ck")
+        with pytest.raises(ss.CheckpointError, match="disk full"):
+            response.result(60)
+    finally:
+        saver.close()
+    assert fstat_after_failure and all(fstat_after_failure)
+    assert not (tmp_path / "ck" / ".metadata").exists()
+
+
+def _rank0_disk_full(rank: int, world: int, root: str) -> None:
+    saver = CheckpointSaver(options=SaveOptions(timeout=30.0))
+    try:
+        state = {"w": torch.full((1000,), float(rank)), f"own{rank}": torch.zeros(3)}
+        saver.save(state, os.path.join(root, "ok")).result(30)
+        if rank == 0:
+            saver_module_os = saver_module.os
+            real = saver_module_os.pwrite
+            saver_module_os.pwrite = _enospc
+        try:
+            response = saver.save(state, os.path.join(root, "full"))
+            with pytest.raises(ss.CheckpointError) as info:
+                response.result(30)
+            assert not isinstance(info.value, ss.PeerTimeoutError), str(info.value)
+            assert "__0_0.distcp" in str(info.value), str(info.value)
+        finally:
+            if rank == 0:
+                saver_module_os.pwrite = real
+        saver.save(state, os.path.join(root, "after")).result(30)
+    finally:
+        saver.close()
+
+
+def test_rank0_write_failure_fails_every_rank_at_once_naming_the_file(tmp_path):
+    run_workers(_rank0_disk_full, 2, str(tmp_path), timeout=60)
+    assert not (tmp_path / "full" / ".metadata").exists()
+    target = {"w": torch.ones(1000), "own0": torch.ones(3), "own1": torch.ones(3)}
+    ss.load(target, tmp_path / "after")
+    assert torch.equal(target["w"], torch.zeros(1000))

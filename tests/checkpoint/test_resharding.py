@@ -1,0 +1,225 @@
+"""World sizes 1, 2 and 4, resharding between them, and DCP interop both ways.
+
+One checkpoint is saved per world size (1 rank: plain tensors; 2 and 4 ranks: DTensors
+sharded ``Shard(0)``, ``Shard(1)`` and replicated), by slipstream and, with 2 ranks, by
+``dcp.save``. Every world size then loads every checkpoint saved before it, with
+``ss.load`` and with ``dcp.load``; ranks dump the local shards they got and the tests
+compare each with the slice of the full tensor that rank must hold. Spawned runs are
+few and shared through module fixtures (spawning costs seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_workers
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import slipstream as ss
+from slipstream.checkpoint.loader import CheckpointReader
+
+# name -> (shape, dtype, placement kind); shard sizes are uneven on purpose, and "tiny"
+# leaves rank 3 of 4 with an empty shard.
+TENSORS = {
+    "rows": ((10, 6), torch.float32, "shard0"),
+    "cols": ((4, 10), torch.float64, "shard1"),
+    "half": ((9, 4), torch.bfloat16, "shard0"),
+    "tiny": ((3, 2), torch.int64, "shard0"),
+    "rep": ((5, 3), torch.float32, "replicate"),
+}
+# Plain (non-DTensor) tensors every rank holds: written once each, by different ranks.
+PLAIN = {f"plain{i}": (64, 64) for i in range(4)}
+
+
+def full_tensor(name: str) -> torch.Tensor:
+    if name in PLAIN:
+        return torch.arange(64 * 64, dtype=torch.float32).reshape(PLAIN[name]) + int(name[-1])
+    shape, dtype, _ = TENSORS[name]
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64).reshape(shape) * 1.5 + len(name)).to(dtype)
+
+
+def expected_local(name: str, world: int, rank: int) -> torch.Tensor:
+    """The part of the full tensor ``rank`` of ``world`` holds (DTensor's chunking)."""
+    full = full_tensor(name)
+    if name in PLAIN or world == 1 or TENSORS[name][2] == "replicate":
+        return full
+    dim = 0 if TENSORS[name][2] == "shard0" else 1
+    pieces = torch.chunk(full, world, dim=dim)
+    if rank < len(pieces):
+        return pieces[rank]
+    empty = list(full.shape)
+    empty[dim] = 0
+    return full.new_empty(empty)
+
+
+def _placement(name: str):
+    kind = TENSORS[name][2]
+    return {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}[kind]
+
+
+def dtensor_state(mesh, fill: float | None = None) -> dict:
+    """The test state as DTensors on ``mesh`` (or filled with ``fill`` to load into)."""
+    state: dict = {"model": {}, "step": 0 if fill is not None else 42}
+    for name in TENSORS:
+        full = full_tensor(name)
+        if fill is not None:
+            full = torch.full_like(full, fill)
+        state["model"][name] = distribute_tensor(full, mesh, [_placement(name)])
+    for name in PLAIN:
+        full = full_tensor(name)
+        state["model"][name] = torch.full_like(full, fill) if fill is not None else full
+    return state
+
+
+def plain_state(fill: float | None = None) -> dict:
+    """The test state as full plain tensors (what one rank without a mesh holds)."""
+    state: dict = {"model": {}, "step": 0 if fill is not None else 42}
+    for name in [*TENSORS, *PLAIN]:
+        full = full_tensor(name)
+        state["model"][name] = torch.full_like(full, fill) if fill is not None else full
+    return state
+
+
+def local_parts(state: dict) -> dict:
+    """name -> the local tensor a rank holds, plus the loaded step."""
+    out = {"step": state["step"]}
+    for name, value in state["model"].items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        out[name] = local.detach().clone()
+    return out
+
+
+def _dump(got_dir: str, scenario: str, rank: int, state: dict) -> None:
+    with open(os.path.join(got_dir, f"{scenario}.{rank}.pkl"), "wb") as f:
+        pickle.dump(local_parts(state), f)
+
+
+def _load_both_ways(mesh, ckpt: str, name: str, got_dir: str, rank: int) -> None:
+    target = dtensor_state(mesh, fill=-7.0)
+    ss.load(target, ckpt)
+    _dump(got_dir, f"ss.load {name}", rank, target)
+    target = dtensor_state(mesh, fill=-7.0)
+    dcp.load(target, checkpoint_id=ckpt)
+    _dump(got_dir, f"dcp.load {name}", rank, target)
+
+
+def _two_ranks(rank: int, world: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    got = os.path.join(root, "got")
+    ss.save(dtensor_state(mesh), os.path.join(root, "ss2"))
+    dcp.save(dtensor_state(mesh), checkpoint_id=os.path.join(root, "dcp2"))
+    for ckpt in ("ss1", "ss2", "dcp2"):
+        _load_both_ways(mesh, os.path.join(root, ckpt), f"{ckpt}->2", got, rank)
+
+
+def _four_ranks(rank: int, world: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    got = os.path.join(root, "got")
+    ss.save(dtensor_state(mesh), os.path.join(root, "ss4"))
+    for ckpt in ("ss1", "ss2", "dcp2", "ss4"):
+        _load_both_ways(mesh, os.path.join(root, ckpt), f"{ckpt}->4", got, rank)
+    # Two independent 2-rank meshes ({0, 1} and {2, 3}) each load the 4-rank checkpoint.
+    halves = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))["inner"]
+    target = dtensor_state(halves, fill=-7.0)
+    ss.load(target, os.path.join(root, "ss4"))
+    _dump(got, "ss.load ss4->2", rank, target)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """Checkpoints saved by 1, 2 and 4 ranks, and what every rank loaded from them."""
+    root = tmp_path_factory.mktemp("reshard")
+    (root / "got").mkdir()
+    ss.save(plain_state(), root / "ss1")
+    run_workers(_two_ranks, 2, str(root), timeout=60)
+    run_workers(_four_ranks, 4, str(root), timeout=90)
+    return root
+
+
+def _got(root: Path, scenario: str, rank: int) -> dict:
+    with open(root / "got" / f"{scenario}.{rank}.pkl", "rb") as f:
+        return pickle.load(f)
+
+
+def _assert_rank_holds_its_shards(got: dict, world: int, rank: int, scenario: str) -> None:
+    assert got["step"] == 42, scenario
+    for name in [*TENSORS, *PLAIN]:
+        want = expected_local(name, world, rank)
+        assert got[name].dtype == want.dtype, (scenario, name)
+        assert torch.equal(got[name], want), (scenario, rank, name)
+
+
+@pytest.mark.parametrize("loader", ["ss.load", "dcp.load"])
+@pytest.mark.parametrize("saved_by", ["ss1", "ss2", "dcp2"])
+def test_two_ranks_each_load_exactly_their_shards(checkpoints, saved_by, loader):
+    for rank in range(2):
+        scenario = f"{loader} {saved_by}->2"
+        _assert_rank_holds_its_shards(_got(checkpoints, scenario, rank), 2, rank, scenario)
+
+
+@pytest.mark.parametrize("loader", ["ss.load", "dcp.load"])
+@pytest.mark.parametrize("saved_by", ["ss1", "ss2", "dcp2", "ss4"])
+def test_four_ranks_each_load_exactly_their_shards(checkpoints, saved_by, loader):
+    for rank in range(4):
+        scenario = f"{loader} {saved_by}->4"
+        _assert_rank_holds_its_shards(_got(checkpoints, scenario, rank), 4, rank, scenario)
+
+
+def test_four_rank_checkpoint_loads_into_two_ranks(checkpoints):
+    for rank in range(4):
+        got = _got(checkpoints, "ss.load ss4->2", rank)
+        _assert_rank_holds_its_shards(got, 2, rank % 2, f"ss4->2 rank {rank}")
+
+
+@pytest.mark.parametrize("saved_by", ["ss2", "ss4", "dcp2"])
+def test_sharded_checkpoints_load_whole_into_one_rank(checkpoints, saved_by):
+    target = plain_state(fill=-7.0)
+    ss.load(target, checkpoints / saved_by)
+    _assert_rank_holds_its_shards(local_parts(target), 1, 0, saved_by)
+
+
+@pytest.mark.parametrize("saved_by", ["ss2", "ss4"])
+def test_dcp_load_on_one_rank_reads_slipstream_sharded_checkpoints(checkpoints, saved_by):
+    target = plain_state(fill=-7.0)
+    dcp.load(target, checkpoint_id=str(checkpoints / saved_by), no_dist=True)
+    _assert_rank_holds_its_shards(local_parts(target), 1, 0, saved_by)
+
+
+def _storage_entries(root: Path, fqn: str) -> list:
+    reader = CheckpointReader(root)
+    try:
+        storage = reader.metadata.storage_data
+        return [(idx, info) for idx, info in storage.items() if idx.fqn == fqn]
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("saved_by", ["ss2", "ss4"])
+def test_replicated_tensors_are_written_once(checkpoints, saved_by):
+    for fqn in ["model.rep", *(f"model.{p}" for p in PLAIN)]:
+        entries = _storage_entries(checkpoints / saved_by, fqn)
+        assert len(entries) == 1, (fqn, entries)
+        index, _ = entries[0]
+        assert index == MetadataIndex(fqn, torch.Size([0, 0]), index.index)
+
+
+def test_replicated_tensors_are_spread_over_the_writing_ranks(checkpoints):
+    files = {_storage_entries(checkpoints / "ss4", f"model.{p}")[0][1].relative_path for p in PLAIN}
+    assert files == {f"__{r}_0.distcp" for r in range(4)}
+
+
+def test_sharded_tensor_metadata_lists_one_chunk_per_shard(checkpoints):
+    entries = _storage_entries(checkpoints / "ss4", "model.rows")
+    offsets = sorted(tuple(idx.offset) for idx, _ in entries)
+    assert offsets == [(0, 0), (3, 0), (6, 0), (9, 0)]
+    assert {info.relative_path for _, info in entries} == {f"__{r}_0.distcp" for r in range(4)}

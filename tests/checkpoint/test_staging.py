@@ -1,0 +1,166 @@
+"""Staging off the caller's thread, what is safe after ``staging_completion``, backpressure.
+
+Orderings are forced with gates (a staging copy or a file write that waits on an event),
+never with sleeps or timing assertions, so each test shows a structural fact.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import slipstream as ss
+from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+from slipstream.core.buffers import StagingBudgetError
+
+GATE_TIMEOUT = 10.0
+
+
+@pytest.fixture
+def saver():
+    s = CheckpointSaver()
+    yield s
+    s.close()
+
+
+def _big_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(2_000_000, generator=g),
+        "b": torch.randn(3, 1000, generator=g).t(),
+        "step": 5,
+        "meta": {"lr": 0.1},
+    }
+
+
+def _gate(monkeypatch, name: str) -> tuple[threading.Event, list[int]]:
+    """Make ``saver.<name>`` wait for the returned event; record the calling threads."""
+    gate = threading.Event()
+    callers: list[int] = []
+    real = getattr(saver_module, name)
+
+    def gated(*args, **kwargs):
+        callers.append(threading.get_ident())
+        if not gate.wait(GATE_TIMEOUT):
+            raise TimeoutError(f"test gate on {name} was never opened")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(saver_module, name, gated)
+    return gate, callers
+
+
+def _load_fresh(path) -> dict:
+    out = {
+        "w": torch.zeros(2_000_000),
+        "b": torch.zeros(1000, 3),
+        "step": 0,
+        "meta": {"lr": 0.0},
+    }
+    ss.load(out, path)
+    return out
+
+
+def test_async_save_returns_before_any_tensor_data_is_copied(tmp_path, monkeypatch):
+    gate, copiers = _gate(monkeypatch, "copy_in_slices")
+    state = _big_state()
+    response = ss.async_save(state, tmp_path / "ck")
+    assert not response.staging_completion.done()
+    assert not response.upload_completion.done()
+    gate.set()
+    response.upload_completion.result(60)
+    assert copiers, "staging never copied through copy_in_slices"
+    assert threading.get_ident() not in copiers
+    assert torch.equal(_load_fresh(tmp_path / "ck")["w"], state["w"])
+
+
+def test_mutating_state_right_after_staging_does_not_change_the_checkpoint(tmp_path, monkeypatch):
+    gate, _ = _gate(monkeypatch, "pwrite_all")
+    state = _big_state()
+    want_w, want_b = state["w"].clone(), state["b"].clone()
+    response = ss.async_save(state, tmp_path / "ck")
+    state["step"] = 6
+    state["meta"]["lr"] = 0.2
+    response.staging_completion.result(60)
+    state["w"].mul_(-1).add_(3)
+    state["b"].zero_()
+    assert not response.upload_completion.done()
+    gate.set()
+    response.upload_completion.result(60)
+    loaded = _load_fresh(tmp_path / "ck")
+    assert torch.equal(loaded["w"], want_w)
+    assert torch.equal(loaded["b"], want_b)
+    assert loaded["step"] == 5 and loaded["meta"] == {"lr": 0.1}
+
+
+def test_optimizer_step_after_staging_does_not_change_the_checkpoint(tmp_path, saver):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    optim = torch.optim.SGD(model.parameters(), lr=1.0)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    response = saver.save(model.state_dict(), tmp_path / "ck")
+    response.staging_completion.result(60)
+    model(torch.randn(8, 512)).sum().backward()
+    optim.step()
+    response.upload_completion.result(60)
+    loaded = {k: torch.zeros_like(v) for k, v in want.items()}
+    ss.load(loaded, tmp_path / "ck")
+    for key, value in want.items():
+        assert torch.equal(loaded[key], value), key
+    assert not torch.equal(model.weight.detach(), want["weight"])
+
+
+def test_second_save_waits_for_the_first_to_finish(tmp_path, saver, monkeypatch):
+    gate, _ = _gate(monkeypatch, "pwrite_all")
+    state = _big_state()
+    first = saver.save(state, tmp_path / "one")
+    returned = threading.Event()
+    first_done_when_second_returned: list[bool] = []
+
+    def second_save() -> None:
+        response = saver.save(state, tmp_path / "two")
+        first_done_when_second_returned.append(first.upload_completion.done())
+        returned.set()
+        response.upload_completion.result(60)
+
+    thread = threading.Thread(target=second_save)
+    thread.start()
+    try:
+        assert not returned.wait(0.2), "the second save started while the first was writing"
+    finally:
+        gate.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert first_done_when_second_returned == [True]
+    assert (tmp_path / "two" / ".metadata").is_file()
+
+
+def test_saves_of_the_same_layout_reuse_one_staging_buffer(tmp_path, saver):
+    state = _big_state()
+    for i in range(3):
+        state["w"].add_(1)
+        state["step"] = i
+        saver.save(state, tmp_path / f"s{i}").upload_completion.result(60)
+    assert saver._pool.allocations == 1
+    assert torch.equal(_load_fresh(tmp_path / "s2")["w"], state["w"])
+    state["extra"] = torch.ones(10)
+    saver.save(state, tmp_path / "new_layout").upload_completion.result(60)
+    assert saver._pool.allocations == 2
+
+
+def test_staging_budget_too_small_fails_clearly_and_commits_nothing(tmp_path):
+    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=1 << 20))
+    try:
+        response = saver.save(_big_state(), tmp_path / "ck")
+        with pytest.raises(StagingBudgetError, match=r"budget of 1048576 bytes"):
+            response.staging_completion.result(60)
+        with pytest.raises(StagingBudgetError, match="budget"):
+            response.upload_completion.result(60)
+        assert not (tmp_path / "ck" / ".metadata").exists()
+        small = {"w": torch.ones(1000)}
+        saver.save(small, tmp_path / "small").upload_completion.result(60)
+        assert (tmp_path / "small" / ".metadata").is_file()
+    finally:
+        saver.close()
