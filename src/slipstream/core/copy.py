@@ -1,21 +1,49 @@
 """Bulk copies that are fast on CPU and never hold the GIL for long.
 
-``torch.Tensor.copy_`` releases the GIL while it runs, so copying in slices of
-``SLICE_BYTES`` lets a background copy interleave with the training thread's Python work
-instead of starving it, at no loss of bandwidth.
+A background copy is copied in slices of ``SLICE_BYTES`` so it interleaves with the
+training thread's Python work instead of starving it. Between contiguous CPU tensors of
+one dtype each slice is a single-threaded ``memmove`` (through ``ctypes``, which drops
+the GIL for the call): it runs on the copying thread's core only, where
+``Tensor.copy_`` would fork an OpenMP team over every core, the training thread's
+included, and stall behind whichever core is busy. Any other pair goes through
+``Tensor.copy_``, still in slices where the layout allows.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 SLICE_BYTES = 32 * 1024 * 1024
 
 
+def _memmove_compatible(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+    )
+
+
+def _memmove_in_slices(dst: torch.Tensor, src: torch.Tensor) -> None:
+    nbytes = dst.numel() * dst.element_size()
+    to, frm = dst.data_ptr(), src.data_ptr()
+    for start in range(0, nbytes, SLICE_BYTES):
+        ctypes.memmove(to + start, frm + start, min(SLICE_BYTES, nbytes - start))
+
+
 def copy_in_slices(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` for same-shape tensors, in slices along the flattened data."""
     if dst.shape != src.shape:
         raise ValueError(f"copy shape mismatch: {tuple(dst.shape)} vs {tuple(src.shape)}")
+    if not non_blocking and _memmove_compatible(dst, src):
+        _memmove_in_slices(dst, src)
+        return
     if non_blocking or not (dst.is_contiguous() and src.is_contiguous()):
         dst.copy_(src, non_blocking=non_blocking)
         return

@@ -1,0 +1,867 @@
+"""Checkpoint benchmark: slipstream against torch.save, safetensors, DCP and torchsnapshot.
+
+Every peer saves and loads the same state (``--gib`` of fp32 in ``--tensors`` tensors of
+mixed sizes) in one invocation, interleaved A B A B after a warm-up, and the medians of
+``--repeats`` repetitions are reported with their ratio to slipstream's. Next to them:
+a warm memcpy and a raw fsync'd write of the same bytes (the floors are set against
+those), peak memory of each peer measured in a fresh subprocess, a 1 -> 4 rank resharding
+load, and the cost of checkpointing every step of the demo model's training loop.
+
+    python benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json
+    python benchmarks/checkpoint.py --quick       # smoke test, ~30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    Result,
+    Table,
+    drop_page_cache,
+    interleave,
+    median,
+)
+
+MIB = 2**20
+GIB = 2**30
+COLUMNS = 256
+SAVE_PEERS = [
+    "torch.save",
+    "safetensors",
+    "dcp.save",
+    "dcp.async_save",
+    "dcp.async_save+DefaultStager",
+    "torchsnapshot.take",
+    "torchsnapshot.async_take",
+    "ss.save",
+    "ss.async_save",
+]
+LOAD_PEERS = ["torch.load", "safetensors", "dcp.load", "ss.load", "ss.load (dcp-written)"]
+
+
+@dataclass
+class BenchOptions:
+    """What to measure, and how big."""
+
+    gib: float = 1.0
+    tensors: int = 256
+    repeats: int = 3
+    out: str = "benchmarks/results/checkpoint.json"
+    workdir: str = "/tmp/slipstream-bench/checkpoint"
+    quick: bool = False
+    train_steps: int = 8
+    train_batch: int = 8
+    reshard_ranks: int = 4
+    skip: tuple[str, ...] = ()
+    """Optional sections left out: any of ``memory``, ``reshard``, ``train``."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gib * GIB)
+
+
+# ---------------------------------------------------------------------------------------
+# The state
+
+
+def tensor_sizes(total_bytes: int, count: int) -> list[int]:
+    """Element counts of ``count`` tensors summing to about ``total_bytes`` of fp32.
+
+    Sizes follow a log-uniform spread over three decades (a few large matrices, many
+    small vectors), each a whole number of ``COLUMNS``-wide rows, deterministic.
+    """
+    g = torch.Generator().manual_seed(0)
+    weights = torch.exp(torch.rand(count, generator=g, dtype=torch.float64) * math.log(1000.0))
+    weights = weights / weights.sum()
+    rows = [max(1, int(w * total_bytes / 4 / COLUMNS)) for w in weights.tolist()]
+    return [r * COLUMNS for r in rows]
+
+
+def make_state(total_bytes: int, count: int) -> dict[str, torch.Tensor]:
+    """The benchmark's state dict: 2-D fp32 tensors of mixed sizes, filled and touched."""
+    g = torch.Generator().manual_seed(1)
+    state = {}
+    for i, numel in enumerate(tensor_sizes(total_bytes, count)):
+        t = torch.empty(numel // COLUMNS, COLUMNS)
+        t.uniform_(-1, 1, generator=g)
+        state[f"layer{i:04d}.weight"] = t
+    return state
+
+
+def empty_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Destination tensors of the same shapes, every page touched once."""
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file, or every file of a directory and the directory itself."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    for d, _, names in os.walk(path):
+        for name in names:
+            fsync_path(os.path.join(d, name))
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def clear(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+# ---------------------------------------------------------------------------------------
+# References: what the hardware can do with the same bytes
+
+
+def memcpy_seconds(state: dict[str, torch.Tensor], flat: torch.Tensor) -> float:
+    """Copy every tensor into an already-touched flat buffer, back to back."""
+    start = time.perf_counter()
+    offset = 0
+    for t in state.values():
+        n = t.numel()
+        flat[offset : offset + n].view(t.shape).copy_(t)
+        offset += n
+    return time.perf_counter() - start
+
+
+def raw_write_seconds(buf: memoryview, path: Path) -> float:
+    """One ``os.write`` of a preallocated buffer plus ``fsync``: the disk's durable speed."""
+    clear(path)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < len(buf):
+            done += os.write(fd, buf[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------
+# Savers: each returns blocked / staged / durable seconds of one save
+
+
+class Stamp:
+    """Seconds since ``start`` at which a future resolved (taken on the resolving thread)."""
+
+    def __init__(self, fut: Future, start: float) -> None:
+        self.at: float | None = None
+        self.start = start
+        self.fut = fut
+        fut.add_done_callback(self._mark)
+
+    def _mark(self, _fut: Future) -> None:
+        self.at = time.perf_counter() - self.start
+
+    def wait(self, timeout: float = 600.0) -> float:
+        self.fut.result(timeout)
+        while self.at is None:
+            time.sleep(0.0001)
+        return self.at
+
+
+class SavePeers:
+    """One object per benchmark run, so per-peer state (stagers, savers) persists."""
+
+    def __init__(self, state: dict[str, torch.Tensor], workdir: Path) -> None:
+        self.state = state
+        self.workdir = workdir
+        self._stager = None
+
+    def target(self, peer: str) -> Path:
+        return self.workdir / "save" / peer.replace("+", "_").replace(" ", "_")
+
+    def run(self, peer: str) -> dict[str, float]:
+        path = self.target(peer)
+        clear(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fn = getattr(self, "_" + peer.replace(".", "_").replace("+", "_").replace(" ", "_"))
+        return fn(path)
+
+    def _sync(self, path: Path, save: Callable[[], None]) -> dict[str, float]:
+        start = time.perf_counter()
+        save()
+        fsync_path(path)
+        total = time.perf_counter() - start
+        return {"blocked": total, "staged": total, "durable": total}
+
+    def _torch_save(self, path: Path) -> dict[str, float]:
+        return self._sync(path, lambda: torch.save(self.state, path))
+
+    def _safetensors(self, path: Path) -> dict[str, float]:
+        from safetensors.torch import save_file
+
+        return self._sync(path, lambda: save_file(self.state, str(path)))
+
+    def _dcp_save(self, path: Path) -> dict[str, float]:
+        import torch.distributed.checkpoint as dcp
+
+        return self._sync(path, lambda: dcp.save(self.state, checkpoint_id=str(path)))
+
+    def _dcp_async_save(self, path: Path) -> dict[str, float]:
+        import torch.distributed.checkpoint as dcp
+
+        start = time.perf_counter()
+        resp = dcp.async_save(self.state, checkpoint_id=str(path))
+        blocked = time.perf_counter() - start
+        upload = resp.upload_completion if hasattr(resp, "upload_completion") else resp
+        durable = Stamp(upload, start).wait()
+        return {"blocked": blocked, "staged": blocked, "durable": durable}
+
+    def _dcp_async_save_DefaultStager(self, path: Path) -> dict[str, float]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            # DefaultStager()'s all-True options, less the two that need an accelerator.
+            cpu_defaults = StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)
+            self._stager = DefaultStager(cpu_defaults)
+        start = time.perf_counter()
+        resp = dcp.async_save(self.state, checkpoint_id=str(path), async_stager=self._stager)
+        blocked = time.perf_counter() - start
+        staged = Stamp(resp.staging_completion, start)
+        durable = Stamp(resp.upload_completion, start)
+        return {"blocked": blocked, "staged": staged.wait(), "durable": durable.wait()}
+
+    def _snapshot_state(self):
+        from torchsnapshot import StateDict
+
+        return {"state": StateDict(**self.state)}
+
+    def _torchsnapshot_take(self, path: Path) -> dict[str, float]:
+        from torchsnapshot import Snapshot
+
+        app_state = self._snapshot_state()
+        return self._sync(path, lambda: Snapshot.take(str(path), app_state))
+
+    def _torchsnapshot_async_take(self, path: Path) -> dict[str, float]:
+        from torchsnapshot import Snapshot
+
+        app_state = self._snapshot_state()
+        start = time.perf_counter()
+        pending = Snapshot.async_take(str(path), app_state)
+        blocked = time.perf_counter() - start
+        pending.wait()
+        fsync_path(path)
+        durable = time.perf_counter() - start
+        return {"blocked": blocked, "staged": blocked, "durable": durable}
+
+    def _ss_save(self, path: Path) -> dict[str, float]:
+        import slipstream as ss
+
+        return self._sync(path, lambda: ss.save(self.state, checkpoint_id=path))
+
+    def _ss_async_save(self, path: Path) -> dict[str, float]:
+        import slipstream as ss
+
+        start = time.perf_counter()
+        resp = ss.async_save(self.state, checkpoint_id=path)
+        blocked = time.perf_counter() - start
+        staged = Stamp(resp.staging_completion, start)
+        durable = Stamp(resp.upload_completion, start)
+        return {"blocked": blocked, "staged": staged.wait(), "durable": durable.wait()}
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Loaders: into existing tensors (the resume path), warm or cold page cache
+
+
+def load_source(peer: str, workdir: Path) -> Path:
+    saved = {
+        "torch.load": "torch.save",
+        "safetensors": "safetensors",
+        "dcp.load": "dcp.save",
+        "ss.load": "ss.save",
+        "ss.load (dcp-written)": "dcp.save",
+    }[peer]
+    return workdir / "save" / saved.replace("+", "_").replace(" ", "_")
+
+
+def load_into(peer: str, path: Path, dest: dict[str, torch.Tensor]) -> None:
+    """Load the checkpoint at ``path`` into the existing tensors of ``dest``."""
+    if peer == "torch.load":
+        loaded = torch.load(path, weights_only=True)
+        for k, t in dest.items():
+            t.copy_(loaded[k])
+    elif peer == "safetensors":
+        from safetensors.torch import load_file
+
+        loaded = load_file(str(path))
+        for k, t in dest.items():
+            t.copy_(loaded[k])
+    elif peer == "dcp.load":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(dest, checkpoint_id=str(path))
+    else:
+        import slipstream as ss
+
+        ss.load(dest, checkpoint_id=path)
+
+
+def load_runner(peer: str, workdir: Path, dest: dict, cold: bool) -> Callable[[int], dict]:
+    path = load_source(peer, workdir)
+
+    def run(_rep: int) -> dict[str, float]:
+        if cold:
+            drop_page_cache([path])
+        start = time.perf_counter()
+        load_into(peer, path, dest)
+        return {"seconds": time.perf_counter() - start}
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# Peak memory, each peer in a fresh process
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's peak RSS (VmHWM) to its current RSS, and return that in MiB.
+
+    ``getrusage``'s ``ru_maxrss`` survives ``fork`` + ``exec`` (a child started from a big
+    parent reports the parent's peak), so peaks here come from ``/proc/self/status``.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mib("VmRSS")
+
+
+def child_memory(kind: str, peer: str, opts: BenchOptions) -> dict[str, float]:
+    """In a fresh process: build the state, then save (twice) or load once; report MiB.
+
+    ``growth`` is the peak resident memory minus the resident memory once the state
+    (and, for loads, the destination tensors) exist: what the peer itself allocated.
+    """
+    state = make_state(opts.nbytes, opts.tensors)
+    workdir = Path(opts.workdir) / "memory"
+    if kind == "save":
+        peers = SavePeers(state, workdir)
+        base = reset_peak_rss()
+        for _ in range(2):
+            peers.run(peer)
+        peers.close()
+    else:
+        dest = empty_like_state(state)
+        del state
+        base = reset_peak_rss()
+        load_into(peer, load_source(peer, Path(opts.workdir)), dest)
+    return {"growth": _status_mib("VmHWM") - base}
+
+
+# ---------------------------------------------------------------------------------------
+# Resharding: saved by 1 rank, loaded by N ranks into DTensor Shard(0) targets
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reshard_rank(rank: int, world: int, port: int, opts: BenchOptions, queue) -> None:
+    """One rank: load the 1-rank checkpoint into Shard(0) DTensors with each loader."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    import slipstream as ss
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        shapes = [(n // COLUMNS, COLUMNS) for n in tensor_sizes(opts.nbytes, opts.tensors)]
+        dest = {
+            f"layer{i:04d}.weight": dtensor_empty(shape, device_mesh=mesh, placements=[Shard(0)])
+            for i, shape in enumerate(shapes)
+        }
+        for t in dest.values():
+            t.to_local().zero_()
+        path = str(Path(opts.workdir) / "save" / "ss.save")
+        loaders = {
+            "dcp.load": lambda: dcp.load(dest, checkpoint_id=path),
+            "ss.load": lambda: ss.load(dest, checkpoint_id=path),
+        }
+        times: dict[str, list[float]] = {name: [] for name in loaders}
+        for rep in range(1 + opts.repeats):
+            for name, fn in loaders.items():
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if rep > 0:
+                    times[name].append(float(elapsed))
+        if rank == 0:
+            queue.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def reshard_times(opts: BenchOptions) -> dict[str, list[float]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=reshard_rank, args=(r, opts.reshard_ranks, port, opts, queue))
+        for r in range(opts.reshard_ranks)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        times = queue.get(timeout=900)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return times
+
+
+# ---------------------------------------------------------------------------------------
+# Training-loop overhead of checkpointing every step (demo model, one thread)
+
+
+def train_child(opts: BenchOptions) -> dict[str, list[float]]:
+    """Step times of the demo model with no checkpoint, ss.async_save, dcp.async_save.
+
+    Each step: forward + backward, wait for the previous save's staging, optimizer step,
+    then start this step's save. DCP gets the same one-save-in-flight rule slipstream
+    applies itself (wait for the previous upload before starting a new save).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    import slipstream as ss
+    from slipstream.demo.model import ModelConfig, batch, build_model
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig.tiny() if opts.quick else ModelConfig()
+    model = build_model(cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    workdir = Path(opts.workdir) / "train"
+    modes = ["none", "ss.async_save", "dcp.async_save"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    pending: dict[str, Any] = {}
+    step = 0
+
+    def save(mode: str) -> Any:
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        path = workdir / mode / str(step % 2)
+        if mode == "ss.async_save":
+            return ss.async_save(state, checkpoint_id=path)
+        previous = pending.get(mode)
+        if previous is not None:
+            previous.result(600)
+        return dcp.async_save(state, checkpoint_id=str(path))
+
+    def staged(mode: str) -> None:
+        fut = pending.get(mode)
+        if fut is not None and hasattr(fut, "staging_completion"):
+            fut.staging_completion.result(600)
+
+    for rep in range(1 + opts.repeats):
+        for mode in modes:
+            for _ in range(opts.train_steps):
+                start = time.perf_counter()
+                loss = model.loss(batch(step, 0, opts.train_batch, cfg))
+                loss.backward()
+                staged(mode)
+                optim.step()
+                optim.zero_grad(set_to_none=False)
+                if mode != "none":
+                    pending[mode] = save(mode)
+                elapsed = time.perf_counter() - start
+                step += 1
+                if rep > 0:
+                    times[mode].append(elapsed)
+            fut = pending.get(mode)
+            if fut is not None:
+                getattr(fut, "upload_completion", fut).result(600)
+    sd = {"model": model.state_dict(), "optim": optim.state_dict()}
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
+    return {**times, "checkpoint_bytes": [float(nbytes)]}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def child_json(spec: str, opts: BenchOptions) -> dict:
+    cmd = [sys.executable, __file__, "--child", spec, "--options", json.dumps(asdict(opts))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"child {spec} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------
+# Orchestration
+
+
+def ratio(value: float, reference: float) -> float:
+    return value / reference if reference > 0 else float("nan")
+
+
+def measure_references(state: dict, workdir: Path, repeats: int) -> dict[str, float]:
+    """Warm memcpy and raw fsync'd write of the state's bytes, interleaved, medians."""
+    nbytes = state_bytes(state)
+    flat = torch.zeros(nbytes // 4)
+    image = torch.empty(nbytes, dtype=torch.uint8)
+    image.fill_(7)
+    from slipstream.core.buffers import byte_view
+
+    view = byte_view(image)
+    target = workdir / "raw.bin"
+    got = interleave(
+        {
+            "memcpy": lambda _r: {"seconds": memcpy_seconds(state, flat)},
+            "raw write": lambda _r: {"seconds": raw_write_seconds(view, target)},
+        },
+        repeats,
+    )
+    clear(target)
+    return {name: median(m["seconds"]) for name, m in got.items()}
+
+
+def measure_saves(state: dict, workdir: Path, repeats: int) -> dict[str, dict[str, float]]:
+    peers = SavePeers(state, workdir)
+    try:
+        got = interleave({p: (lambda _r, p=p: peers.run(p)) for p in SAVE_PEERS}, repeats)
+    finally:
+        peers.close()
+    return {p: {k: median(v) for k, v in m.items()} for p, m in got.items()}
+
+
+def measure_loads(state: dict, workdir: Path, repeats: int) -> dict[str, dict[str, float]]:
+    dest = empty_like_state(state)
+    out: dict[str, dict[str, float]] = {p: {} for p in LOAD_PEERS}
+    for cold in (False, True):
+        runners = {p: load_runner(p, workdir, dest, cold) for p in LOAD_PEERS}
+        got = interleave(runners, repeats)
+        for p, m in got.items():
+            out[p]["cold" if cold else "warm"] = median(m["seconds"])
+    for k, t in dest.items():
+        if not torch.equal(t, state[k]):
+            raise AssertionError(f"a loader got {k} wrong")
+    return out
+
+
+def save_table(saves: dict, memory: dict, refs: dict) -> Table:
+    ref = saves["ss.async_save"]
+    rows = []
+    for p in SAVE_PEERS:
+        m = saves[p]
+        rows.append(
+            [
+                p,
+                m["blocked"],
+                m["staged"],
+                m["durable"],
+                ratio(m["blocked"], ref["blocked"]),
+                ratio(m["durable"], ref["durable"]),
+                memory.get(("save", p), float("nan")),
+            ]
+        )
+    rows.append(["warm memcpy (reference)", "", refs["memcpy"], "", "", "", ""])
+    rows.append(["raw write + fsync (reference)", "", "", refs["raw write"], "", "", ""])
+    return Table(
+        "Saves (steady state; seconds, medians; x = peer / ss.async_save)",
+        ["peer", "blocked s", "staged s", "durable s", "blocked x", "durable x", "peak RSS +MiB"],
+        rows,
+    )
+
+
+def load_table(loads: dict, memory: dict, refs: dict) -> Table:
+    ref = loads["ss.load"]
+    rows = [
+        [
+            p,
+            loads[p]["warm"],
+            loads[p]["cold"],
+            ratio(loads[p]["warm"], ref["warm"]),
+            ratio(loads[p]["cold"], ref["cold"]),
+            memory.get(("load", p), float("nan")),
+        ]
+        for p in LOAD_PEERS
+    ]
+    rows.append(["warm memcpy (reference)", refs["memcpy"], "", "", "", ""])
+    return Table(
+        "Loads into existing tensors (seconds, medians; x = peer / ss.load)",
+        ["peer", "warm s", "cold s", "warm x", "cold x", "peak RSS +MiB"],
+        rows,
+    )
+
+
+def record_floors(result: Result, saves: dict, loads: dict, refs: dict, extra: dict) -> None:
+    ss_async, dcp_async = saves["ss.async_save"], saves["dcp.async_save"]
+    blocked = ratio(ss_async["blocked"], dcp_async["blocked"])
+    result.floor("caller blocked / dcp.async_save's", blocked, "<= 0.05", blocked <= 0.05)
+    staged = ratio(ss_async["staged"], refs["memcpy"])
+    result.floor("staged / warm memcpy of the same bytes", staged, "<= 2", staged <= 2)
+    durable = ratio(ss_async["durable"], refs["raw write"])
+    result.floor("durable / raw fsync'd write of the same bytes", durable, "<= 1.2", durable <= 1.2)
+    vs_dcp = ratio(loads["dcp.load"]["warm"], loads["ss.load"]["warm"])
+    result.floor("warm load: dcp.load / ss.load", vs_dcp, ">= 2", vs_dcp >= 2)
+    vs_copy = ratio(loads["ss.load"]["warm"], refs["memcpy"])
+    result.floor("warm load: ss.load / warm memcpy", vs_copy, "<= 1.5", vs_copy <= 1.5)
+    if "reshard" in extra:
+        r = extra["reshard"]
+        speedup = ratio(r["dcp.load"], r["ss.load"])
+        result.floor("1 -> 4 rank load: dcp.load / ss.load", speedup, ">= 3", speedup >= 3)
+    if "train" in extra:
+        overhead = extra["train"]["ss.async_save"]
+        result.floor(
+            "checkpoint every step of the demo model: step time overhead %",
+            overhead,
+            "<= 5",
+            overhead <= 5,
+        )
+
+
+def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
+    times = reshard_times(opts)
+    med = {k: median(v) for k, v in times.items()}
+    extra["reshard"] = med
+    result.tables.append(
+        Table(
+            f"Resharding load: saved by 1 rank, loaded by {opts.reshard_ranks} ranks into "
+            "DTensor Shard(0) (gloo, 127.0.0.1; seconds of the slowest rank, warm cache)",
+            ["loader", "seconds", "x (/ ss.load)"],
+            [[k, v, ratio(v, med["ss.load"])] for k, v in med.items()],
+        )
+    )
+
+
+def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
+    got = child_json("train", opts)
+    base = median(got["none"])
+    rows, overheads = [], {}
+    for mode in ("none", "ss.async_save", "dcp.async_save"):
+        step = median(got[mode])
+        overheads[mode] = 100 * (step / base - 1)
+        rows.append([mode, step, overheads[mode]])
+    extra["train"] = overheads
+    mb = got["checkpoint_bytes"][0] / 1e6
+    result.tables.append(
+        Table(
+            f"Checkpoint every step, demo model ({mb:.0f} MB with AdamW state, batch "
+            f"{opts.train_batch}, torch.set_num_threads(1); median step seconds)",
+            ["checkpointing", "step s", "overhead %"],
+            rows,
+        )
+    )
+
+
+def memory_figures(opts: BenchOptions) -> dict[tuple[str, str], float]:
+    """Peak RSS growth of each peer in its own process (``--quick``: slipstream's only)."""
+    saves = ["ss.async_save"] if opts.quick else SAVE_PEERS
+    loads = ["ss.load"] if opts.quick else LOAD_PEERS
+    out = {("save", p): child_memory_or_nan("save", p, opts) for p in saves}
+    out.update({("load", p): child_memory_or_nan("load", p, opts) for p in loads})
+    return out
+
+
+def child_memory_or_nan(kind: str, peer: str, opts: BenchOptions) -> float:
+    try:
+        return child_json(f"memory:{kind}:{peer}", opts)["growth"]
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return float("nan")
+
+
+def plot(saves: dict, refs: dict, path: Path) -> str | None:
+    """A bar chart of blocked / staged / durable per peer, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4))
+    names = list(saves)
+    for i, metric in enumerate(("blocked", "staged", "durable")):
+        ax.barh(
+            [j + 0.27 * i for j in range(len(names))],
+            [saves[n][metric] for n in names],
+            height=0.27,
+            label=metric,
+        )
+    ax.axvline(refs["raw write"], color="k", ls="--", lw=1, label="raw write + fsync")
+    ax.set_yticks([j + 0.27 for j in range(len(names))], names)
+    ax.set_xlabel("seconds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return str(path)
+
+
+def run(opts: BenchOptions) -> Result:
+    workdir = Path(opts.workdir)
+    clear(workdir)
+    workdir.mkdir(parents=True)
+    state = make_state(opts.nbytes, opts.tensors)
+    sizes = sorted(t.numel() * 4 for t in state.values())
+    result = Result(
+        "checkpoint",
+        "asynchronous checkpoints: slipstream vs torch.save, safetensors, DCP, torchsnapshot",
+        setup={
+            "state": f"{state_bytes(state) / GIB:.2f} GiB fp32 in {len(state)} tensors "
+            f"({sizes[0] / 1024:.0f} KiB - {sizes[-1] / MIB:.0f} MiB)",
+            "repetitions": f"1 warm-up + {opts.repeats}, interleaved, medians",
+            "directory": str(workdir.resolve()),
+        },
+    )
+    print("references ...", flush=True)
+    refs = measure_references(state, workdir, opts.repeats)
+    print("saves ...", flush=True)
+    saves = measure_saves(state, workdir, opts.repeats)
+    print("loads ...", flush=True)
+    loads = measure_loads(state, workdir, opts.repeats)
+    del state
+    memory: dict = {}
+    if "memory" not in opts.skip:
+        print("memory ...", flush=True)
+        memory = memory_figures(opts)
+    extra: dict = {}
+    if "reshard" not in opts.skip:
+        print("resharding ...", flush=True)
+        run_reshard(result, opts, extra)
+    if "train" not in opts.skip:
+        print("training loop ...", flush=True)
+        run_train(result, opts, extra)
+    result.tables[0:0] = [save_table(saves, memory, refs), load_table(loads, memory, refs)]
+    result.tables.append(
+        Table(
+            "References (same bytes, medians)",
+            ["what", "seconds", "GiB/s"],
+            [[k, v, opts.nbytes / GIB / v] for k, v in refs.items()],
+        )
+    )
+    record_floors(result, saves, loads, refs, extra)
+    result.notes += NOTES
+    figure = plot(saves, refs, Path(opts.out).with_suffix(".png"))
+    if figure:
+        result.notes.append(f"Figure: `{figure}`.")
+    clear(workdir)
+    return result
+
+
+NOTES = [
+    "blocked: time until the call returned; staged: until the caller may mutate the state "
+    "(equal to blocked for peers that stage on the caller's thread); durable: until the "
+    "data is fsync'd and committed (torch.save, safetensors and torchsnapshot get an explicit "
+    "fsync of what they wrote, timed). Peak RSS +MiB: peak resident memory of a fresh process "
+    "minus its resident memory once the state exists, over a warm-up and a steady-state save "
+    "(loads: one load into existing tensors).",
+    "Loads go into existing, already-touched tensors (the resume path): torch.load and "
+    "safetensors load whole then copy_; cold means the checkpoint files were evicted from "
+    "the page cache (fsync + POSIX_FADV_DONTNEED) before each repetition.",
+]
+
+
+def child_main(spec: str, opts: BenchOptions) -> None:
+    if spec == "train":
+        out = train_child(opts)
+    else:
+        _, kind, peer = spec.split(":", 2)
+        out = child_memory(kind, peer, opts)
+    print(json.dumps(out))
+
+
+def parse() -> tuple[BenchOptions, str | None]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gib", type=float, default=1.0, help="size of the state in GiB")
+    p.add_argument("--tensors", type=int, default=256, help="number of tensors")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions after the warm-up")
+    p.add_argument("--out", default="benchmarks/results/checkpoint.json")
+    p.add_argument("--workdir", default="/tmp/slipstream-bench/checkpoint", help="scratch dir")
+    p.add_argument("--skip", default="", help="comma list of sections: memory,reshard,train")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a ~30 s smoke test")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--options", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.options:
+        return BenchOptions(**json.loads(args.options)), args.child
+    opts = BenchOptions(args.gib, args.tensors, args.repeats, args.out, args.workdir)
+    opts.skip = tuple(s for s in args.skip.split(",") if s)
+    if args.quick:
+        opts.gib, opts.tensors, opts.repeats, opts.quick = 0.03, 24, 1, True
+        opts.train_steps, opts.train_batch = 2, 1
+        if args.out == p.get_default("out"):
+            opts.out = "/tmp/slipstream-bench/checkpoint_quick.json"
+    return opts, args.child
+
+
+def main() -> None:
+    opts, child = parse()
+    if child:
+        child_main(child, opts)
+        return
+    result = run(opts)
+    result.write(opts.out)
+
+
+if __name__ == "__main__":
+    main()
