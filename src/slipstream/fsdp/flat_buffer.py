@@ -184,7 +184,7 @@ class FlatShardedBuffer:
 
     def send_buffer(self, staging: torch.Tensor | None) -> torch.Tensor:
         """The all-gather input: the main shard, cast into ``staging`` when dtypes differ."""
-        if staging is None:
+        if staging is None or self.compute_dtype == self.layout.dtype:
             return self.main
         send = staging[: self.layout.segment_numel]
         send.copy_(self.main)

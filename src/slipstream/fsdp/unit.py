@@ -120,7 +120,7 @@ class FsdpUnit:
             slot_of[id(param)] = (list(by_dtype).index(param.dtype), len(group))
             group.append((pname, param))
 
-        for gi, (dtype, params) in enumerate(by_dtype.items()):
+        for dtype, params in by_dtype.items():
             layout = FlatLayout.plan(
                 [(n, tuple(p.shape)) for n, p in params], dtype, ctx.world_size
             )
