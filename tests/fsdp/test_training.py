@@ -88,10 +88,6 @@ def _parity_and_bound(rank: int, world_size: int) -> None:
     assert ctx1.stats.peak_live_units == 1
 
 
-def test_fp32_parity_and_live_unit_bound_2_ranks():
-    run_workers(_parity_and_bound, 2)
-
-
 def _nested_frozen_accumulation(rank: int, world_size: int) -> None:
     ref = make_model()
     # Frozen: the position embedding, all of block 1, and block 2's first norm.
@@ -150,10 +146,6 @@ def _mixed_precision(rank: int, world_size: int) -> None:
     assert diff <= 1e-5, f"bf16 parity against the same casts: max abs diff {diff}"
 
 
-def test_bf16_mixed_precision_matches_reference_with_same_casts_2_ranks():
-    run_workers(_mixed_precision, 2)
-
-
 def _eval_and_grad_free_forward(rank: int, world_size: int) -> None:
     ref = make_model()
     model = copy.deepcopy(ref)
@@ -165,5 +157,13 @@ def _eval_and_grad_free_forward(rank: int, world_size: int) -> None:
     assert ctx.live_units() == [] and not ctx.unit_of(model).is_unsharded()
 
 
-def test_no_grad_forward_matches_and_reshards_2_ranks():
-    run_workers(_eval_and_grad_free_forward, 2)
+def _two_rank_checks(rank: int, world_size: int) -> None:
+    _parity_and_bound(rank, world_size)
+    _mixed_precision(rank, world_size)
+    _eval_and_grad_free_forward(rank, world_size)
+
+
+def test_fp32_bf16_parity_live_unit_bound_and_no_grad_forward_2_ranks():
+    """One spawn for the 2-rank checks: fp32 parity and the live-unit bound, bf16 parity
+    against a reference with the same casts, a no-grad forward that reshards everything."""
+    run_workers(_two_rank_checks, 2)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -181,7 +182,7 @@ class FsdpContext:
         self.stats = FsdpStats()
         self.units: list[FsdpUnit] = []
         self._unit_of_module: dict[int, FsdpUnit] = {}
-        self._param_owner: dict[int, FsdpUnit] = {}
+        self._param_owner: dict[int, tuple[weakref.ref, FsdpUnit]] = {}
         self._initialized = False
         self._root: FsdpUnit | None = None
         self._phase = _Phase.IDLE
@@ -200,10 +201,15 @@ class FsdpContext:
         return self._unit_of_module.get(id(module))
 
     def param_owner(self, param: torch.Tensor) -> FsdpUnit | None:
-        return self._param_owner.get(id(param))
+        """The unit that manages ``param`` (its sharded parameter or the original it replaced)."""
+        entry = self._param_owner.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return None
+        return entry[1]
 
     def claim(self, param: torch.Tensor, unit: FsdpUnit) -> None:
-        self._param_owner[id(param)] = unit
+        """Record ``unit`` as ``param``'s owner (weakly: originals may be freed)."""
+        self._param_owner[id(param)] = (weakref.ref(param), unit)
 
     def add_unit(self, module: nn.Module, unit: FsdpUnit) -> None:
         if self._initialized:

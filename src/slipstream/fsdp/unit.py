@@ -147,6 +147,8 @@ class FsdpUnit:
         for group in self.sharded:
             for p in group:
                 ctx.claim(p, self)
+        for _, _, param in found:
+            ctx.claim(param, self)
 
     def fingerprint(self) -> str:
         return repr(
