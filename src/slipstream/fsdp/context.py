@@ -255,9 +255,11 @@ class FsdpContext:
         """One small all-gather of a layout hash; on mismatch, name the first differing unit."""
         digest = hashlib.sha1(repr([u.fingerprint() for u in self.units]).encode()).digest()
         mine = torch.tensor(
-            [len(self.units), int.from_bytes(digest[:7], "little")], dtype=torch.int64
+            [len(self.units), int.from_bytes(digest[:7], "little")],
+            dtype=torch.int64,
+            device=self.device,
         )
-        every = torch.empty(self.world_size * 2, dtype=torch.int64)
+        every = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
         dist.all_gather_single(every, mine, group=self.group)
         if bool((every.view(-1, 2) == mine).all()):
             return
@@ -412,8 +414,8 @@ class FsdpContext:
         """First iteration only: every rank must run the same unit at this position."""
         code = {"forward": 0, "backward": 1}[phase]
         index = _PHASE_END if unit is None else unit.index
-        mine = torch.tensor([code, position, index], dtype=torch.int64)
-        every = torch.empty(self.world_size * 3, dtype=torch.int64)
+        mine = torch.tensor([code, position, index], dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.device)
         dist.all_gather_single(every, mine, group=self.group)
         rows = every.view(-1, 3).tolist()
         for rank, (c, pos, idx) in enumerate(rows):
