@@ -319,7 +319,8 @@ def main() -> None:
     ours, theirs = med["standin/slipstream"], med["standin/fsdp2"]
     for device in ("standin", "real"):
         result.floor(
-            f"parity ({device}): max abs weight difference vs FSDP2 after {args.warmup + args.steps} steps",
+            f"parity ({device}): max abs weight difference vs FSDP2 after "
+            f"{args.warmup + args.steps} steps",
             parity[device],
             "<= 1e-4",
             parity[device] <= 1e-4,
