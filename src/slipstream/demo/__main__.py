@@ -121,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median step time saving every step:   {with_ms:8.1f} ms ({with_ms / base_ms - 1:+.1%})")
     print(f"median time the save cost the loop:   {blocked_ms:8.2f} ms per step")
 
-    ref_state = torch.load(out / "reference.final.pt", weights_only=True)
-    resumed_state = torch.load(out / "resumed.final.pt", weights_only=True)
-    diffs = _equal_states(ref_state, resumed_state)
-    if diffs:
-        print(f"FAILED: the resumed run differs from the reference at {diffs[:5]}")
-        return 1
+    for rank in range(WORLD_SIZE):
+        ref_state = torch.load(out / f"reference.rank{rank}.final.pt", weights_only=True)
+        resumed_state = torch.load(out / f"resumed.rank{rank}.final.pt", weights_only=True)
+        diffs = _equal_states(ref_state, resumed_state)
+        if diffs:
+            print(f"FAILED: rank {rank}'s resumed shards differ from the reference at {diffs[:5]}")
+            return 1
     print("resumed run matches the uninterrupted reference bit for bit: OK")
     return 0
 

@@ -1,4 +1,4 @@
-"""One training process of the demo: data parallel over gloo, checkpointed with slipstream.
+"""One training process of the demo: slipstream FSDP over gloo, checkpointed with slipstream.
 
 Each phase of the demo runs this on every rank. A phase is a plain dataclass, so the
 orchestrator (``__main__``) says what to do and the worker reports back through files in
@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from ..checkpoint import Checkpointer
+from ..fsdp import FsdpContext, fully_shard
 from .model import ModelConfig, TinyGPT, batch, build_model
 
 
@@ -55,16 +58,13 @@ class TrainState:
         self.step = sd["step"]
 
 
-def average_gradients(model: torch.nn.Module, world_size: int) -> None:
-    """Data parallelism: one all-reduce of every gradient, flattened into one buffer."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat.div_(world_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+def shard_model(model: TinyGPT) -> FsdpContext:
+    """Each transformer block is an FSDP unit, the rest belongs to the root unit."""
+    ctx = FsdpContext(release_delay=2)
+    for block in model.blocks:
+        fully_shard(block, context=ctx)
+    fully_shard(model, context=ctx)
+    return ctx
 
 
 @dataclass
@@ -77,7 +77,7 @@ class StepRecord:
 
 
 def run(rank: int, world_size: int, port: int, phase: Phase) -> None:
-    """Train ``phase.steps`` steps on this rank; write step records and the final state."""
+    """Train ``phase.steps`` steps on this rank; write step records and its final shards."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -87,15 +87,16 @@ def run(rank: int, world_size: int, port: int, phase: Phase) -> None:
         timeout=timedelta(seconds=120),
     )
     try:
-        _train(rank, world_size, phase)
+        _train(rank, phase)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, world_size: int, phase: Phase) -> None:
+def _train(rank: int, phase: Phase) -> None:
     out = Path(phase.out_dir)
     model = build_model(phase.model, seed=0)
+    fsdp = shard_model(model)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
     state = TrainState(model, optim)
     ck = Checkpointer(out / "checkpoints", keep_last=2) if phase.checkpoint else None
@@ -109,7 +110,6 @@ def _train(rank: int, world_size: int, phase: Phase) -> None:
             start = time.perf_counter()
             loss = model.loss(batch(step, rank, phase.batch_size, phase.model))
             loss.backward()
-            average_gradients(model, world_size)
             blocked = 0.0
             if pending is not None:
                 t = time.perf_counter()
@@ -136,11 +136,18 @@ def _train(rank: int, world_size: int, phase: Phase) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         if ck is not None:
             ck.wait()
+        stats = fsdp.stats
+        _log(
+            rank,
+            f"[{phase.name}] FSDP: {stats.hidden_allgather_fraction:.0%} of "
+            f"{stats.allgather_seconds:.2f} s of all-gathers hidden behind compute, at most "
+            f"{stats.peak_live_units} blocks unsharded at once",
+        )
     finally:
         if ck is not None:
             ck.close()
-    if rank == 0:
-        torch.save(state.state_dict(), out / f"{phase.name}.final.pt")
+    local = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, state.state_dict())
+    torch.save(local, out / f"{phase.name}.rank{rank}.final.pt")
 
 
 def _write_records(out: Path, phase: Phase, rank: int, records: list[StepRecord]) -> None:
