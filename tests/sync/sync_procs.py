@@ -52,8 +52,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, may_die: tuple[int,
         else:
             errors.append((rank, value))
     if errors:
-        rank, tb = sorted(errors)[0]
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
     missing = [r for r in range(world_size) if r not in out and r not in may_die]

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -116,27 +117,29 @@ class SyncGroup:
         return json.loads(self._call(lambda: self.store.get(key), what))
 
     def wait_keys(self, keys: dict[int, str], what: str, timeout: float | None = None) -> None:
-        """Wait until every ``keys[rank]`` exists; on expiry name the ranks that did not write."""
+        """Wait until every ``keys[rank]`` exists; on expiry name the ranks that did not write.
+
+        Polls with ``check`` rather than a blocking ``wait``: a store client serves one
+        request at a time, so a long blocking wait on one thread would stall every other
+        thread of the process that uses the same store.
+        """
         timeout = self.timeout if timeout is None else timeout
-        if not keys:
-            return
-        try:
-            self.store.wait(list(keys.values()), timedelta(seconds=timeout))
-        except dist.DistNetworkError as exc:
-            raise SyncError(
-                f"rank {self.rank} lost the sync group's store (hosted by rank 0) while "
-                f"waiting for {what}: {exc}"
-            ) from exc
-        except (dist.DistStoreError, RuntimeError) as exc:
-            missing = [
-                r
-                for r, k in keys.items()
-                if not self._call(lambda k=k: self.store.check([k]), what)
-            ]
-            raise PeerTimeoutError(
-                f"rank {self.rank}: rank(s) {missing} did not answer within {timeout:.1f} s "
-                f"while waiting for {what}"
-            ) from exc
+        deadline = time.monotonic() + timeout
+        pending = dict(keys)
+        sleep = 0.0005
+        while pending:
+            for r, k in list(pending.items()):
+                if self._call(lambda k=k: self.store.check([k]), what):
+                    del pending[r]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: rank(s) {sorted(pending)} did not answer within "
+                    f"{timeout:.1f} s while waiting for {what}"
+                )
+            time.sleep(sleep)
+            sleep = min(0.02, sleep * 2)
 
     def _call(self, fn, what: str):
         try:
@@ -151,8 +154,12 @@ class SyncGroup:
         """True when every rank in ``ranks`` shares this rank's host."""
         return all(self.hosts[r] == self.hosts[self.rank] for r in ranks)
 
-    def close(self) -> None:
-        """Shut the subgroups down; the store closes with the object."""
+    def close(self, timeout: float | None = None) -> None:
+        """Leave the group: shut our subgroups down, then say goodbye on the store.
+
+        Rank 0 hosts the store, so it waits (up to ``timeout``) until every other rank said
+        goodbye before it returns and may exit; a rank that never does is named.
+        """
         for pg in self._subgroups.values():
             shutdown = getattr(pg, "shutdown", None)
             if shutdown is not None:
@@ -161,6 +168,21 @@ class SyncGroup:
                 except RuntimeError:
                     pass
         self._subgroups.clear()
+        try:
+            self._root_store.set(f"bye/{self.rank}", "1")
+        except RuntimeError:
+            return  # the store's host is gone: nobody is left to wait for us
+        if self.rank == 0:
+            root = dataclasses.replace(self, store=self._root_store)
+            root.wait_keys(
+                {r: f"bye/{r}" for r in range(self.world_size)}, "every rank to leave", timeout
+            )
+
+    def __enter__(self) -> SyncGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def init_group(
