@@ -12,7 +12,6 @@ import os
 import traceback
 
 import torch.multiprocessing as mp
-
 from dist_utils import free_port
 
 
@@ -25,6 +24,8 @@ def _entry(fn, rank, port, args, results):
         results.put((rank, "ok", fn(rank, port, *args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+    # The result is in the pipe; skip interpreter teardown (seconds under torch on a busy host).
+    os._exit(0)
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 60.0, may_die: tuple[int, ...] = ()):

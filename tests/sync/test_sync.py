@@ -12,12 +12,12 @@ import time
 
 import pytest
 import torch
+from sync_procs import spawn
 from torch import nn
 
 import slipstream as ss
 from slipstream.errors import PeerTimeoutError, SyncError
 from slipstream.sync.plan import BucketPlan, TensorSpec, payload_offsets
-from sync_procs import spawn
 
 BUCKET = 64 * 1024
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.uint8]
@@ -46,7 +46,12 @@ def weights(version: int, changed_every: int = 1) -> dict[str, torch.Tensor]:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.contiguous().view(-1).view(torch.uint8).numpy()) == bytes(b.contiguous().view(-1).view(torch.uint8).numpy())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.contiguous().view(-1).view(torch.uint8).numpy())
+        == bytes(b.contiguous().view(-1).view(torch.uint8).numpy())
+    )
 
 
 class Holder(nn.Module):
@@ -65,8 +70,12 @@ def module_name(name: str) -> str:
 
 # --------------------------------------------------------------------------- plan (no processes)
 def test_plan_splits_large_tensors_and_is_deterministic():
-    specs = [TensorSpec("a", (10,), "float32"), TensorSpec("big", (50_000,), "float32"),
-             TensorSpec("empty", (0, 3), "bfloat16"), TensorSpec("c", (3,), "int64")]
+    specs = [
+        TensorSpec("a", (10,), "float32"),
+        TensorSpec("big", (50_000,), "float32"),
+        TensorSpec("empty", (0, 3), "bfloat16"),
+        TensorSpec("c", (3,), "int64"),
+    ]
     plan = BucketPlan.build(specs, BUCKET, [0, 1])
     again = BucketPlan.build(specs, BUCKET, [0, 1])
     assert plan == again and plan.plan_id == again.plan_id
@@ -91,8 +100,15 @@ def _delivery(rank, port):
     for mode, transport in CONFIGS:
         channel = f"{mode}-{transport}"
         if rank == 0:
-            pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, mode=mode,
-                                     transport=transport, channel=channel)
+            pub = ss.WeightPublisher(
+                group,
+                [0],
+                [1, 2],
+                bucket_bytes=BUCKET,
+                mode=mode,
+                transport=transport,
+                channel=channel,
+            )
             assert pub.transport == transport
             sent = []
             with pub:
@@ -155,8 +171,10 @@ def _dtensor_run(rank, port, mesh_port):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     group = ss.sync.init_group("127.0.0.1", port, 4, rank, timeout=30)
-    base = {f"w{i}": torch.randn(64 * (i % 4 + 1), 33, generator=torch.Generator().manual_seed(i))
-            for i in range(24)}
+    base = {
+        f"w{i}": torch.randn(64 * (i % 4 + 1), 33, generator=torch.Generator().manual_seed(i))
+        for i in range(24)
+    }
     base["bias"] = torch.arange(10, dtype=torch.float32)
     out = {}
     for mode, transport in (("direct", "broadcast"), ("cached", "shm")):
@@ -164,12 +182,22 @@ def _dtensor_run(rank, port, mesh_port):
         if rank in (0, 1):
             if not torch.distributed.is_initialized():
                 torch.distributed.init_process_group(
-                    "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank, world_size=2)
+                    "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank, world_size=2
+                )
             mesh = init_device_mesh("cpu", (2,))
-            named = {n: (distribute_tensor(t, mesh, [Shard(0)]) if n != "bias" else t)
-                     for n, t in base.items()}
-            with ss.WeightPublisher(group, [0, 1], [2, 3], bucket_bytes=BUCKET, mode=mode,
-                                    transport=transport, channel=channel) as pub:
+            named = {
+                n: (distribute_tensor(t, mesh, [Shard(0)]) if n != "bias" else t)
+                for n, t in base.items()
+            }
+            with ss.WeightPublisher(
+                group,
+                [0, 1],
+                [2, 3],
+                bucket_bytes=BUCKET,
+                mode=mode,
+                transport=transport,
+                channel=channel,
+            ) as pub:
                 pub.publish(named, version=7).delivered.result(timeout=20)
                 out[mode] = (pub.bytes_sent, pub.peak_gathered_bytes)
         else:
@@ -246,8 +274,12 @@ def test_versions_late_rollout_from_cache_staleness_and_mismatches_rejected_befo
 
 # --------------------------------------------------------------------------- bad input
 def _mismatch(group, rank):
-    named = {"a": torch.ones(4, 4), "b": torch.ones(8, dtype=torch.bfloat16),
-             "c": torch.ones(3), "d": torch.ones(2)}
+    named = {
+        "a": torch.ones(4, 4),
+        "b": torch.ones(8, dtype=torch.bfloat16),
+        "c": torch.ones(3),
+        "d": torch.ones(2),
+    }
     if rank == 0:
         with ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, channel="bad") as pub:
             h = pub.publish(named, version=1)
