@@ -133,9 +133,9 @@ def _delivery(rank, port):
                             assert same_bytes(got, t), (channel, version, name)
                 else:
                     held: dict[str, torch.Tensor] = {}
-                    calls = []
+                    calls: list[int] = []
 
-                    def load_weights(batch):
+                    def load_weights(batch, held=held, calls=calls):
                         calls.append(len(batch))
                         for name, t in batch:
                             held[name] = t.clone()

@@ -13,7 +13,6 @@ bucket. Tensors passed are valid only during the call: copy what you keep.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Union
 
 import torch
 from torch import nn
@@ -22,7 +21,7 @@ from ..core.buffers import as_bytes
 from ..errors import SyncError
 from .plan import BucketPlan, Slice, TensorSpec
 
-NameMap = Union[Mapping[str, str], Callable[[str], str | None], None]
+NameMap = Mapping[str, str] | Callable[[str], str | None] | None
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
 
 

@@ -181,7 +181,7 @@ def payload_offsets(slices: Sequence[Slice], mask: Sequence[int]) -> tuple[list[
     """Offsets in the payload of the included slices (-1 for skipped ones), and its size."""
     offsets = []
     cursor = 0
-    for s, keep in zip(slices, mask):
+    for s, keep in zip(slices, mask, strict=True):
         if keep:
             cursor = align(cursor)
             offsets.append(cursor)

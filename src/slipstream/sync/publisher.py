@@ -33,7 +33,7 @@ from ..core.buffers import StagingPool
 from ..errors import PeerTimeoutError, SyncError
 from .group import SyncGroup
 from .packing import BucketSources, pack_slices, slice_checksum
-from .plan import BucketPlan, TensorSpec, dtype_name, encode_header, layout_json
+from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
 from .shm import ShmSender, new_ring_path
 from .transport import BroadcastSender, Sender
 
@@ -364,30 +364,25 @@ class WeightPublisher:
         for g in plan.owned(self.rank):
             bucket = plan.buckets[g]
             base = self._cache_offsets[g]
+            view = cache[base : base + bucket.nbytes]
+
+            def cached(s: Slice, view: torch.Tensor = view) -> torch.Tensor:
+                return view[s.bucket_offset : s.bucket_offset + s.nbytes]
+
             slices = plan.bucket_slices(g)
             mask = []
             for j, s in enumerate(slices):
-                cs = slice_checksum(
-                    cache[base + s.bucket_offset : base + s.bucket_offset + s.nbytes]
-                )
+                cs = slice_checksum(cached(s))
                 if cs is not None:
                     sums[bucket.first_slice + j] = cs
                 mask.append(0 if unchanged(bucket.first_slice + j, cs) else 1)
             header = torch.empty(bucket.header_bytes, dtype=torch.uint8)
-            if all(mask):
-                self._sender.submit(
-                    encode_header(header, bucket.nbytes, mask), cache[base : base + bucket.nbytes]
-                )
+            if all(mask):  # the cache already holds the payload: send it without a copy
+                self._sender.submit(encode_header(header, bucket.nbytes, mask), view)
                 continue
             out = self._sender.next_buffer()
-            kept = [s for s, m in zip(slices, mask) if m]
-            _, nbytes, _ = pack_slices(
-                kept,
-                lambda s: cache[base + s.bucket_offset : base + s.bucket_offset + s.nbytes],
-                out,
-                lambda i, cs: False,
-                0,
-            )
+            kept = [s for s, m in zip(slices, mask, strict=True) if m]
+            _, nbytes, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
             self._sender.submit(encode_header(header, nbytes, mask), out[:nbytes])
         self._remember(version, sums)
         return self._finish_round(k, version)

@@ -154,7 +154,7 @@ class ShmSender:
         if previous <= 0:
             return
         ctrl = self.ring.ctrl
-        for j, (rank, pid) in enumerate(zip(self.reader_ranks, self.reader_pids)):
+        for j, (rank, pid) in enumerate(zip(self.reader_ranks, self.reader_pids, strict=True)):
             word = self.ring.ack_word(slot, j)
             _poll(
                 lambda w=word: int(ctrl[w]) >= previous,

@@ -214,7 +214,7 @@ class WeightSubscriber:
             )
         self.bytes_received += size
         whole: dict[int, torch.Tensor] = {}
-        for s, keep, off in zip(slices, mask, offsets):
+        for s, keep, off in zip(slices, mask, offsets, strict=True):
             if keep:
                 data = payload[off : off + s.nbytes]
                 got.dirty.add(s.tensor)
