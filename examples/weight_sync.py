@@ -36,8 +36,11 @@ def trainer(port: int, steps: int, every: int) -> None:
                 handle.staged.result(timeout=60)  # weights may change from here on
         handle.delivered.result(timeout=60)
         checksum = sum(p.double().sum().item() for p in model.parameters())
-        print(f"trainer: last version {step}, rollouts hold {pub.rollout_versions}, "
-              f"checksum {checksum:.6f}", flush=True)
+        print(
+            f"trainer: last version {step}, rollouts hold {pub.rollout_versions}, "
+            f"checksum {checksum:.6f}",
+            flush=True,
+        )
     group.close()
 
 

@@ -57,7 +57,8 @@ class SyncGroup:
     pids: list[int]
     _tcp_store: dist.Store
     _root_store: dist.Store
-    _subgroups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    channel_name: str = ""
+    _subgroups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -72,11 +73,13 @@ class SyncGroup:
         Every member must call this with the same ranks; construction waits for all of them.
         """
         key = tuple(ranks)
-        if key in self._subgroups:
-            return self._subgroups[key]
+        cached = self._subgroups.get((self.channel_name, key))
+        if cached is not None:
+            return cached
         if self.rank not in key:
             raise ValueError(f"rank {self.rank} is not a member of subgroup {list(key)}")
-        prefix = dist.PrefixStore("pg/" + "_".join(map(str, key)) + "/", self._root_store)
+        name = f"pg/{self.channel_name}/" + "_".join(map(str, key)) + "/"
+        prefix = dist.PrefixStore(name, self._root_store)
         rank_in_group = key.index(self.rank)
         try:
             if self.backend == "gloo":
@@ -97,16 +100,18 @@ class SyncGroup:
                 f"rank {self.rank}: building the sync subgroup over ranks {list(key)} failed "
                 f"within {self.timeout} s (a member did not join?): {exc}"
             ) from exc
-        self._subgroups[key] = pg
+        self._subgroups[(self.channel_name, key)] = pg
         return pg
 
     def channel(self, name: str) -> SyncGroup:
-        """The same group with keys scoped under ``name`` (one publisher/subscriber pair).
+        """The same group with keys and process groups of its own, scoped under ``name``.
 
-        Process groups are shared between channels: both ends of every channel build and
-        use them in the same order.
+        One channel serves one set of publishers and subscribers, so two channels never
+        issue collectives on the same process group from different threads.
         """
-        return dataclasses.replace(self, store=dist.PrefixStore(f"{name}/", self.store))
+        return dataclasses.replace(
+            self, store=dist.PrefixStore(f"{name}/", self.store), channel_name=name
+        )
 
     def set_json(self, key: str, value: object) -> None:
         self.store.set(key, json.dumps(value))
