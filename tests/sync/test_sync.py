@@ -110,6 +110,9 @@ def _delivery(rank, port):
                 channel=channel,
             )
             assert pub.transport == transport
+            written: list[str] = []
+            set_json = pub.group.set_json
+            pub.group.set_json = lambda key, value: (written.append(key), set_json(key, value))
             sent = []
             with pub:
                 for version in (1, 2, 3):
@@ -119,6 +122,9 @@ def _delivery(rank, port):
                     assert h.delivered.result(timeout=20) == version
                     sent.append(pub.bytes_sent - before)
                     assert pub.rollout_versions == {1: version, 2: version}
+            # the layout crossed the store once; later publishes only name the plan
+            assert len([k for k in written if k.startswith("plan/")]) == 1, written
+            assert len([k for k in written if k.startswith("round/")]) == 3, written
             report[channel] = sent
         else:
             sub = ss.WeightSubscriber(group, [0], [1, 2], channel=channel)
