@@ -3,6 +3,7 @@
 Public API lives here; everything else may change between releases.
 """
 
+from . import sync
 from .checkpoint import AsyncSaveResponse, Checkpointer, SaveOptions, async_save, load, save
 from .errors import (
     CheckpointError,
@@ -13,6 +14,7 @@ from .errors import (
     SyncError,
     UnsafeCheckpointError,
 )
+from .sync import WeightPublisher, WeightSubscriber
 
 __version__ = "0.1.0"
 
@@ -30,4 +32,7 @@ __all__ = [
     "SlipstreamError",
     "SyncError",
     "UnsafeCheckpointError",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "sync",
 ]

@@ -1,0 +1,341 @@
+"""Weight sync, side by side: 1 trainer and 2 rollout processes, the same weights for every peer.
+
+Peers (run interleaved, median of ``--repeats`` after one warm-up):
+
+- ``raw broadcast``: one gloo broadcast of a flat buffer as large as the weights (the limit);
+- ``per-tensor loop``: one broadcast per tensor, straight into the rollout's tensors;
+- ``verl-style``: copy every tensor into a host cache, then per bucket copy the cache into a
+  bucket buffer and broadcast it; rollouts copy each bucket out (one buffer, no overlap);
+- ``slipstream direct`` / ``cached`` over the network (broadcast), and ``direct`` / ``cached``
+  over the colocated shared-memory transport.
+
+Before every run the trainer negates every weight (outside the timing), so each run ships
+changed bytes and slipstream's skipping of unchanged tensors never applies. Times are taken
+on the trainer from the start of a run until every rollout has applied the weights;
+"blocked" is how long the trainer's thread could not train (the whole run for the
+broadcast peers, the cache copy for verl-style, ``publish()`` for slipstream).
+
+python benchmarks/sync.py --out benchmarks/results/sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Result, Table, current_rss_mib, interleave, median, peak_rss_mib  # noqa: E402
+
+import slipstream as ss  # noqa: E402
+
+GIB = 2**30
+SLIPSTREAM = [
+    ("slipstream direct", "direct", "broadcast"),
+    ("slipstream cached", "cached", "broadcast"),
+    ("slipstream direct shm", "direct", "shm"),
+    ("slipstream cached shm", "cached", "shm"),
+]
+
+
+def shapes(total_bytes: int, count: int) -> list[tuple[int, torch.dtype]]:
+    """``count`` tensors of mixed sizes (7 small : 2 medium : 1 large) and dtypes."""
+    units = [1 if i % 10 < 7 else 16 if i % 10 < 9 else 128 for i in range(count)]
+    dtypes = [torch.float32 if i % 2 == 0 else torch.bfloat16 for i in range(count)]
+    unit_bytes = total_bytes / sum(units)
+    out = []
+    for u, dt in zip(units, dtypes, strict=True):
+        numel = max(64, int(u * unit_bytes / dt.itemsize) // 64 * 64)
+        out.append((numel, dt))
+    return out
+
+
+class Weights(nn.Module):
+    """The rollout's copy: one buffer per published tensor, touched once."""
+
+    def __init__(self, layout: list[tuple[int, torch.dtype]]) -> None:
+        super().__init__()
+        for i, (numel, dt) in enumerate(layout):
+            self.register_buffer(f"w{i}", torch.zeros(numel, dtype=dt))
+
+
+def _barrier() -> None:
+    dist.barrier()
+
+
+def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{ports[0]}",
+        rank=rank,
+        world_size=3,
+        timeout=timedelta(seconds=600),
+    )
+    group = ss.sync.init_group("127.0.0.1", ports[1], 3, rank, timeout=600)
+    layout = shapes(int(args.gib * GIB), args.tensors)
+    total = sum(n * dt.itemsize for n, dt in layout)
+    bucket = args.bucket_mib * 2**20
+    trainer = rank == 0
+    if trainer:
+        g = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(n, generator=g).to(dt) for n, dt in layout]
+        named = {f"w{i}": t for i, t in enumerate(tensors)}
+        ends = [
+            ss.WeightPublisher(
+                group,
+                [0],
+                [1, 2],
+                bucket_bytes=bucket,
+                mode=mode,
+                transport=transport,
+                channel=name,
+            )
+            for name, mode, transport in SLIPSTREAM
+        ]
+        cache = [torch.empty_like(t) for t in tensors]  # verl-style host cache, reused
+        for c in cache:
+            c.zero_()
+    else:
+        dest = Weights(layout)
+        tensors = [b for _, b in dest.named_buffers()]
+        ends = [ss.WeightSubscriber(group, [0], [1, 2], channel=name) for name, _, _ in SLIPSTREAM]
+    flat = torch.zeros(total, dtype=torch.uint8)
+    bucket_buf = torch.zeros(bucket, dtype=torch.uint8)
+
+    def timed_run(body) -> dict[str, float]:
+        if trainer:
+            for t in tensors:
+                t.neg_()  # every run ships changed bytes
+        _barrier()
+        start = time.perf_counter()
+        blocked = body()
+        _barrier()  # every rollout has applied the weights
+        elapsed = time.perf_counter() - start
+        return {
+            "seconds": elapsed,
+            "blocked": elapsed if blocked is None else blocked,
+            "rss": current_rss_mib(),
+        }
+
+    def raw(_: int) -> dict[str, float]:
+        return timed_run(lambda: dist.broadcast(flat, 0))
+
+    def per_tensor(_: int) -> dict[str, float]:
+        def body():
+            for t in tensors:
+                dist.broadcast(t, 0)
+
+        return timed_run(body)
+
+    def verl(_: int) -> dict[str, float]:
+        def body():
+            blocked = None
+            if trainer:
+                t0 = time.perf_counter()
+                for c, t in zip(cache, tensors, strict=True):
+                    c.copy_(t)
+                blocked = time.perf_counter() - t0
+            src = cache if trainer else tensors
+            i = 0
+            while i < len(src):
+                j, used = i, 0
+                while j < len(src) and used + src[j].numel() * src[j].element_size() <= bucket:
+                    used += src[j].numel() * src[j].element_size()
+                    j += 1
+                j = max(j, i + 1)
+                offsets, used = [], 0
+                for t in src[i:j]:
+                    nbytes = t.numel() * t.element_size()
+                    offsets.append((t, used, nbytes))
+                    used += nbytes
+                buf = bucket_buf if used <= bucket else torch.empty(used, dtype=torch.uint8)
+                if trainer:
+                    for t, off, nbytes in offsets:
+                        buf[off : off + nbytes].copy_(t.view(-1).view(torch.uint8))
+                dist.broadcast(buf[:used], 0)
+                if not trainer:
+                    for t, off, nbytes in offsets:
+                        t.view(-1).view(torch.uint8).copy_(buf[off : off + nbytes])
+                i = j
+            return blocked
+
+        return timed_run(body)
+
+    def slipstream_runner(k: int):
+        def run(_: int) -> dict[str, float]:
+            def body():
+                if trainer:
+                    t0 = time.perf_counter()
+                    handle = ends[k].publish(named, version=next_version())
+                    blocked = time.perf_counter() - t0
+                    handle.delivered.result(timeout=600)
+                    return blocked
+                ends[k].receive(dest)
+                return None
+
+            return timed_run(body)
+
+        return run
+
+    counter = iter(range(1, 10**9))
+
+    def next_version() -> int:
+        return next(counter)
+
+    def memcpy(_: int) -> dict[str, float]:
+        if not trainer:
+            return {"seconds": 0.0}
+        t0 = time.perf_counter()
+        for c, t in zip(cache, tensors, strict=True):
+            c.copy_(t)
+        return {"seconds": time.perf_counter() - t0}
+
+    runners = {
+        "raw broadcast": raw,
+        "per-tensor loop": per_tensor,
+        "verl-style": verl,
+        **{name: slipstream_runner(k) for k, (name, _, _) in enumerate(SLIPSTREAM)},
+        "warm memcpy": memcpy,
+    }
+    kept = interleave(runners, args.repeats, warmup=1)
+    for end in ends:
+        end.close()
+    results.put((rank, kept, peak_rss_mib(), total))
+    dist.destroy_process_group()
+    group.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--tensors", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="64 MiB in 256 tensors, 1 repeat")
+    parser.add_argument("--out", default="benchmarks/results/sync.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.gib, args.tensors, args.repeats, args.bucket_mib = 1 / 16, 256, 1, 8
+
+    from socket import socket
+
+    ports = []
+    for _ in range(2):
+        with socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, args, tuple(ports), results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    by_rank = {}
+    for _ in procs:
+        rank, kept, peak, total = results.get()
+        by_rank[rank] = (kept, peak)
+    for p in procs:
+        p.join(120)
+    trainer, trainer_peak = by_rank[0]
+    _, rollout_peak = by_rank[1]
+    gib = total / GIB
+
+    result = Result(
+        benchmark="sync",
+        title=f"Weight sync of {gib:.2f} GiB in {args.tensors} tensors, 1 trainer -> 2 rollouts",
+        setup={
+            "bytes": total,
+            "tensors": args.tensors,
+            "dtypes": "fp32 and bf16, alternating",
+            "sizes": "7 small : 2 medium (16x) : 1 large (128x)",
+            "bucket_mib": args.bucket_mib,
+            "repeats": args.repeats,
+            "processes": "3 (1 trainer, 2 rollouts), gloo on loopback, 1 torch thread each",
+        },
+    )
+    raw_s = median(trainer["raw broadcast"]["seconds"])
+    rows = []
+    stats = {}
+    for name in [n for n in trainer if n != "warm memcpy"]:
+        secs = median(trainer[name]["seconds"])
+        blocked = median(trainer[name]["blocked"])
+        rollout_rss = median(by_rank[1][0][name]["rss"])
+        stats[name] = (secs, blocked)
+        rows.append(
+            [
+                name,
+                round(secs, 3),
+                round(gib / secs, 3),
+                round(raw_s / secs, 2),
+                round(blocked, 3),
+                round(median(trainer[name]["rss"])),
+                round(rollout_rss),
+            ]
+        )
+    memcpy_s = median(trainer["warm memcpy"]["seconds"])
+    result.tables.append(
+        Table(
+            "median of the repetitions; RSS = resident MiB right after the run",
+            ["peer", "time s", "GiB/s", "x raw", "trainer blocked s", "trainer RSS", "rollout RSS"],
+            rows,
+        )
+    )
+    result.tables.append(
+        Table(
+            "reference and peaks",
+            ["what", "value"],
+            [
+                ["warm memcpy of the weights (s)", round(memcpy_s, 3)],
+                ["peak RSS trainer (MiB)", round(trainer_peak)],
+                ["peak RSS rollout (MiB)", round(rollout_peak)],
+            ],
+        )
+    )
+    direct = stats["slipstream direct"][0]
+    loop = stats["per-tensor loop"][0]
+    result.floor(
+        "direct >= 0.85x raw-broadcast throughput",
+        raw_s / direct,
+        ">= 0.85",
+        raw_s / direct >= 0.85,
+    )
+    result.floor("direct >= 4x the per-tensor loop", loop / direct, ">= 4", loop / direct >= 4)
+    cached_blocked = stats["slipstream cached"][1]
+    result.floor(
+        "cached blocks the trainer <= 2x a warm memcpy (ratio)",
+        cached_blocked / memcpy_s,
+        "<= 2",
+        cached_blocked / memcpy_s <= 2,
+    )
+    shm = stats["slipstream direct shm"][0]
+    result.floor(
+        "colocated (shm, direct) >= 2x raw-broadcast throughput",
+        raw_s / shm,
+        ">= 2",
+        raw_s / shm >= 2,
+    )
+    result.notes.append(
+        "Every run ships changed bytes (the trainer negates each weight first), so "
+        "slipstream's skipping of unchanged tensors never kicks in here."
+    )
+    result.notes.append(
+        "The verl-style baseline is written here after verl's checkpoint engine: host cache, "
+        "then bucket copy, then broadcast, one bucket buffer, no overlap; its cache is "
+        "allocated once (verl allocated fresh pinned buffers every sync)."
+    )
+    for floor in result.floors:
+        print(f"{'PASS' if floor.passed else 'MISS'} {floor.claim}: {floor.measured}")
+    for row in rows:
+        print(row)
+    result.write(args.out)
+
+
+if __name__ == "__main__":
+    main()

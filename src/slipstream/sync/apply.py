@@ -1,0 +1,159 @@
+"""Where received bytes go: an ``nn.Module`` (in place, by name) or a ``load_weights`` callable.
+
+:class:`ModuleTarget` checks the whole plan against the module before any byte is received
+(missing names, shape or dtype mismatches, non-contiguous parameters, all listed at once) and
+then copies each received slice straight into the parameter's bytes.
+
+:class:`CallableTarget` hands ``load_weights`` whole tensors only: a tensor that fits in one
+slice is passed as a view of the receive buffer; a tensor split over several buckets is
+reassembled in a buffer kept for it (allocated once per plan) and passed after its last
+bucket. Tensors passed are valid only during the call: copy what you keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..core.buffers import as_bytes
+from ..errors import SyncError
+from .plan import BucketPlan, Slice, TensorSpec
+
+NameMap = Mapping[str, str] | Callable[[str], str | None] | None
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
+
+
+def map_name(name_map: NameMap, name: str) -> str | None:
+    if name_map is None:
+        return name
+    if callable(name_map):
+        return name_map(name)
+    return name_map.get(name, name)
+
+
+class ModuleTarget:
+    """Copies into ``module``'s parameters and buffers, matched by (mapped) name."""
+
+    kind = "module"
+
+    def __init__(self, module: nn.Module, name_map: NameMap = None) -> None:
+        self.module = module
+        self.name_map = name_map
+        self._dest: dict[int, torch.Tensor] = {}
+
+    def check(self, plan: BucketPlan) -> list[str]:
+        """Every problem between the plan and the module, as messages naming the tensors."""
+        own = dict(self.module.named_parameters())
+        own.update(dict(self.module.named_buffers()))
+        missing, shapes, dtypes, layout = [], [], [], []
+        self._dest = {}
+        for i, spec in enumerate(plan.specs):
+            name = map_name(self.name_map, spec.name)
+            if name is None:
+                continue
+            t = own.get(name)
+            if t is None:
+                missing.append(name if name == spec.name else f"{spec.name} -> {name}")
+            elif tuple(t.shape) != spec.shape:
+                shapes.append(f"{name}: sent {list(spec.shape)}, target {list(t.shape)}")
+            elif t.dtype != spec.torch_dtype:
+                dtypes.append(
+                    f"{name}: sent {spec.dtype}, target {str(t.dtype).removeprefix('torch.')}"
+                )
+            elif not t.is_contiguous():
+                layout.append(name)
+            else:
+                self._dest[i] = as_bytes(t.data)
+        problems = []
+        if missing:
+            problems.append(f"not in the target: {missing}")
+        if shapes:
+            problems.append(f"shape mismatch: {shapes}")
+        if dtypes:
+            problems.append(f"dtype mismatch: {dtypes}")
+        if layout:
+            problems.append(f"non-contiguous in the target: {layout}")
+        return problems
+
+    def write(self, s: Slice, data: torch.Tensor) -> None:
+        dest = self._dest.get(s.tensor)
+        if dest is not None:
+            dest[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(data)
+
+    def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+
+class CallableTarget:
+    """Calls ``load_weights(list[(name, tensor)])`` with whole tensors, once per bucket."""
+
+    kind = "callable"
+
+    def __init__(
+        self,
+        load_weights: LoadWeights,
+        name_map: NameMap = None,
+        assembly: dict[tuple[str, int], torch.Tensor] | None = None,
+    ) -> None:
+        self.load_weights = load_weights
+        self.name_map = name_map
+        self._assembly = {} if assembly is None else assembly
+        self._plan_id = ""
+        self._batch: list[tuple[str, torch.Tensor]] = []
+
+    def check(self, plan: BucketPlan) -> list[str]:
+        """Nothing to check against a callable; drops reassembly buffers of older plans."""
+        self._plan_id = plan.plan_id
+        for key in [k for k in self._assembly if k[0] != plan.plan_id]:
+            del self._assembly[key]
+        return []
+
+    def assembly(self, i: int, spec: TensorSpec) -> torch.Tensor:
+        buf = self._assembly.get((self._plan_id, i))
+        if buf is None:
+            buf = torch.empty(spec.nbytes, dtype=torch.uint8)
+            self._assembly[(self._plan_id, i)] = buf
+        return buf
+
+    def write(self, s: Slice, data: torch.Tensor) -> None:
+        return None
+
+    def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
+        """Queue tensor ``i``; ``whole`` holds its bytes (else its reassembly buffer does)."""
+        name = map_name(self.name_map, spec.name)
+        if name is None:
+            return
+        data = whole if whole is not None else self._assembly[(self._plan_id, i)]
+        self._batch.append((name, data.view(spec.torch_dtype).view(spec.shape)))
+
+    def flush(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.load_weights(batch)
+
+
+def make_target(
+    target: nn.Module | LoadWeights,
+    name_map: NameMap,
+    assembly: dict[tuple[str, int], torch.Tensor],
+) -> ModuleTarget | CallableTarget:
+    if isinstance(target, nn.Module):
+        return ModuleTarget(target, name_map)
+    if callable(target):
+        return CallableTarget(target, name_map, assembly)
+    raise TypeError(
+        f"target must be an nn.Module or a load_weights callable, got {type(target).__name__}"
+    )
+
+
+def raise_problems(problems: list[str], version: int, rank: int) -> None:
+    if problems:
+        raise SyncError(
+            f"rollout rank {rank} rejected version {version} before applying any byte: "
+            + "; ".join(problems)
+        )

@@ -1,0 +1,116 @@
+"""Reading the trainer's tensors bucket by bucket and packing them into payloads.
+
+:class:`BucketSources` walks the plan's buckets in order and materialises only the tensors
+the current bucket needs: a DTensor is gathered (``full_tensor``) when its first bucket comes
+up and dropped after its last, so at most the tensors of one bucket (plus one that spans
+several) are ever gathered at once, never the whole model. Every trainer rank walks the same
+buckets in the same order, so the DTensor gathers (collectives on the user's mesh, run on the
+caller's thread) match across ranks.
+
+:func:`pack_slices` copies a bucket's slices into a payload buffer, takes an xxh3 checksum of
+each copied slice, and leaves out (rewinds over) slices whose checksum says every rollout
+already holds those bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..core.buffers import as_bytes, byte_view
+from ..core.checksum import checksum
+from .plan import BucketPlan, Slice, align
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: object) -> bool:
+    return bool(DTensor) and isinstance(t, DTensor)
+
+
+class BucketSources:
+    """The tensors bucket ``g`` reads, materialised lazily and released after their last bucket."""
+
+    def __init__(self, plan: BucketPlan, tensors: Sequence[torch.Tensor], rank: int) -> None:
+        self.plan = plan
+        self.tensors = tensors
+        self.rank = rank
+        self._live: dict[int, torch.Tensor] = {}
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+
+    def enter(self, g: int) -> None:
+        """Materialise the tensors that start in bucket ``g`` (gathers run on every rank)."""
+        owner = self.plan.buckets[g].owner == self.rank
+        for s in self.plan.bucket_slices(g):
+            i = s.tensor
+            if i in self._live or self.plan.first_bucket[i] != g:
+                continue
+            t = self.tensors[i]
+            if is_dtensor(t):
+                full = t.full_tensor()
+                self.gathered_bytes += self.plan.specs[i].nbytes
+                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+                if self._owns_any(i):
+                    self._live[i] = full.detach().contiguous()
+                else:
+                    self.gathered_bytes -= self.plan.specs[i].nbytes
+            elif owner or self._owns_any(i):
+                self._live[i] = t.detach().contiguous()
+
+    def _owns_any(self, i: int) -> bool:
+        first, last = self.plan.first_bucket[i], self.plan.last_bucket[i]
+        return any(self.plan.buckets[g].owner == self.rank for g in range(first, last + 1))
+
+    def leave(self, g: int) -> None:
+        """Release the tensors whose last slice is in bucket ``g``."""
+        for s in self.plan.bucket_slices(g):
+            i = s.tensor
+            if self.plan.last_bucket[i] == g and i in self._live:
+                del self._live[i]
+                if is_dtensor(self.tensors[i]):
+                    self.gathered_bytes -= self.plan.specs[i].nbytes
+
+    def slice_bytes(self, s: Slice) -> torch.Tensor:
+        return as_bytes(self._live[s.tensor])[s.tensor_offset : s.tensor_offset + s.nbytes]
+
+
+def slice_checksum(data: torch.Tensor) -> int | None:
+    """xxh3 of a CPU byte range; ``None`` (always resend) for device memory."""
+    if data.device.type != "cpu":
+        return None
+    return checksum(byte_view(data))
+
+
+def pack_slices(
+    slices: Sequence[Slice],
+    read: Callable[[Slice], torch.Tensor],
+    out: torch.Tensor,
+    unchanged: Callable[[int, int | None], bool],
+    first_slice: int,
+) -> tuple[list[int], int, dict[int, int]]:
+    """Copy the changed slices into ``out`` back to back (``ALIGN``-aligned).
+
+    ``unchanged(slice_index, checksum)`` decides, after the copy, whether the slice may be left
+    out. Returns the include mask, the payload size and each slice's checksum.
+    """
+    mask: list[int] = []
+    sums: dict[int, int] = {}
+    cursor = 0
+    for k, s in enumerate(slices):
+        pos = align(cursor)
+        dst = out[pos : pos + s.nbytes]
+        dst.copy_(read(s))
+        cs = slice_checksum(dst)
+        if cs is not None:
+            sums[first_slice + k] = cs
+        if unchanged(first_slice + k, cs):
+            mask.append(0)
+        else:
+            mask.append(1)
+            cursor = pos + s.nbytes
+    return mask, cursor, sums

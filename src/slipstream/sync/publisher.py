@@ -1,0 +1,437 @@
+"""The trainer side: :class:`WeightPublisher`.
+
+One publish is one *round* ``k`` (rounds are counted identically on every rank):
+
+1. every rollout writes a request ``req/{r}/{k}`` with the version it holds completely
+   (so a publish waits while a rollout is still applying the previous one);
+2. the lead trainer (``trainer_ranks[0]``) writes ``round/{k}`` = version and plan id (the
+   plan's metadata crosses the store once per layout, under ``plan/{id}``);
+3. each trainer packs the buckets it owns and sends them (pipelined over ``num_slots``
+   reused buffers); a slice whose checksum matches the one it had in the version every
+   rollout holds is left out;
+4. every rollout acknowledges with ``ack/{r}/{k}``; then ``delivered`` resolves.
+
+Threads: in ``direct`` mode the caller's thread packs (reading live tensors, gathering
+DTensors on the user's mesh) and issues asynchronous sends on the sync group; in ``cached``
+mode the caller's thread only snapshots into a reused host cache and the publisher's one
+worker thread, ``slipstream-sync-publisher``, does steps 1-4 from that cache. The worker
+only ever talks to the sync group's own store and process groups, never to a group the user
+also uses. :meth:`WeightPublisher.close` (or the context manager) joins it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.buffers import StagingPool
+from ..errors import PeerTimeoutError, SyncError
+from .group import SyncGroup
+from .packing import BucketSources, pack_slices, slice_checksum
+from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
+from .shm import ShmSender, new_ring_path
+from .transport import BroadcastSender, Sender
+
+MODES = ("direct", "cached")
+TRANSPORTS = ("auto", "broadcast", "shm")
+SHM_HEADER_CAP = 64 * 1024
+
+
+@dataclass
+class PublishHandle:
+    """``staged``: the trainer may change its weights. ``delivered``: every rollout holds
+    ``version`` (its result is the version). Both are ``concurrent.futures.Future``."""
+
+    version: int
+    staged: Future = field(default_factory=Future)
+    delivered: Future = field(default_factory=Future)
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.delivered.result(timeout)
+
+
+def named_items(named_tensors: Mapping | Iterable) -> list[tuple[str, torch.Tensor]]:
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    seen = set()
+    for name, t in items:
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} is published twice")
+        seen.add(name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+    return items
+
+
+def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
+
+
+class WeightPublisher:
+    """Publishes named tensors from ``trainer_ranks`` to ``rollout_ranks`` over ``group``.
+
+    Every trainer rank constructs one (with the same arguments) and calls :meth:`publish`
+    with the same names, shapes, dtypes and version. Construction sets up the transport
+    and waits (up to the group's timeout) for the rollouts to construct their subscribers.
+
+    Invariants: versions strictly increase; a round starts only once every rollout asked
+    for it; ``staged`` resolves only after the last byte this rank reads from the caller's
+    tensors has been copied.
+    """
+
+    def __init__(
+        self,
+        group: SyncGroup,
+        trainer_ranks: Sequence[int],
+        rollout_ranks: Sequence[int],
+        bucket_bytes: int = 64 * 2**20,
+        mode: str = "direct",
+        transport: str = "auto",
+        num_slots: int = 2,
+        timeout: float | None = None,
+        channel: str = "weights",
+        history: int = 8,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if group.rank not in trainer_ranks:
+            raise ValueError(f"rank {group.rank} is not among trainer_ranks {list(trainer_ranks)}")
+        if set(trainer_ranks) & set(rollout_ranks):
+            raise ValueError("a rank cannot be both a trainer and a rollout")
+        if num_slots < 2:
+            raise ValueError("num_slots must be at least 2 to overlap packing and sending")
+        self.channel = channel
+        self.group = group.channel(f"channel/{channel}")
+        self.rank = group.rank
+        self.trainer_ranks = list(trainer_ranks)
+        self.rollout_ranks = list(rollout_ranks)
+        self.leader = self.trainer_ranks[0]
+        self.bucket_bytes = bucket_bytes
+        self.mode = mode
+        self.timeout = group.timeout if timeout is None else timeout
+        self.history = history
+        self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
+        self.bytes_sent = 0
+        self.peak_gathered_bytes = 0
+        self._round = 0
+        self._last_version: int | None = None
+        self._plan: BucketPlan | None = None
+        self._announced: set[str] = set()
+        self._checksums: dict[int, dict[int, int]] = {}
+        self._pool = StagingPool(pin=torch.cuda.is_available())
+        self._cache: torch.Tensor | None = None
+        self._cache_offsets: dict[int, int] = {}
+        self._cache_version: int | None = None
+        self._last_round: Future | None = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
+        self.transport = self._choose_transport(transport)
+        self._sender = self._make_sender(num_slots)
+        self._thread = threading.Thread(
+            target=self._work, name="slipstream-sync-publisher", daemon=True
+        )
+        self._thread.start()
+
+    def _choose_transport(self, transport: str) -> str:
+        local = self.group.colocated(self.rollout_ranks) and self.group.device.type == "cpu"
+        if transport == "shm" and not local:
+            raise ValueError(
+                f"transport='shm' needs every rollout on trainer rank {self.rank}'s host "
+                "and host buffers"
+            )
+        if transport == "auto":
+            return "shm" if local else "broadcast"
+        return transport
+
+    def _make_sender(self, num_slots: int) -> Sender:
+        info = {"kind": self.transport, "bucket_bytes": self.bucket_bytes, "num_slots": num_slots}
+        if self.transport == "broadcast":
+            self.group.set_json(f"transport/{self.rank}", info)
+            pg = self.group.subgroup([self.rank, *self.rollout_ranks])
+            return BroadcastSender(
+                pg,
+                self.rank,
+                self.bucket_bytes,
+                SHM_HEADER_CAP,
+                num_slots,
+                self.timeout,
+                self.group.device,
+            )
+        path = new_ring_path(self.rank)
+        sender = ShmSender(
+            path,
+            self.rank,
+            self.bucket_bytes,
+            SHM_HEADER_CAP,
+            num_slots,
+            self.rollout_ranks,
+            [self.group.pids[r] for r in self.rollout_ranks],
+            self.timeout,
+        )
+        info.update(path=path, header_cap=SHM_HEADER_CAP, pid=self.group.pids[self.rank])
+        self.group.set_json(f"transport/{self.rank}", info)
+        try:
+            self.group.wait_keys(
+                {r: f"transport/{self.rank}/opened/{r}" for r in self.rollout_ranks},
+                f"rollouts to map trainer rank {self.rank}'s shared-memory ring",
+                self.timeout,
+            )
+        finally:
+            sender.unlink()
+        return sender
+
+    # ----------------------------------------------------------------------------- publish
+    def publish(self, named_tensors: Mapping | Iterable, version: int) -> PublishHandle:
+        """Send ``named_tensors`` as ``version`` to every rollout.
+
+        ``direct``: returns once this rank packed its last bucket (``staged`` resolved); the
+        sends finish in the background. ``cached``: returns once the weights are snapshotted
+        into the host cache; the worker thread sends from the cache.
+        """
+        if self._closed:
+            raise SyncError("publish on a closed WeightPublisher")
+        if self._last_version is not None and version <= self._last_version:
+            raise ValueError(f"versions must increase: got {version} after {self._last_version}")
+        items = named_items(named_tensors)
+        handle = PublishHandle(version)
+        self._wait_previous_round()
+        try:
+            plan = self._plan_for([spec_of(n, t) for n, t in items])
+            tensors = [t for _, t in items]
+            k = self._round
+            self._round += 1
+            self._last_version = version
+            if self.mode == "direct":
+                helds = self._start_round(k, version, plan)
+                self._pack_and_send(plan, BucketSources(plan, tensors, self.rank), helds, version)
+                handle.staged.set_result(None)
+                job = lambda: self._finish_round(k, version)  # noqa: E731
+            else:
+                self._snapshot(plan, tensors, version)
+                handle.staged.set_result(None)
+                job = lambda: self._serve_cached(k, version, plan)  # noqa: E731
+        except BaseException as exc:
+            for fut in (handle.staged, handle.delivered):
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
+        self._last_round = handle.delivered
+        self._jobs.put((job, handle))
+        return handle
+
+    def _wait_previous_round(self) -> None:
+        previous = self._last_round
+        if previous is None:
+            return
+        try:
+            previous.exception(timeout=self.timeout)
+        except TimeoutError:
+            raise PeerTimeoutError(
+                f"trainer rank {self.rank}: the previous publish was not delivered within "
+                f"{self.timeout:.1f} s; rollout versions: {self.rollout_versions}"
+            ) from None
+
+    def _plan_for(self, specs: list[TensorSpec]) -> BucketPlan:
+        plan = self._plan
+        if plan is None or plan.specs != tuple(specs):
+            plan = BucketPlan.build(specs, self.bucket_bytes, self.trainer_ranks)
+            if plan.max_header_bytes > SHM_HEADER_CAP:
+                raise ValueError(
+                    f"a bucket holds {plan.max_header_bytes - 8} slices, more than "
+                    f"{SHM_HEADER_CAP - 8}; use a smaller bucket_bytes"
+                )
+            self._plan = plan
+            self._checksums.clear()
+            self._cache_version = None
+        if self.rank == self.leader and plan.plan_id not in self._announced:
+            self.group.set_json(
+                f"plan/{plan.plan_id}",
+                layout_json(plan.specs, plan.bucket_bytes, plan.trainer_ranks),
+            )
+            self._announced.add(plan.plan_id)
+        return plan
+
+    def _start_round(self, k: int, version: int, plan: BucketPlan) -> dict[int, int | None]:
+        """Wait for every rollout's request, agree on the round, return what each holds."""
+        self.group.wait_keys(
+            {r: f"req/{r}/{k}" for r in self.rollout_ranks},
+            f"rollouts to ask for version {version} (round {k})",
+            self.timeout,
+        )
+        helds: dict[int, int | None] = {}
+        for r in self.rollout_ranks:
+            helds[r] = self.group.get_json(f"req/{r}/{k}", r, "a rollout request")["held"]
+        round_info = {"version": version, "plan": plan.plan_id}
+        if self.rank == self.leader:
+            self.group.set_json(f"round/{k}", round_info)
+        else:
+            agreed = self.group.get_json(
+                f"round/{k}", self.leader, f"round {k} from the lead trainer"
+            )
+            if agreed != round_info:
+                raise SyncError(
+                    f"trainer rank {self.rank} publishes {round_info} but lead trainer rank "
+                    f"{self.leader} publishes {agreed} in round {k}: ranks disagree on the "
+                    "version or on the tensors' names/shapes/dtypes"
+                )
+        return helds
+
+    def _unchanged_fn(self, helds: dict[int, int | None]):
+        held_sums = []
+        for v in set(helds.values()):
+            sums = self._checksums.get(v) if v is not None else None
+            if sums is None:
+                return lambda i, cs: False
+            held_sums.append(sums)
+        if not held_sums:
+            return lambda i, cs: False
+        return lambda i, cs: cs is not None and all(s.get(i) == cs for s in held_sums)
+
+    def _remember(self, version: int, sums: dict[int, int]) -> None:
+        self._checksums[version] = sums
+        while len(self._checksums) > self.history:
+            del self._checksums[min(self._checksums)]
+
+    def _pack_and_send(
+        self, plan: BucketPlan, sources: BucketSources, helds: dict[int, int | None], version: int
+    ) -> None:
+        unchanged = self._unchanged_fn(helds)
+        sums: dict[int, int] = {}
+        for bucket in plan.buckets:
+            g = bucket.index
+            sources.enter(g)
+            if bucket.owner == self.rank:
+                out = self._sender.next_buffer()
+                mask, nbytes, bucket_sums = pack_slices(
+                    plan.bucket_slices(g), sources.slice_bytes, out, unchanged, bucket.first_slice
+                )
+                sums.update(bucket_sums)
+                header = encode_header(
+                    torch.empty(bucket.header_bytes, dtype=torch.uint8), nbytes, mask
+                )
+                self._sender.submit(header.to(out.device), out[:nbytes])
+            sources.leave(g)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
+        self._remember(version, sums)
+
+    def _snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor], version: int) -> None:
+        """Copy this rank's buckets into the reused host cache (bucket-by-bucket gathers)."""
+        owned = plan.owned(self.rank)
+        offsets: dict[int, int] = {}
+        total = 0
+        for g in owned:
+            offsets[g] = total
+            total += plan.buckets[g].nbytes
+        cache = self._pool.acquire("sync-cache", max(total, 1))
+        self._pool.release("sync-cache")
+        sources = BucketSources(plan, tensors, self.rank)
+        for bucket in plan.buckets:
+            g = bucket.index
+            sources.enter(g)
+            if bucket.owner == self.rank:
+                base = offsets[g]
+                for s in plan.bucket_slices(g):
+                    start = base + s.bucket_offset
+                    cache[start : start + s.nbytes].copy_(sources.slice_bytes(s))
+            sources.leave(g)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
+        self._cache, self._cache_offsets, self._cache_version = cache, offsets, version
+
+    # ------------------------------------------------------------------- worker thread
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, handle = item
+            try:
+                handle.delivered.set_result(job())
+            except BaseException as exc:
+                handle.delivered.set_exception(exc)
+
+    def _serve_cached(self, k: int, version: int, plan: BucketPlan) -> int:
+        helds = self._start_round(k, version, plan)
+        unchanged = self._unchanged_fn(helds)
+        sums: dict[int, int] = {}
+        cache = self._cache
+        assert cache is not None
+        for g in plan.owned(self.rank):
+            bucket = plan.buckets[g]
+            base = self._cache_offsets[g]
+            view = cache[base : base + bucket.nbytes]
+
+            def cached(s: Slice, view: torch.Tensor = view) -> torch.Tensor:
+                return view[s.bucket_offset : s.bucket_offset + s.nbytes]
+
+            slices = plan.bucket_slices(g)
+            mask = []
+            for j, s in enumerate(slices):
+                cs = slice_checksum(cached(s))
+                if cs is not None:
+                    sums[bucket.first_slice + j] = cs
+                mask.append(0 if unchanged(bucket.first_slice + j, cs) else 1)
+            header = torch.empty(bucket.header_bytes, dtype=torch.uint8)
+            if all(mask):  # the cache already holds the payload: send it without a copy
+                self._sender.submit(encode_header(header, bucket.nbytes, mask), view)
+                continue
+            out = self._sender.next_buffer()
+            kept = [s for s, m in zip(slices, mask, strict=True) if m]
+            _, nbytes, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
+            self._sender.submit(encode_header(header, nbytes, mask), out[:nbytes])
+        self._remember(version, sums)
+        return self._finish_round(k, version)
+
+    def _finish_round(self, k: int, version: int) -> int:
+        """Wait until every send left and every rollout acknowledged round ``k``."""
+        self._sender.flush()
+        self.bytes_sent = self._sender.bytes_sent
+        self.group.wait_keys(
+            {r: f"ack/{r}/{k}" for r in self.rollout_ranks},
+            f"rollouts to acknowledge version {version}",
+            self.timeout,
+        )
+        errors = []
+        for r in self.rollout_ranks:
+            ack = self.group.get_json(f"ack/{r}/{k}", r, "an acknowledgement")
+            self.rollout_versions[r] = ack.get("holds")
+            if ack.get("error"):
+                errors.append(f"rollout rank {r}: {ack['error']}")
+        if errors:
+            raise SyncError(f"version {version} was not applied everywhere: " + "; ".join(errors))
+        return version
+
+    def staleness(self) -> dict[int, int | None]:
+        """Versions behind the last publish, per rollout (``None``: holds no complete version)."""
+        last = self._last_version
+        return {
+            r: None if v is None or last is None else last - v
+            for r, v in self.rollout_versions.items()
+        }
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued rounds (up to ``timeout``), stop and join the worker, free buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(self.timeout if timeout is None else timeout)
+        if self._thread.is_alive():
+            raise PeerTimeoutError(
+                f"trainer rank {self.rank}: the publisher's worker did not finish within "
+                f"{self.timeout:.1f} s (a rollout is not receiving?)"
+            )
+        self._sender.close()
+        self._pool.clear()
+        self._cache = None
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,253 @@
+"""Colocated transport: a ring of bucket slots in a shared-memory file mapped by both sides.
+
+The owning trainer creates ``/dev/shm/slipstream-sync-*`` holding a control block and
+``num_slots`` slots (a header area, then ``bucket_bytes`` of payload). Message ``m`` (1-based)
+goes to slot ``(m - 1) % num_slots``. Handshake, one 8-byte word each:
+
+- the trainer writes the slot's header and payload, then sets ``ready[slot] = m``;
+- each reader ``j`` waits for ``ready[slot] >= m``, consumes the slot, then sets
+  ``acked[slot][j] = m``;
+- the trainer reuses a slot for message ``m + num_slots`` only once every reader acked ``m``.
+
+The file is unlinked as soon as every reader has mapped it, so nothing is left behind if
+either side dies. Waits poll with short sleeps, check that the peer process is alive, and
+time out naming the peer rank. Stores are ordered on x86 (TSO), so a reader that sees
+``ready`` also sees the bytes written before it.
+
+Invariant: a slot is never rewritten while a reader may still be reading it, and a reader
+never reads a slot before the trainer published it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+
+import torch
+
+from ..errors import PeerTimeoutError, SyncError
+from .transport import Pending
+
+PAGE = 4096
+CTRL_PER_SLOT_FIXED = 1
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+class _Ring:
+    """The mapped file and the views both sides share."""
+
+    def __init__(
+        self,
+        path: str,
+        num_slots: int,
+        num_readers: int,
+        bucket_bytes: int,
+        header_cap: int,
+        create: bool,
+    ) -> None:
+        self.path = path
+        self.num_slots = num_slots
+        self.num_readers = num_readers
+        self.header_cap = _round_up(header_cap, 64)
+        words = num_slots * (CTRL_PER_SLOT_FIXED + num_readers)
+        self.ctrl_bytes = _round_up(words * 8)
+        self.slot_stride = _round_up(self.header_cap + bucket_bytes)
+        size = self.ctrl_bytes + num_slots * self.slot_stride
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        if create:
+            self.buf.zero_()
+        self.ctrl = self.buf[: self.ctrl_bytes].view(torch.int64)
+        self.bucket_bytes = bucket_bytes
+
+    def ready_word(self, slot: int) -> int:
+        return slot * (CTRL_PER_SLOT_FIXED + self.num_readers)
+
+    def ack_word(self, slot: int, reader: int) -> int:
+        return self.ready_word(slot) + CTRL_PER_SLOT_FIXED + reader
+
+    def header(self, slot: int) -> torch.Tensor:
+        start = self.ctrl_bytes + slot * self.slot_stride
+        return self.buf[start : start + self.header_cap]
+
+    def payload(self, slot: int) -> torch.Tensor:
+        start = self.ctrl_bytes + slot * self.slot_stride + self.header_cap
+        return self.buf[start : start + self.bucket_bytes]
+
+    def close(self) -> None:
+        self.ctrl = self.buf = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _poll(cond, timeout: float, peer: str, peer_pid: int | None, what: str) -> None:
+    """Wait for ``cond()`` with short sleeps; fail fast if the peer died, else on timeout."""
+    if cond():
+        return
+    start = time.monotonic()
+    last_check = start
+    sleep = 0.0
+    while not cond():
+        now = time.monotonic()
+        if now - last_check > 0.05:
+            last_check = now
+            if peer_pid is not None and not _alive(peer_pid):
+                raise SyncError(f"{peer} (pid {peer_pid}) died while {what}")
+            if now - start > timeout:
+                raise PeerTimeoutError(f"{peer} did not answer within {timeout:.1f} s while {what}")
+        time.sleep(sleep)
+        sleep = min(2e-4, sleep + 2e-5)
+
+
+def new_ring_path(rank: int) -> str:
+    return f"/dev/shm/slipstream-sync-{os.getpid()}-{rank}-{uuid.uuid4().hex[:8]}"
+
+
+class ShmSender:
+    """The trainer's end of a ring: writes each message once for every colocated reader."""
+
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        bucket_bytes: int,
+        header_cap: int,
+        num_slots: int,
+        reader_ranks: list[int],
+        reader_pids: list[int],
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self.reader_ranks = reader_ranks
+        self.reader_pids = reader_pids
+        self.timeout = timeout
+        self.ring = _Ring(path, num_slots, len(reader_ranks), bucket_bytes, header_cap, True)
+        self._count = 0
+        self.bytes_sent = 0
+
+    def _wait_free(self, slot: int, message: int) -> None:
+        previous = message - self.ring.num_slots
+        if previous <= 0:
+            return
+        ctrl = self.ring.ctrl
+        for j, (rank, pid) in enumerate(zip(self.reader_ranks, self.reader_pids, strict=True)):
+            word = self.ring.ack_word(slot, j)
+            _poll(
+                lambda w=word: int(ctrl[w]) >= previous,
+                self.timeout,
+                f"rollout rank {rank}",
+                pid,
+                f"trainer rank {self.rank} waited for it to release a shared-memory slot",
+            )
+
+    def next_buffer(self) -> torch.Tensor:
+        slot = self._count % self.ring.num_slots
+        self._wait_free(slot, self._count + 1)
+        return self.ring.payload(slot)
+
+    def submit(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        message = self._count + 1
+        slot = self._count % self.ring.num_slots
+        self._wait_free(slot, message)
+        if header.numel() > self.ring.header_cap:
+            raise SyncError(
+                f"bucket header of {header.numel()} bytes exceeds the shared-memory slot's "
+                f"{self.ring.header_cap}; use a smaller bucket_bytes"
+            )
+        self.ring.header(slot)[: header.numel()].copy_(header)
+        target = self.ring.payload(slot)
+        n = payload.numel()
+        if n and payload.data_ptr() != target.data_ptr():
+            target[:n].copy_(payload)
+        self.bytes_sent += n
+        self.ring.ctrl[self.ring.ready_word(slot)] = message
+        self._count = message
+
+    def flush(self) -> None:
+        """Wait until every reader consumed every message (the slots are free again)."""
+        for k in range(min(self._count, self.ring.num_slots)):
+            message = self._count - k
+            slot = (message - 1) % self.ring.num_slots
+            self._wait_free(slot, message + self.ring.num_slots)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.ring.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.ring.close()
+
+
+class ShmReceiver:
+    """A rollout's end of a trainer's ring (reader index ``reader``)."""
+
+    def __init__(
+        self,
+        path: str,
+        reader: int,
+        num_readers: int,
+        root_rank: int,
+        root_pid: int,
+        bucket_bytes: int,
+        header_cap: int,
+        num_slots: int,
+        timeout: float,
+    ) -> None:
+        self.ring = _Ring(path, num_slots, num_readers, bucket_bytes, header_cap, False)
+        self.reader = reader
+        self.root_rank = root_rank
+        self.root_pid = root_pid
+        self.timeout = timeout
+        self._count = 0
+
+    def start(self, header_bytes: int) -> Pending:
+        message = self._count + 1
+        slot = self._count % self.ring.num_slots
+        self._count = message
+        ctrl = self.ring.ctrl
+        word = self.ring.ready_word(slot)
+        _poll(
+            lambda: int(ctrl[word]) >= message,
+            self.timeout,
+            f"trainer rank {self.root_rank}",
+            self.root_pid,
+            "a rollout waited for a bucket in shared memory",
+        )
+        header = self.ring.header(slot)[:header_bytes].clone()
+        payload_bytes = int(header[:8].view(torch.int64).item())
+        payload = self.ring.payload(slot)[:payload_bytes]
+
+        def release() -> None:
+            ctrl[self.ring.ack_word(slot, self.reader)] = message
+
+        return Pending(header, payload_bytes, lambda: payload, release)
+
+    def close(self) -> None:
+        self.ring.close()

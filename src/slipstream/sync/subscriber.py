@@ -1,0 +1,274 @@
+"""The rollout side: :class:`WeightSubscriber`.
+
+:meth:`WeightSubscriber.receive` runs on the caller's thread (the subscriber starts no
+thread) and only uses the sync group's own store and process groups. One call takes part in
+one round (see :mod:`.publisher`): it asks for a version newer than the one it holds, checks
+the plan against the target before any byte moves, receives bucket g while unpacking bucket
+g-1 (two reused buffers per trainer), then acknowledges.
+
+Invariant: :attr:`WeightSubscriber.version` is either a version whose every byte reached the
+target, or ``None``. A transfer that breaks part-way marks the subscriber as holding no
+complete version (``version is None``) until a later receive completes; with
+``atomic=True`` every byte is received into a host buffer first, so a broken transfer
+leaves the target and ``version`` exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..core.buffers import StagingPool
+from ..errors import SyncError
+from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
+from .group import SyncGroup
+from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
+from .shm import ShmReceiver
+from .transport import BroadcastReceiver, Receiver
+
+
+class WeightSubscriber:
+    """Receives the weights that ``trainer_ranks`` publish, on one of ``rollout_ranks``.
+
+    Construct on every rollout rank while the trainers construct their publishers (each
+    side waits for the other up to the group's timeout).
+    """
+
+    def __init__(
+        self,
+        group: SyncGroup,
+        trainer_ranks: Sequence[int],
+        rollout_ranks: Sequence[int],
+        timeout: float | None = None,
+        channel: str = "weights",
+    ) -> None:
+        if group.rank not in rollout_ranks:
+            raise ValueError(f"rank {group.rank} is not among rollout_ranks {list(rollout_ranks)}")
+        self.channel = channel
+        self.group = group.channel(f"channel/{channel}")
+        self.rank = group.rank
+        self.trainer_ranks = list(trainer_ranks)
+        self.rollout_ranks = list(rollout_ranks)
+        self.timeout = group.timeout if timeout is None else timeout
+        self.bytes_received = 0
+        self._round = 0
+        self._version: int | None = None
+        self._complete = False
+        self._held_by: tuple[str, bool] | None = None
+        self._plans: dict[str, BucketPlan] = {}
+        self._pool = StagingPool()
+        self._assembly: dict[tuple[str, int], torch.Tensor] = {}
+        self.transports: dict[int, str] = {}
+        self._receivers: dict[int, Receiver] = {t: self._connect(t) for t in self.trainer_ranks}
+
+    def _connect(self, trainer: int) -> Receiver:
+        info = self.group.get_json(
+            f"transport/{trainer}", trainer, f"trainer rank {trainer}'s publisher", self.timeout
+        )
+        self.transports[trainer] = info["kind"]
+        if info["kind"] == "broadcast":
+            pg = self.group.subgroup([trainer, *self.rollout_ranks])
+            return BroadcastReceiver(
+                pg,
+                trainer,
+                info["bucket_bytes"],
+                64 * 1024,
+                info["num_slots"],
+                self.timeout,
+                self.group.device,
+            )
+        receiver = ShmReceiver(
+            info["path"],
+            self.rollout_ranks.index(self.rank),
+            len(self.rollout_ranks),
+            trainer,
+            info["pid"],
+            info["bucket_bytes"],
+            info["header_cap"],
+            info["num_slots"],
+            self.timeout,
+        )
+        self.group.set_json(f"transport/{trainer}/opened/{self.rank}", True)
+        return receiver
+
+    @property
+    def version(self) -> int | None:
+        """The version this rank holds completely, or ``None``."""
+        return self._version if self._complete else None
+
+    @property
+    def complete(self) -> bool:
+        return self._complete
+
+    def receive(
+        self,
+        target: nn.Module | LoadWeights,
+        name_map: NameMap = None,
+        atomic: bool = False,
+        full: bool = False,
+    ) -> int:
+        """Wait for the next published version and apply it to ``target``; return it.
+
+        ``name_map`` maps published names to the target's (a dict or a function; a name
+        mapped to ``None`` is not applied). ``full=True`` asks for every byte (use it when
+        ``target`` does not hold :attr:`version`, e.g. a fresh engine); otherwise tensors
+        unchanged since the held version are not resent.
+        """
+        sink = make_target(target, name_map, self._assembly)
+        held_key = (sink.kind, atomic)
+        held = self.version if (not full and self._held_by == held_key) else None
+        k = self._round
+        self._round += 1
+        self.group.set_json(f"req/{self.rank}/{k}", {"held": held})
+        leader = self.trainer_ranks[0]
+        info = self.group.get_json(
+            f"round/{k}", leader, f"lead trainer rank {leader} to start round {k}", self.timeout
+        )
+        version = info["version"]
+        try:
+            if self._version is not None and version <= self._version:
+                raise SyncError(
+                    f"rollout rank {self.rank} holds version {self._version} but was sent "
+                    f"{version}: versions must increase"
+                )
+            plan = self._plan(info["plan"], leader)
+            problems = sink.check(plan)
+            if problems:
+                self._receive_all(plan, sink, "drain")
+                raise_problems(problems, version, self.rank)
+            if atomic:
+                got = self._receive_all(plan, sink, "stream")
+                self._complete = False
+                self._apply_stream(plan, sink, got)
+            else:
+                self._complete = False
+                self._receive_all(plan, sink, "target")
+        except BaseException as exc:
+            self._ack(k, {"holds": self.version, "error": str(exc)[:2000]})
+            raise
+        self._version = version
+        self._complete = True
+        self._held_by = held_key
+        self._ack(k, {"holds": version})
+        return version
+
+    def _ack(self, k: int, value: dict) -> None:
+        try:
+            self.group.set_json(f"ack/{self.rank}/{k}", value)
+        except (RuntimeError, SyncError):
+            pass
+
+    def _plan(self, plan_id: str, leader: int) -> BucketPlan:
+        plan = self._plans.get(plan_id)
+        if plan is None:
+            meta = self.group.get_json(f"plan/{plan_id}", leader, f"plan {plan_id}", self.timeout)
+            plan = plan_from_json(meta)
+            if plan.plan_id != plan_id:
+                raise SyncError(f"plan {plan_id} from trainer rank {leader} does not match its id")
+            self._plans = {plan_id: plan}
+        return plan
+
+    def _receive_all(
+        self, plan: BucketPlan, sink: ModuleTarget | CallableTarget, into: str
+    ) -> _Received:
+        """Receive every bucket, pipelined: bucket g arrives while bucket g-1 is unpacked.
+
+        ``into``: ``"target"`` applies each bucket as it lands; ``"stream"`` copies it into
+        a host buffer laid out as the plan's stream (applied later); ``"drain"`` discards.
+        """
+        got = _Received()
+        if into == "stream":
+            got.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
+            self._pool.release("sync-atomic")
+        pending = None
+        for bucket in plan.buckets:
+            receiver = self._receivers[bucket.owner]
+            current = (bucket.index, receiver.start(bucket.header_bytes))
+            if pending is not None:
+                self._unpack(plan, sink, into, got, *pending)
+            pending = current
+        if pending is not None:
+            self._unpack(plan, sink, into, got, *pending)
+        return got
+
+    def _unpack(
+        self,
+        plan: BucketPlan,
+        sink: ModuleTarget | CallableTarget,
+        into: str,
+        got: _Received,
+        g: int,
+        pending,
+    ) -> None:
+        payload = pending.finish()
+        slices = plan.bucket_slices(g)
+        _, mask = decode_header(pending.header, len(slices))
+        offsets, size = payload_offsets(slices, mask)
+        if size != pending.payload_bytes:
+            raise SyncError(
+                f"bucket {g} from trainer rank {plan.buckets[g].owner} holds "
+                f"{pending.payload_bytes} bytes, the plan expects {size}"
+            )
+        self.bytes_received += size
+        whole: dict[int, torch.Tensor] = {}
+        for s, keep, off in zip(slices, mask, offsets, strict=True):
+            if keep:
+                data = payload[off : off + s.nbytes]
+                got.dirty.add(s.tensor)
+                if into == "stream":
+                    start = g * plan.bucket_bytes + s.bucket_offset
+                    got.stream[start : start + s.nbytes].copy_(data)
+                    got.slices.append((g, s))
+                elif into == "target":
+                    sink.write(s, data)
+                    if isinstance(sink, CallableTarget):
+                        if s.nbytes == plan.specs[s.tensor].nbytes:
+                            whole[s.tensor] = data
+                        else:
+                            buf = sink.assembly(s.tensor, plan.specs[s.tensor])
+                            buf[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(data)
+            if into == "target" and s.tensor in got.dirty and plan.last_bucket[s.tensor] == g:
+                if isinstance(sink, CallableTarget) and s.tensor not in whole:
+                    sink.assembly(s.tensor, plan.specs[s.tensor])
+                sink.tensor_done(s.tensor, plan.specs[s.tensor], whole.get(s.tensor))
+        if into == "target":
+            sink.flush()
+        pending.release()
+
+    def _apply_stream(
+        self, plan: BucketPlan, sink: ModuleTarget | CallableTarget, got: _Received
+    ) -> None:
+        """Apply what :meth:`_receive_all` gathered into the stream buffer."""
+        stream = got.stream
+        for g, s in got.slices:
+            start = g * plan.bucket_bytes + s.bucket_offset
+            sink.write(s, stream[start : start + s.nbytes])
+        for i in sorted(got.dirty):
+            start = plan.stream_offset[i]
+            sink.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
+        sink.flush()
+
+    def close(self) -> None:
+        """Unmap shared memory and free buffers (the group stays open)."""
+        for receiver in self._receivers.values():
+            receiver.close()
+        self._receivers.clear()
+        self._pool.clear()
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _Received:
+    """What one receive gathered: tensors with new bytes, and (buffered) the stream."""
+
+    dirty: set[int] = field(default_factory=set)
+    slices: list[tuple[int, Slice]] = field(default_factory=list)
+    stream: torch.Tensor | None = None

@@ -1,0 +1,179 @@
+"""Moving one bucket (header + payload) from its owning trainer to every rollout rank.
+
+Two transports share one interface:
+
+- :class:`BroadcastSender` / :class:`BroadcastReceiver`: a broadcast over a process group of
+  the owning trainer and the rollout ranks (built from the sync group's store, so no other
+  trainer ever receives another's bucket);
+- :mod:`.shm`: a ring of bucket slots in a shared-memory file, for colocated ranks.
+
+A sender keeps ``num_slots`` reused buffers and hands out the next one with
+:meth:`next_buffer` (waiting until its previous message has left); :meth:`submit` queues a
+message without waiting for it, so the caller packs bucket g+1 while bucket g is in flight.
+A receiver's :meth:`start` posts the receive of the next message and returns a
+:class:`Pending` whose :meth:`Pending.finish` waits for it, so the caller unpacks bucket g-1
+while bucket g arrives.
+
+Invariant: a buffer is never written while a message it holds is still in flight, and every
+wait has a timeout naming the peer rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..core.buffers import allocate_host
+from ..errors import SyncError
+from .plan import HEADER_PREFIX
+
+
+class Sender(Protocol):
+    bytes_sent: int
+
+    def next_buffer(self) -> torch.Tensor: ...
+    def submit(self, header: torch.Tensor, payload: torch.Tensor) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class Pending:
+    """A message being received: ``finish()`` returns ``(header, payload)`` once it is in."""
+
+    header: torch.Tensor
+    payload_bytes: int
+    finish_fn: Callable[[], torch.Tensor]
+    release_fn: Callable[[], None]
+
+    def finish(self) -> torch.Tensor:
+        return self.finish_fn()
+
+    def release(self) -> None:
+        self.release_fn()
+
+
+class Receiver(Protocol):
+    def start(self, header_bytes: int) -> Pending: ...
+    def close(self) -> None: ...
+
+
+def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return allocate_host(nbytes, pin=False)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _wait(work: dist.Work, timeout: float, what: str) -> None:
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise SyncError(f"{what} failed or timed out after {timeout:.1f} s: {exc}") from exc
+
+
+class BroadcastSender:
+    """Sends buckets from ``rank`` (root 0 of ``pg``) to every other member of ``pg``."""
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        rank: int,
+        bucket_bytes: int,
+        header_bytes: int,
+        num_slots: int,
+        timeout: float,
+        device: torch.device,
+    ) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.timeout = timeout
+        self.num_slots = num_slots
+        self._slots = [_buffer(bucket_bytes, device) for _ in range(num_slots)]
+        self._headers = [_buffer(header_bytes, device) for _ in range(num_slots)]
+        self._works: list[list[dist.Work]] = [[] for _ in range(num_slots)]
+        self._count = 0
+        self.bytes_sent = 0
+
+    def _drain(self, slot: int) -> None:
+        for work in self._works[slot]:
+            _wait(work, self.timeout, f"trainer rank {self.rank} broadcasting a bucket")
+        self._works[slot] = []
+
+    def next_buffer(self) -> torch.Tensor:
+        slot = self._count % self.num_slots
+        self._drain(slot)
+        return self._slots[slot]
+
+    def submit(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+        slot = self._count % self.num_slots
+        self._drain(slot)
+        hdr = self._headers[slot][: header.numel()]
+        hdr.copy_(header)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        works = [self.pg.broadcast([hdr], opts)]
+        if payload.numel():
+            works.append(self.pg.broadcast([payload], opts))
+        self._works[slot] = works
+        self.bytes_sent += payload.numel()
+        self._count += 1
+
+    def flush(self) -> None:
+        for slot in range(self.num_slots):
+            self._drain(slot)
+
+    def close(self) -> None:
+        self._slots.clear()
+        self._headers.clear()
+
+
+class BroadcastReceiver:
+    """Receives the buckets a trainer (``root_rank``, root 0 of ``pg``) broadcasts."""
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        root_rank: int,
+        bucket_bytes: int,
+        header_bytes: int,
+        num_slots: int,
+        timeout: float,
+        device: torch.device,
+    ) -> None:
+        self.pg = pg
+        self.root_rank = root_rank
+        self.timeout = timeout
+        self.num_slots = num_slots
+        self._slots = [_buffer(bucket_bytes, device) for _ in range(num_slots)]
+        self._header = _buffer(max(header_bytes, HEADER_PREFIX), device)
+        self._count = 0
+
+    def start(self, header_bytes: int) -> Pending:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        what = f"bucket from trainer rank {self.root_rank}"
+        header = self._header[:header_bytes]
+        _wait(self.pg.broadcast([header], opts), self.timeout, f"receiving a {what}")
+        header = header.cpu().clone()
+        payload_bytes = int(header[:HEADER_PREFIX].view(torch.int64).item())
+        slot = self._slots[self._count % self.num_slots]
+        self._count += 1
+        payload = slot[:payload_bytes]
+        work = self.pg.broadcast([payload], opts) if payload_bytes else None
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                _wait(work, self.timeout, f"receiving a {what}")
+            return payload
+
+        return Pending(header, payload_bytes, finish, lambda: None)
+
+    def close(self) -> None:
+        self._slots.clear()

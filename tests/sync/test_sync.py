@@ -1,0 +1,370 @@
+"""Weight sync: trainers publish, rollouts receive, over a sync group of their own.
+
+Every multi-process test spawns fresh processes that join only the sync group (no default
+process group, except the trainers of the DTensor test, which need one for their mesh).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from sync_procs import spawn
+from torch import nn
+
+import slipstream as ss
+from slipstream.errors import PeerTimeoutError, SyncError
+from slipstream.sync.plan import BucketPlan, TensorSpec, payload_offsets
+
+BUCKET = 64 * 1024
+DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.uint8]
+# sizes in elements: empty, scalar-like, odd, around and well above a 64 KiB bucket
+SIZES = [0, 1, 7, 1000, 16 * 1024, 40_000, 100_003]
+
+
+def weights(version: int, changed_every: int = 1) -> dict[str, torch.Tensor]:
+    """Deterministic weights; from version 2 on only every ``changed_every``-th tensor moves."""
+    out = {}
+    i = 0
+    for size in SIZES:
+        for dtype in DTYPES:
+            name = f"layer{i}.{str(dtype)[6:]}"
+            moved = version if i % changed_every == 0 else 1
+            g = torch.Generator().manual_seed(1000 * i + moved)
+            if dtype == torch.bool:
+                t = torch.rand(size, generator=g) > 0.5
+            elif dtype.is_floating_point:
+                t = torch.randn(size, generator=g).to(dtype)
+            else:
+                t = torch.randint(0, 200, (size,), generator=g).to(dtype)
+            out[name] = t.reshape(size, 1) if i % 3 == 0 else t
+            i += 1
+    return out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.contiguous().view(-1).view(torch.uint8).numpy())
+        == bytes(b.contiguous().view(-1).view(torch.uint8).numpy())
+    )
+
+
+class Holder(nn.Module):
+    """A module whose buffers mirror the published tensors, under ``model.`` names."""
+
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        for name, t in named.items():
+            self.model.register_buffer(name.replace(".", "_"), torch.zeros_like(t))
+
+
+def module_name(name: str) -> str:
+    return "model." + name.replace(".", "_")
+
+
+# --------------------------------------------------------------------------- plan (no processes)
+def test_plan_splits_large_tensors_and_is_deterministic():
+    specs = [
+        TensorSpec("a", (10,), "float32"),
+        TensorSpec("big", (50_000,), "float32"),
+        TensorSpec("empty", (0, 3), "bfloat16"),
+        TensorSpec("c", (3,), "int64"),
+    ]
+    plan = BucketPlan.build(specs, BUCKET, [0, 1])
+    again = BucketPlan.build(specs, BUCKET, [0, 1])
+    assert plan == again and plan.plan_id == again.plan_id
+    big = [s for s in plan.slices if s.tensor == 1]
+    assert len(big) == 4 and sum(s.nbytes for s in big) == 200_000
+    assert all(s.bucket_offset + s.nbytes <= BUCKET for s in plan.slices)
+    assert [b.owner for b in plan.buckets] == [0, 1, 0, 1]
+    for b in plan.buckets:
+        slices = plan.bucket_slices(b.index)
+        offsets, size = payload_offsets(slices, [1] * len(slices))
+        assert offsets == [s.bucket_offset for s in slices] and size == b.nbytes
+    assert BucketPlan.build(specs, BUCKET, [0]).plan_id != plan.plan_id
+
+
+# --------------------------------------------------------------------------- delivery
+CONFIGS = [("direct", "broadcast"), ("cached", "broadcast"), ("direct", "shm"), ("cached", "shm")]
+
+
+def _delivery(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=30)
+    report = {}
+    for mode, transport in CONFIGS:
+        channel = f"{mode}-{transport}"
+        if rank == 0:
+            pub = ss.WeightPublisher(
+                group,
+                [0],
+                [1, 2],
+                bucket_bytes=BUCKET,
+                mode=mode,
+                transport=transport,
+                channel=channel,
+            )
+            assert pub.transport == transport
+            written: list[str] = []
+            set_json = pub.group.set_json
+            pub.group.set_json = lambda key, value: (written.append(key), set_json(key, value))
+            sent = []
+            with pub:
+                for version in (1, 2, 3):
+                    before = pub.bytes_sent
+                    h = pub.publish(weights(min(version, 2), changed_every=3), version=version)
+                    assert h.staged.done()
+                    assert h.delivered.result(timeout=20) == version
+                    sent.append(pub.bytes_sent - before)
+                    assert pub.rollout_versions == {1: version, 2: version}
+            # the layout crossed the store once; later publishes only name the plan
+            assert len([k for k in written if k.startswith("plan/")]) == 1, written
+            assert len([k for k in written if k.startswith("round/")]) == 3, written
+            report[channel] = sent
+        else:
+            sub = ss.WeightSubscriber(group, [0], [1, 2], channel=channel)
+            with sub:
+                if rank == 1:
+                    target = Holder(weights(1))
+                    for version in (1, 2, 3):
+                        assert sub.receive(target, name_map=module_name) == version
+                        want = weights(min(version, 2), changed_every=3)
+                        for name, t in want.items():
+                            got = target.get_buffer(module_name(name))
+                            assert same_bytes(got, t), (channel, version, name)
+                else:
+                    held: dict[str, torch.Tensor] = {}
+                    calls: list[int] = []
+
+                    def load_weights(batch, held=held, calls=calls):
+                        calls.append(len(batch))
+                        for name, t in batch:
+                            held[name] = t.clone()
+
+                    for version in (1, 2, 3):
+                        calls.clear()
+                        assert sub.receive(load_weights) == version
+                        assert sub.version == version and sub.complete
+                        want = weights(min(version, 2), changed_every=3)
+                        assert held.keys() == want.keys()
+                        for name, t in want.items():
+                            assert same_bytes(held[name], t), (channel, version, name)
+                        if version == 3:
+                            assert calls == []  # nothing changed: nothing resent, nothing loaded
+                        else:
+                            assert len(calls) > 1  # several calls per version, whole tensors
+    group.close()
+    return report
+
+
+def test_bit_exact_delivery_in_both_modes_and_transports_with_unchanged_tensors_skipped():
+    report = spawn(_delivery, 3, timeout=90)[0]
+    total = sum(t.numel() * t.element_size() for t in weights(1).values())
+    for channel, (first, second, third) in report.items():
+        assert first >= total, channel  # first publish: every byte
+        assert 0 < second < total / 2, channel  # a third of the tensors changed
+        assert third == 0, channel  # nothing changed
+
+
+# --------------------------------------------------------------------------- two trainers
+def _dtensor_run(rank, port, mesh_port):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group = ss.sync.init_group("127.0.0.1", port, 4, rank, timeout=30)
+    base = {
+        f"w{i}": torch.randn(64 * (i % 4 + 1), 33, generator=torch.Generator().manual_seed(i))
+        for i in range(24)
+    }
+    base["bias"] = torch.arange(10, dtype=torch.float32)
+    out = {}
+    for mode, transport in (("direct", "broadcast"), ("cached", "shm")):
+        channel = f"two-{mode}"
+        if rank in (0, 1):
+            if not torch.distributed.is_initialized():
+                torch.distributed.init_process_group(
+                    "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank, world_size=2
+                )
+            mesh = init_device_mesh("cpu", (2,))
+            named = {
+                n: (distribute_tensor(t, mesh, [Shard(0)]) if n != "bias" else t)
+                for n, t in base.items()
+            }
+            with ss.WeightPublisher(
+                group,
+                [0, 1],
+                [2, 3],
+                bucket_bytes=BUCKET,
+                mode=mode,
+                transport=transport,
+                channel=channel,
+            ) as pub:
+                pub.publish(named, version=7).delivered.result(timeout=20)
+                out[mode] = (pub.bytes_sent, pub.peak_gathered_bytes)
+        else:
+            target = nn.Module()
+            for n, t in base.items():
+                target.register_buffer(n, torch.zeros_like(t))
+            with ss.WeightSubscriber(group, [0, 1], [2, 3], channel=channel) as sub:
+                assert sub.receive(target) == 7
+            for n, t in base.items():
+                assert same_bytes(target.get_buffer(n), t), (mode, n)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    group.close()
+    return out
+
+
+def test_two_trainers_two_rollouts_dtensor_sources_spread_and_gathered_bucket_by_bucket():
+    from dist_utils import free_port
+
+    out = spawn(_dtensor_run, 4, free_port(), timeout=90)
+    sizes = [64 * (i % 4 + 1) * 33 * 4 for i in range(24)]
+    dtensor_bytes = sum(sizes)
+    total = dtensor_bytes + 40
+    for mode in ("direct", "cached"):
+        sent0, peak0 = out[0][mode]
+        sent1, peak1 = out[1][mode]
+        assert sent0 > 0 and sent1 > 0 and sent0 + sent1 >= total  # both trainers send
+        # only the tensors touching the bucket being packed are gathered, never the whole model
+        assert 0 < max(peak0, peak1) <= BUCKET + 2 * max(sizes) < dtensor_bytes / 2
+
+
+# --------------------------------------------------------------------------- versions, cache
+def _versions_run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=30)
+    _versions(group, rank)
+    _mismatch(group, rank)
+    group.close()
+
+
+def _versions(group, rank):
+    if rank == 0:
+        live = {"w": torch.full((1000,), 1.0), "b": torch.zeros(3)}
+        with ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, mode="cached") as pub:
+            h = pub.publish(live, version=1)
+            h.staged.result(timeout=5)
+            live["w"].fill_(99.0)  # the rollout asks later: served from the snapshot
+            assert h.delivered.result(timeout=20) == 1
+            with pytest.raises(ValueError, match="versions must increase"):
+                pub.publish(live, version=1)
+            pub.publish(live, version=5)
+            h6 = pub.publish(live, version=6)  # waits until the rollout holds 5
+            assert pub.rollout_versions[1] == 5
+            h6.delivered.result(timeout=20)
+            assert pub.rollout_versions == {1: 6} and pub.staleness() == {1: 0}
+        return
+    target = nn.Module()
+    target.register_buffer("w", torch.zeros(1000))
+    target.register_buffer("b", torch.ones(3))
+    with ss.WeightSubscriber(group, [0], [1]) as sub:
+        assert sub.version is None
+        time.sleep(1.0)  # joins late
+        assert sub.receive(target) == 1
+        assert torch.equal(target.w, torch.full((1000,), 1.0)) and sub.version == 1
+        seen = []
+        for _ in range(2):
+            seen.append(sub.receive(target))
+            time.sleep(0.3)  # still "applying" when the next publish arrives
+        assert seen == [5, 6] and torch.equal(target.w, torch.full((1000,), 99.0))
+
+
+def test_versions_late_rollout_from_cache_staleness_and_mismatches_rejected_before_any_byte():
+    spawn(_versions_run, 2, timeout=60)
+
+
+# --------------------------------------------------------------------------- bad input
+def _mismatch(group, rank):
+    named = {
+        "a": torch.ones(4, 4),
+        "b": torch.ones(8, dtype=torch.bfloat16),
+        "c": torch.ones(3),
+        "d": torch.ones(2),
+    }
+    if rank == 0:
+        with ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, channel="bad") as pub:
+            h = pub.publish(named, version=1)
+            with pytest.raises(SyncError, match="rollout rank 1"):
+                h.delivered.result(timeout=20)
+            pub.publish(named, version=2).delivered.result(timeout=20)
+        return None
+    target = nn.Module()
+    target.register_buffer("a", torch.zeros(4, 5))  # shape
+    target.register_buffer("b", torch.zeros(8))  # dtype
+    target.register_buffer("d", torch.zeros(2))  # fine, must stay untouched too
+    before = {n: t.clone() for n, t in target.named_buffers()}
+    with ss.WeightSubscriber(group, [0], [1], channel="bad") as sub:
+        with pytest.raises(SyncError) as err:
+            sub.receive(target)
+        message = str(err.value)
+        for name in ("'a: sent [4, 4], target [4, 5]'", "b: sent bfloat16", "'c'"):
+            assert name in message, message
+        for n, t in target.named_buffers():
+            assert torch.equal(t, before[n]), n
+        assert sub.version is None
+        target.register_buffer("a", torch.zeros(4, 4))
+        target.register_buffer("b", torch.zeros(8, dtype=torch.bfloat16))
+        target.register_buffer("c", torch.zeros(3))
+        assert sub.receive(target) == 2 and torch.equal(target.a, torch.ones(4, 4))
+
+
+# --------------------------------------------------------------------------- failure
+def _killed_run(rank, port, transport):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=8)
+    named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
+    if rank == 0:
+        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport)
+        pub.publish(named, version=1).delivered.result(timeout=20)
+
+        def die():  # polls: a blocking wait would hold the store client the publisher uses
+            while not group.store.check(["die"]):
+                time.sleep(0.02)
+            os._exit(3)
+
+        threading.Thread(target=die, daemon=True).start()
+        pub.publish({n: t + 1 for n, t in named.items()}, version=2)
+        time.sleep(30)
+        return None
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    if rank == 1:
+        calls = []
+        armed = []
+
+        def load_weights(batch):
+            calls.append(batch[0][0])
+            if armed and len(calls) == 3:  # v2 is under way: kill the trainer, let it die
+                group.store.set("die", "1")
+                time.sleep(0.5)
+
+        assert sub.receive(load_weights) == 1
+        calls.clear()
+        armed.append(True)
+        start = time.monotonic()
+        with pytest.raises((SyncError, PeerTimeoutError), match="rank 0|trainer") as err:
+            sub.receive(load_weights)
+        assert time.monotonic() - start < 8 + 5
+        assert sub.version is None and not sub.complete, (str(err.value), len(calls))
+        group.close()
+        return len(calls)
+    target = nn.Module()
+    for n, t in named.items():
+        target.register_buffer(n, torch.zeros_like(t))
+    assert sub.receive(target, atomic=True) == 1
+    with pytest.raises((SyncError, PeerTimeoutError)):
+        sub.receive(target, atomic=True)
+    assert sub.version == 1  # atomic: the complete old version, untouched
+    for n, t in named.items():
+        assert torch.equal(target.get_buffer(n), t), n
+    group.close()
+    return None
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "shm"])
+def test_trainer_killed_mid_publish_raises_and_never_reports_a_partial_version(transport):
+    out = spawn(_killed_run, 3, transport, timeout=60, may_die=(0,))
+    assert out[1] >= 3  # the trainer died after v2 had started landing
