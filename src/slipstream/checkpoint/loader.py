@@ -209,6 +209,20 @@ def _row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _raw_bytes_are_values(tensor: torch.Tensor) -> bool:
+    """True when writing the saved bytes into ``tensor``'s memory sets its values.
+
+    That takes a contiguous CPU tensor without a lazy conjugate or negative bit (a view
+    such as ``x.conj()`` reads its memory through that bit, so it is filled with ``copy_``).
+    """
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
 def _target_chunks(
     value: torch.Tensor,
 ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
@@ -293,11 +307,7 @@ def _plan_reads(
             last = sum((h - 1 - o) * st for h, o, st in zip(hi, s_off, strides, strict=True))
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
-            if (
-                count == _numel(extent)
-                and dest_view.device.type == "cpu"
-                and dest_view.is_contiguous()
-            ):
+            if count == _numel(extent) and _raw_bytes_are_values(dest_view):
                 out = byte_view(dest_view)
                 for piece in range(start, end, READ_PIECE_BYTES):
                     piece_end = min(end, piece + READ_PIECE_BYTES)
