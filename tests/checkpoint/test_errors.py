@@ -226,3 +226,29 @@ def test_rank0_write_failure_fails_every_rank_at_once_naming_the_file(tmp_path):
     target = {"w": torch.ones(1000), "own0": torch.ones(3), "own1": torch.ones(3)}
     ss.load(target, tmp_path / "after")
     assert torch.equal(target["w"], torch.zeros(1000))
+
+
+def _rank1_unpicklable_value(rank: int, world: int, root: str) -> None:
+    saver = CheckpointSaver(options=SaveOptions(timeout=2.0))
+    try:
+        state = {"w": torch.full((100,), 1.0)}
+        saver.save(state, os.path.join(root, "first")).result(30)
+        bad = dict(state, hook=(lambda: None) if rank == 1 else None)
+        if rank == 1:
+            with pytest.raises(ss.CheckpointError, match="value 'hook' of type function"):
+                saver.save(bad, os.path.join(root, "bad"))
+        else:
+            with pytest.raises(ss.PeerTimeoutError, match=r"rank\(s\) \[1\]"):
+                saver.save(bad, os.path.join(root, "bad")).result(30)
+        state["w"].add_(1)
+        saver.save(state, os.path.join(root, "after")).result(30)
+    finally:
+        saver.close()
+
+
+def test_save_failing_on_one_rank_s_thread_leaves_the_ranks_in_step(tmp_path):
+    run_workers(_rank1_unpicklable_value, 2, str(tmp_path), timeout=60)
+    assert not (tmp_path / "bad" / ".metadata").exists()
+    target = {"w": torch.zeros(100)}
+    ss.load(target, tmp_path / "after")
+    assert torch.equal(target["w"], torch.full((100,), 2.0))

@@ -223,3 +223,20 @@ def test_sharded_tensor_metadata_lists_one_chunk_per_shard(checkpoints):
     offsets = sorted(tuple(idx.offset) for idx, _ in entries)
     assert offsets == [(0, 0), (3, 0), (6, 0), (9, 0)]
     assert {info.relative_path for _, info in entries} == {f"__{r}_0.distcp" for r in range(4)}
+
+
+def _only_one_replicated_tensor(rank: int, world: int, root: str) -> None:
+    state = {"w": torch.arange(100.0), "step": 9}
+    ss.save(state, os.path.join(root, "ck"))
+    target = {"w": torch.zeros(100), "step": 0}
+    ss.load(target, os.path.join(root, "ck"))
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 9
+
+
+def test_rank_with_nothing_of_its_own_to_write_still_saves(tmp_path):
+    run_workers(_only_one_replicated_tensor, 2, str(tmp_path), timeout=60)
+    entries = _storage_entries(tmp_path / "ck", "w")
+    assert len(entries) == 1
+    target = {"w": torch.zeros(100), "step": 0}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(100.0)) and target["step"] == 9
