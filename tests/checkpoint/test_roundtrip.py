@@ -234,3 +234,13 @@ def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
     ss.load(target, tmp_path / "ck")
     assert torch.equal(target["conj"], z.conj()) and torch.equal(conj_base, z)
     assert torch.equal(target["neg"], -z.imag) and torch.equal(neg_base.imag, z.imag)
+
+
+def test_dcp_save_over_a_slipstream_checkpoint_is_read_as_dcp_wrote_it(tmp_path):
+    path = tmp_path / "ck"
+    ss.save({"w": torch.arange(1000.0), "step": 1}, path)
+    dcp.save({"w": torch.arange(1000.0) * 2, "step": 2}, checkpoint_id=str(path), no_dist=True)
+    assert (path / ".slipstream.json").exists()
+    target = {"w": torch.zeros(1000), "step": 0}
+    ss.load(target, path)
+    assert torch.equal(target["w"], torch.arange(1000.0) * 2) and target["step"] == 2

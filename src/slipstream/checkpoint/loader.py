@@ -81,6 +81,11 @@ class CheckpointReader:
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
 
     def _read_index(self) -> dict | None:
+        """slipstream's index of this checkpoint, or ``None`` if it has none.
+
+        An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
+        ``dcp.save`` into the same directory) does not describe these files: ignored.
+        """
         path = os.path.join(self.path, INDEX_FILE)
         if not os.path.isfile(path):
             return None
@@ -91,6 +96,9 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from exc
         if index.get("format") != "slipstream-index":
             raise CorruptCheckpointError(f"{path} is not a slipstream index")
+        storage_meta = self.metadata.storage_meta
+        if storage_meta is None or index.get("save_id") != storage_meta.save_id:
+            return None
         return index
 
     def fd(self, relative_path: str) -> int:
