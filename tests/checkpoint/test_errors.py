@@ -124,6 +124,20 @@ def test_truncated_data_file_names_the_file_and_the_first_key_cut_off(saved):
     assert f"'model.w' is stored at offset {entry['offset']}" in message
 
 
+def test_missing_data_file_is_named(saved):
+    (saved / "__0_0.distcp").unlink()
+    with pytest.raises(ss.CorruptCheckpointError, match=r"cannot open .*__0_0\.distcp"):
+        ss.load(_blank(), saved)
+
+
+def test_unreadable_metadata_is_reported_as_corrupt(saved):
+    (saved / ".metadata").write_bytes(b"not a pickle at all")
+    with pytest.raises(
+        ss.CorruptCheckpointError, match=r"\.metadata: unreadable checkpoint metadata"
+    ):
+        ss.load(_blank(), saved)
+
+
 def test_directory_without_metadata_is_not_a_committed_checkpoint(saved):
     (saved / ".metadata").unlink()
     with pytest.raises(
