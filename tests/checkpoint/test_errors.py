@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import run_workers
 
 import slipstream as ss
@@ -254,6 +255,7 @@ def _rank1_unpicklable_value(rank: int, world: int, root: str) -> None:
         else:
             with pytest.raises(ss.PeerTimeoutError, match=r"rank\(s\) \[1\]"):
                 saver.save(bad, os.path.join(root, "bad")).result(30)
+        dist.barrier()  # rank 1 failed at once; rank 0 only after its timeout
         state["w"].add_(1)
         saver.save(state, os.path.join(root, "after")).result(30)
     finally:
