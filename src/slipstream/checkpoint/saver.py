@@ -154,8 +154,9 @@ class CheckpointSaver:
             raise CheckpointError(
                 f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
             ) from exc
-        if self.rank == 0:
-            uncommit(checkpoint_dir)
+        # Every rank, not just rank 0: no rank may start rewriting its data file while an
+        # older .metadata in this directory still marks the old files as committed.
+        uncommit(checkpoint_dir)
         device = _accelerator_of(layout)
         ready = streams.record_event(streams.current_stream(device)) if device else None
         response = AsyncSaveResponse(Future(), Future())
