@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import run_workers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -152,3 +154,27 @@ def test_two_rank_checkpointer_saves_retains_and_resumes(tmp_path):
     with ss.Checkpointer(tmp_path) as ck:
         assert ck.load(target) == 4
     assert torch.equal(target["w"], torch.arange(80.0).reshape(8, 10) + 4)
+
+
+def _global_saver_then_checkpointer(rank: int, world: int, root: str) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    ss.save({"a": torch.full((100,), 1.0), f"a{rank}": torch.zeros(2)}, os.path.join(root, "a"))
+    with ss.Checkpointer(os.path.join(root, "run"), keep_last=None) as ck:
+        state = {"b": torch.full((300,), 2.0), f"b{rank}": torch.ones(3) * rank}
+        # Rank 1 goes first, so messages left by the first saver are there to be misread.
+        if rank == 0:
+            store.wait(["test/rank1_saving"], timedelta(seconds=30))
+            ck.save(1, state).result(30)
+        else:
+            store.set("test/rank1_saving", "1")
+            ck.save(1, state).result(30)
+            assert os.path.exists(os.path.join(root, "run", "step_1", ".metadata"))
+
+
+def test_checkpointer_beside_ss_save_in_one_job_keeps_its_own_coordination(tmp_path):
+    run_workers(_global_saver_then_checkpointer, 2, str(tmp_path), timeout=60)
+    target = {"b": torch.zeros(300), "b0": torch.ones(3), "b1": torch.zeros(3)}
+    with ss.Checkpointer(tmp_path / "run") as ck:
+        assert ck.load(target) == 1
+    assert torch.equal(target["b"], torch.full((300,), 2.0))
+    assert torch.equal(target["b0"], torch.zeros(3)) and torch.equal(target["b1"], torch.ones(3))

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import run_workers
 
 import slipstream as ss
@@ -124,6 +125,20 @@ def test_truncated_data_file_names_the_file_and_the_first_key_cut_off(saved):
     assert f"'model.w' is stored at offset {entry['offset']}" in message
 
 
+def test_missing_data_file_is_named(saved):
+    (saved / "__0_0.distcp").unlink()
+    with pytest.raises(ss.CorruptCheckpointError, match=r"cannot open .*__0_0\.distcp"):
+        ss.load(_blank(), saved)
+
+
+def test_unreadable_metadata_is_reported_as_corrupt(saved):
+    (saved / ".metadata").write_bytes(b"not a pickle at all")
+    with pytest.raises(
+        ss.CorruptCheckpointError, match=r"\.metadata: unreadable checkpoint metadata"
+    ):
+        ss.load(_blank(), saved)
+
+
 def test_directory_without_metadata_is_not_a_committed_checkpoint(saved):
     (saved / ".metadata").unlink()
     with pytest.raises(
@@ -226,3 +241,30 @@ def test_rank0_write_failure_fails_every_rank_at_once_naming_the_file(tmp_path):
     target = {"w": torch.ones(1000), "own0": torch.ones(3), "own1": torch.ones(3)}
     ss.load(target, tmp_path / "after")
     assert torch.equal(target["w"], torch.zeros(1000))
+
+
+def _rank1_unpicklable_value(rank: int, world: int, root: str) -> None:
+    saver = CheckpointSaver(options=SaveOptions(timeout=2.0))
+    try:
+        state = {"w": torch.full((100,), 1.0)}
+        saver.save(state, os.path.join(root, "first")).result(30)
+        bad = dict(state, hook=(lambda: None) if rank == 1 else None)
+        if rank == 1:
+            with pytest.raises(ss.CheckpointError, match="value 'hook' of type function"):
+                saver.save(bad, os.path.join(root, "bad"))
+        else:
+            with pytest.raises(ss.PeerTimeoutError, match=r"rank\(s\) \[1\]"):
+                saver.save(bad, os.path.join(root, "bad")).result(30)
+        dist.barrier()  # rank 1 failed at once; rank 0 only after its timeout
+        state["w"].add_(1)
+        saver.save(state, os.path.join(root, "after")).result(30)
+    finally:
+        saver.close()
+
+
+def test_save_failing_on_one_rank_s_thread_leaves_the_ranks_in_step(tmp_path):
+    run_workers(_rank1_unpicklable_value, 2, str(tmp_path), timeout=60)
+    assert not (tmp_path / "bad" / ".metadata").exists()
+    target = {"w": torch.zeros(100)}
+    ss.load(target, tmp_path / "after")
+    assert torch.equal(target["w"], torch.full((100,), 2.0))

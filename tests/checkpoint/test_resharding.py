@@ -19,8 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_workers
 from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import slipstream as ss
 from slipstream.checkpoint.loader import CheckpointReader
@@ -223,3 +224,56 @@ def test_sharded_tensor_metadata_lists_one_chunk_per_shard(checkpoints):
     offsets = sorted(tuple(idx.offset) for idx, _ in entries)
     assert offsets == [(0, 0), (3, 0), (6, 0), (9, 0)]
     assert {info.relative_path for _, info in entries} == {f"__{r}_0.distcp" for r in range(4)}
+
+
+def _only_one_replicated_tensor(rank: int, world: int, root: str) -> None:
+    state = {"w": torch.arange(100.0), "step": 9}
+    ss.save(state, os.path.join(root, "ck"))
+    target = {"w": torch.zeros(100), "step": 0}
+    ss.load(target, os.path.join(root, "ck"))
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 9
+
+
+def test_rank_with_nothing_of_its_own_to_write_still_saves(tmp_path):
+    run_workers(_only_one_replicated_tensor, 2, str(tmp_path), timeout=60)
+    entries = _storage_entries(tmp_path / "ck", "w")
+    assert len(entries) == 1
+    target = {"w": torch.zeros(100), "step": 0}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(100.0)) and target["step"] == 9
+
+
+def _trained_model(rank_count: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model after one AdamW step, identical whatever the world size (seeded)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    if rank_count > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _save_fully_sharded(rank: int, world: int, root: str) -> None:
+    model, optim = _trained_model(world)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    assert isinstance(model_sd["0.weight"], DTensor)
+    ss.save({"model": model_sd, "optim": optim_sd}, os.path.join(root, "fsdp"))
+
+
+def test_fully_shard_state_saved_by_two_ranks_loads_into_one(tmp_path):
+    run_workers(_save_fully_sharded, 2, str(tmp_path), timeout=60)
+    want_model, want_optim = _trained_model(1)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    ss.load({"model": model_sd, "optim": optim_sd}, tmp_path / "fsdp")
+    for (name, got), want in zip(model.named_parameters(), want_model.parameters(), strict=True):
+        assert torch.equal(got, want), name
+        got_state = optim_sd["state"][name]
+        assert torch.equal(got_state["exp_avg"], want_optim.state[want]["exp_avg"]), name
+        assert torch.equal(got_state["exp_avg_sq"], want_optim.state[want]["exp_avg_sq"]), name

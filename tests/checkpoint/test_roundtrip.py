@@ -38,7 +38,10 @@ def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> tor
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_complex or dtype.is_floating_point:
+    if dtype.is_complex:
+        parts = torch.randn((2, *shape), generator=g, dtype=torch.float64).mul(100)
+        return torch.complex(parts[0], parts[1]).to(dtype)
+    if dtype.is_floating_point:
         return torch.randn(shape, generator=g, dtype=torch.float64).mul(100).to(dtype)
     info = torch.iinfo(dtype)
     return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
@@ -218,3 +221,26 @@ def test_slipstream_reads_every_value_kind_written_by_dcp_save(tmp_path):
     loaded = _blank_like(want)
     ss.load(loaded, tmp_path / "dcp")
     _assert_same(loaded, want)
+
+
+def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
+    z = _random_tensor(torch.complex64, (4, 3), 9)
+    state = {"conj": z.conj(), "neg": z.conj().imag}
+    assert state["conj"].is_conj() and state["neg"].is_neg() and z.imag.count_nonzero() > 0
+    ss.save(state, tmp_path / "ck")
+    conj_base = torch.zeros(4, 3, dtype=torch.complex64)
+    neg_base = torch.zeros(4, 3, dtype=torch.complex64)
+    target = {"conj": conj_base.conj(), "neg": neg_base.conj().imag}
+    ss.load(target, tmp_path / "ck")
+    assert torch.equal(target["conj"], z.conj()) and torch.equal(conj_base, z)
+    assert torch.equal(target["neg"], -z.imag) and torch.equal(neg_base.imag, z.imag)
+
+
+def test_dcp_save_over_a_slipstream_checkpoint_is_read_as_dcp_wrote_it(tmp_path):
+    path = tmp_path / "ck"
+    ss.save({"w": torch.arange(1000.0), "step": 1}, path)
+    dcp.save({"w": torch.arange(1000.0) * 2, "step": 2}, checkpoint_id=str(path), no_dist=True)
+    assert (path / ".slipstream.json").exists()
+    target = {"w": torch.zeros(1000), "step": 0}
+    ss.load(target, path)
+    assert torch.equal(target["w"], torch.arange(1000.0) * 2) and target["step"] == 2

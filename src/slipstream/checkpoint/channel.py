@@ -4,11 +4,19 @@ Checkpoint coordination never runs a collective on the user's process group: ran
 small JSON messages to the store that ``init_process_group`` already created (under a
 prefix of their own) and poll for each other's with a deadline. Background threads may
 use it safely, and a missing rank is named in the timeout error instead of hanging.
+
+Every channel of a group gets a namespace of its own (the group's ranks and the
+channel's number among that group's channels in this process), so two savers of one
+group (a ``Checkpointer`` beside ``ss.async_save``) never read each other's messages.
+Channels are numbered in creation order: every rank must create its savers in the same
+order, as SPMD code does; if they do not, saves time out naming the ranks, rather than
+mixing messages.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch.distributed as dist
@@ -17,6 +25,8 @@ from ..core.waits import Deadline
 from ..errors import PeerTimeoutError
 
 _POLL_SECONDS = 0.002
+_channels_made: dict[tuple[int, ...], int] = {}
+_channels_lock = threading.Lock()
 
 
 class RankChannel:
@@ -33,9 +43,12 @@ class RankChannel:
         if not (dist.is_available() and dist.is_initialized()):
             return cls(dist.HashStore(), 0, 1, "slipstream/local")
         group = process_group or dist.group.WORLD
-        ranks = dist.get_process_group_ranks(group)
+        ranks = tuple(dist.get_process_group_ranks(group))
         store = dist.distributed_c10d._get_default_store()
-        namespace = "slipstream/" + "-".join(map(str, ranks))
+        with _channels_lock:
+            number = _channels_made.get(ranks, 0)
+            _channels_made[ranks] = number + 1
+        namespace = f"slipstream/{'-'.join(map(str, ranks))}/{number}"
         return cls(store, dist.get_rank(group), dist.get_world_size(group), namespace)
 
     def _key(self, topic: str, rank: int) -> str:

@@ -92,7 +92,13 @@ def build_index(plan: SavePlan, done: list[dict]) -> dict:
 
 
 def publish(checkpoint_dir: str, metadata: Metadata, index: dict) -> None:
-    """Write the index, then ``.metadata`` (the commit point), each atomically."""
+    """Write the index, then ``.metadata`` (the commit point), each atomically.
+
+    The index carries the metadata's ``save_id``: a reader trusts it only for the
+    ``.metadata`` it was written with, not for one another tool (``dcp.save`` into the
+    same directory) wrote later.
+    """
+    index = {**index, "save_id": metadata.storage_meta.save_id}
     write_atomic(os.path.join(checkpoint_dir, INDEX_FILE), json.dumps(index).encode())
     write_atomic(os.path.join(checkpoint_dir, METADATA_FILE), pickle.dumps(metadata))
 

@@ -81,6 +81,11 @@ class CheckpointReader:
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
 
     def _read_index(self) -> dict | None:
+        """slipstream's index of this checkpoint, or ``None`` if it has none.
+
+        An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
+        ``dcp.save`` into the same directory) does not describe these files: ignored.
+        """
         path = os.path.join(self.path, INDEX_FILE)
         if not os.path.isfile(path):
             return None
@@ -91,6 +96,9 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from exc
         if index.get("format") != "slipstream-index":
             raise CorruptCheckpointError(f"{path} is not a slipstream index")
+        storage_meta = self.metadata.storage_meta
+        if storage_meta is None or index.get("save_id") != storage_meta.save_id:
+            return None
         return index
 
     def fd(self, relative_path: str) -> int:
@@ -209,6 +217,20 @@ def _row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _raw_bytes_are_values(tensor: torch.Tensor) -> bool:
+    """True when writing the saved bytes into ``tensor``'s memory sets its values.
+
+    That takes a contiguous CPU tensor without a lazy conjugate or negative bit (a view
+    such as ``x.conj()`` reads its memory through that bit, so it is filled with ``copy_``).
+    """
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
 def _target_chunks(
     value: torch.Tensor,
 ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
@@ -293,11 +315,7 @@ def _plan_reads(
             last = sum((h - 1 - o) * st for h, o, st in zip(hi, s_off, strides, strict=True))
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
-            if (
-                count == _numel(extent)
-                and dest_view.device.type == "cpu"
-                and dest_view.is_contiguous()
-            ):
+            if count == _numel(extent) and _raw_bytes_are_values(dest_view):
                 out = byte_view(dest_view)
                 for piece in range(start, end, READ_PIECE_BYTES):
                     piece_end = min(end, piece + READ_PIECE_BYTES)

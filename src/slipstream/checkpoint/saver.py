@@ -133,10 +133,12 @@ class CheckpointSaver:
         if self._closed:
             raise CheckpointError("this saver is closed")
         self.wait_previous()
-        layout = local_layout(state_dict)
-        values = serialize_values(layout.values)
+        # Every rank numbers this save before anything can fail on its own thread, so a
+        # save that fails on one rank only leaves the ranks' sequence numbers in step.
         seq = self._seq
         self._seq += 1
+        layout = local_layout(state_dict)
+        values = serialize_values(layout.values)
         signature = layout.signature
         plan = self._plans.get(signature)
         if plan is None:
@@ -152,8 +154,9 @@ class CheckpointSaver:
             raise CheckpointError(
                 f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
             ) from exc
-        if self.rank == 0:
-            uncommit(checkpoint_dir)
+        # Every rank, not just rank 0: no rank may start rewriting its data file while an
+        # older .metadata in this directory still marks the old files as committed.
+        uncommit(checkpoint_dir)
         device = _accelerator_of(layout)
         ready = streams.record_event(streams.current_stream(device)) if device else None
         response = AsyncSaveResponse(Future(), Future())
@@ -396,7 +399,13 @@ class _RankFile:
                 self.direct_fd = -1
 
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
-        """Byte ranges of the image to write in parallel (page-aligned where direct)."""
+        """Byte ranges of the image to write in parallel (page-aligned where direct).
+
+        A rank with no tensor records (everything it holds is written by others) has an
+        empty image and no pieces.
+        """
+        if not self.image:
+            return []
         cuts = list(range(0, len(self.image), piece_bytes))
         if self.direct_end and self.direct_end not in cuts:
             cuts.append(self.direct_end)
