@@ -68,8 +68,8 @@ class BenchOptions:
     out: str = "benchmarks/results/checkpoint.json"
     workdir: str = "/tmp/slipstream-bench/checkpoint"
     quick: bool = False
-    train_steps: int = 8
-    train_batch: int = 8
+    train_steps: int = 4
+    train_batch: int = 4
     reshard_ranks: int = 4
     skip: tuple[str, ...] = ()
     """Optional sections left out: any of ``memory``, ``reshard``, ``train``."""
@@ -494,7 +494,9 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     applies itself (wait for the previous upload before starting a new save). Modes run
     in interleaved blocks of ``train_steps`` steps; a block's time runs until its last
     save is durable, so no save's cost spills into the next block. Returns, per mode,
-    every step's time (``<mode>``) and every block's time per step (``<mode>/block``).
+    every step's time (``<mode>``), every block's time per step (``<mode>/block``), the
+    training thread's CPU time per step (``<mode>/cpu``) and the time per step spent
+    inside the save call and the wait for staging (``<mode>/stall``).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -507,7 +509,8 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     workdir = Path(opts.workdir) / "train"
     modes = ["none", "ss.async_save", "dcp.async_save"]
-    times: dict[str, list[float]] = {k: [] for m in modes for k in (m, m + "/block")}
+    kinds = ("", "/block", "/cpu", "/stall")
+    times: dict[str, list[float]] = {m + k: [] for m in modes for k in kinds}
     pending: dict[str, Any] = {}
     step = 0
 
@@ -535,17 +538,23 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
         for mode in modes:
             block_start = time.perf_counter()
             for _ in range(opts.train_steps):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 loss = model.loss(batch(step, 0, opts.train_batch, cfg))
                 loss.backward()
+                stall_start = time.perf_counter()
                 staged(mode)
+                stall = time.perf_counter() - stall_start
                 optim.step()
                 optim.zero_grad(set_to_none=False)
                 if mode != "none":
+                    stall_start = time.perf_counter()
                     pending[mode] = save(mode)
+                    stall += time.perf_counter() - stall_start
                 step += 1
                 if rep > 0:
                     times[mode].append(time.perf_counter() - start)
+                    times[mode + "/cpu"].append(time.thread_time() - cpu_start)
+                    times[mode + "/stall"].append(stall)
             durable(mode)
             per_step = (time.perf_counter() - block_start) / opts.train_steps
             if rep > 0:
@@ -617,11 +626,40 @@ def measure_saves(state: dict, workdir: Path, repeats: int) -> dict[str, dict[st
     return {p: {k: median(v) for k, v in m.items()} for p, m in got.items()}
 
 
+RAW_READ = "raw pread of the ss data file, one thread (reference)"
+
+
+def raw_read_runner(workdir: Path, cold: bool) -> Callable[[int], dict]:
+    """``preadv`` of slipstream's data file into a touched buffer: the kernel's read speed."""
+    path = load_source("ss.load", workdir) / "__0_0.distcp"
+    buf = torch.ones(path.stat().st_size, dtype=torch.uint8)
+    from slipstream.core.buffers import byte_view
+
+    view = byte_view(buf)
+    piece = 64 * MIB
+
+    def run(_rep: int, buf: torch.Tensor = buf) -> dict[str, float]:
+        """(``buf`` is bound here so the memory ``view`` points into stays alive.)"""
+        if cold:
+            drop_page_cache([path])
+        start = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset in range(0, len(view), piece):
+                os.preadv(fd, [view[offset : offset + piece]], offset)
+        finally:
+            os.close(fd)
+        return {"seconds": time.perf_counter() - start}
+
+    return run
+
+
 def measure_loads(state: dict, workdir: Path, repeats: int) -> dict[str, dict[str, float]]:
     dest = empty_like_state(state)
-    out: dict[str, dict[str, float]] = {p: {} for p in LOAD_PEERS}
+    out: dict[str, dict[str, float]] = {p: {} for p in [*LOAD_PEERS, RAW_READ]}
     for cold in (False, True):
         runners = {p: load_runner(p, workdir, dest, cold) for p in LOAD_PEERS}
+        runners[RAW_READ] = raw_read_runner(workdir, cold)
         got = interleave(runners, repeats)
         for p, m in got.items():
             out[p]["cold" if cold else "warm"] = median(m["seconds"])
@@ -644,7 +682,7 @@ def save_table(saves: dict, memory: dict, refs: dict) -> Table:
                 m["durable"],
                 ratio(m["blocked"], ref["blocked"]),
                 ratio(m["durable"], ref["durable"]),
-                memory.get(("save", p), float("nan")),
+                memory.get(("save", p), ""),
             ]
         )
     rows.append(["warm memcpy, faster of two (reference)", "", refs["memcpy"], "", "", "", ""])
@@ -665,9 +703,9 @@ def load_table(loads: dict, memory: dict, refs: dict) -> Table:
             loads[p]["cold"],
             ratio(loads[p]["warm"], ref["warm"]),
             ratio(loads[p]["cold"], ref["cold"]),
-            memory.get(("load", p), float("nan")),
+            memory.get(("load", p), ""),
         ]
-        for p in LOAD_PEERS
+        for p in [*LOAD_PEERS, RAW_READ]
     ]
     rows.append(["warm memcpy, faster of two (reference)", refs["memcpy"], "", "", "", ""])
     return Table(
@@ -724,7 +762,8 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
     for mode in ("none", "ss.async_save", "dcp.async_save"):
         block = median(got[mode + "/block"])
         overheads[mode] = 100 * (block / base - 1)
-        rows.append([mode, median(got[mode]), block, overheads[mode]])
+        cpu, stall = median(got[mode + "/cpu"]), 1000 * median(got[mode + "/stall"])
+        rows.append([mode, median(got[mode]), block, overheads[mode], cpu, stall])
     extra["train"] = overheads
     mb = got["checkpoint_bytes"][0] / 1e6
     result.tables.append(
@@ -733,7 +772,14 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
             f"{opts.train_batch}, torch.set_num_threads(1)): median step seconds, and median "
             f"over blocks of {opts.train_steps} steps of the block's time per step, the block "
             "ending when its last save is durable (the overhead is taken from these)",
-            ["checkpointing", "step s", "block s / step", "overhead %"],
+            [
+                "checkpointing",
+                "step s",
+                "block s / step",
+                "overhead %",
+                "train thread CPU s / step",
+                "stall ms / step",
+            ],
             rows,
         )
     )
