@@ -14,6 +14,7 @@ load, and the cost of checkpointing every step of the demo model's training loop
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -67,8 +68,8 @@ class BenchOptions:
     out: str = "benchmarks/results/checkpoint.json"
     workdir: str = "/tmp/slipstream-bench/checkpoint"
     quick: bool = False
-    train_steps: int = 8
-    train_batch: int = 8
+    train_steps: int = 4
+    train_batch: int = 4
     reshard_ranks: int = 4
     skip: tuple[str, ...] = ()
     """Optional sections left out: any of ``memory``, ``reshard``, ``train``."""
@@ -146,13 +147,21 @@ def clear(path: Path) -> None:
 # References: what the hardware can do with the same bytes
 
 
-def memcpy_seconds(state: dict[str, torch.Tensor], flat: torch.Tensor) -> float:
-    """Copy every tensor into an already-touched flat buffer, back to back."""
+def memcpy_seconds(state: dict[str, torch.Tensor], flat: torch.Tensor, one_thread: bool) -> float:
+    """Copy every tensor into an already-touched flat buffer, back to back.
+
+    ``one_thread``: a plain ``memmove`` per tensor on this thread; otherwise
+    ``Tensor.copy_`` with torch's default intra-op threads.
+    """
     start = time.perf_counter()
     offset = 0
     for t in state.values():
         n = t.numel()
-        flat[offset : offset + n].view(t.shape).copy_(t)
+        dst = flat[offset : offset + n]
+        if one_thread:
+            ctypes.memmove(dst.data_ptr(), t.data_ptr(), n * t.element_size())
+        else:
+            dst.view(t.shape).copy_(t)
         offset += n
     return time.perf_counter() - start
 
@@ -482,7 +491,12 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
 
     Each step: forward + backward, wait for the previous save's staging, optimizer step,
     then start this step's save. DCP gets the same one-save-in-flight rule slipstream
-    applies itself (wait for the previous upload before starting a new save).
+    applies itself (wait for the previous upload before starting a new save). Modes run
+    in interleaved blocks of ``train_steps`` steps; a block's time runs until its last
+    save is durable, so no save's cost spills into the next block. Returns, per mode,
+    every step's time (``<mode>``), every block's time per step (``<mode>/block``), the
+    training thread's CPU time per step (``<mode>/cpu``) and the time per step spent
+    inside the save call and the wait for staging (``<mode>/stall``).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -495,7 +509,8 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     workdir = Path(opts.workdir) / "train"
     modes = ["none", "ss.async_save", "dcp.async_save"]
-    times: dict[str, list[float]] = {m: [] for m in modes}
+    kinds = ("", "/block", "/cpu", "/stall")
+    times: dict[str, list[float]] = {m + k: [] for m in modes for k in kinds}
     pending: dict[str, Any] = {}
     step = 0
 
@@ -514,24 +529,36 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
         if fut is not None and hasattr(fut, "staging_completion"):
             fut.staging_completion.result(600)
 
+    def durable(mode: str) -> None:
+        fut = pending.pop(mode, None)
+        if fut is not None:
+            getattr(fut, "upload_completion", fut).result(600)
+
     for rep in range(1 + opts.repeats):
         for mode in modes:
+            block_start = time.perf_counter()
             for _ in range(opts.train_steps):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 loss = model.loss(batch(step, 0, opts.train_batch, cfg))
                 loss.backward()
+                stall_start = time.perf_counter()
                 staged(mode)
+                stall = time.perf_counter() - stall_start
                 optim.step()
                 optim.zero_grad(set_to_none=False)
                 if mode != "none":
+                    stall_start = time.perf_counter()
                     pending[mode] = save(mode)
-                elapsed = time.perf_counter() - start
+                    stall += time.perf_counter() - stall_start
                 step += 1
                 if rep > 0:
-                    times[mode].append(elapsed)
-            fut = pending.get(mode)
-            if fut is not None:
-                getattr(fut, "upload_completion", fut).result(600)
+                    times[mode].append(time.perf_counter() - start)
+                    times[mode + "/cpu"].append(time.thread_time() - cpu_start)
+                    times[mode + "/stall"].append(stall)
+            durable(mode)
+            per_step = (time.perf_counter() - block_start) / opts.train_steps
+            if rep > 0:
+                times[mode + "/block"].append(per_step)
     sd = {"model": model.state_dict(), "optim": optim.state_dict()}
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
     return {**times, "checkpoint_bytes": [float(nbytes)]}
@@ -564,7 +591,10 @@ def ratio(value: float, reference: float) -> float:
 
 
 def measure_references(state: dict, workdir: Path, repeats: int) -> dict[str, float]:
-    """Warm memcpy and raw fsync'd write of the state's bytes, interleaved, medians."""
+    """Warm memcpy and raw fsync'd write of the state's bytes, interleaved, medians.
+
+    ``memcpy`` is the faster of the two copies (the stricter reference for the floors).
+    """
     nbytes = state_bytes(state)
     flat = torch.zeros(nbytes // 4)
     image = torch.empty(nbytes, dtype=torch.uint8)
@@ -575,13 +605,16 @@ def measure_references(state: dict, workdir: Path, repeats: int) -> dict[str, fl
     target = workdir / "raw.bin"
     got = interleave(
         {
-            "memcpy": lambda _r: {"seconds": memcpy_seconds(state, flat)},
+            "memcpy, torch copy_": lambda _r: {"seconds": memcpy_seconds(state, flat, False)},
+            "memcpy, one thread": lambda _r: {"seconds": memcpy_seconds(state, flat, True)},
             "raw write": lambda _r: {"seconds": raw_write_seconds(view, target)},
         },
         repeats,
     )
     clear(target)
-    return {name: median(m["seconds"]) for name, m in got.items()}
+    refs = {name: median(m["seconds"]) for name, m in got.items()}
+    refs["memcpy"] = min(refs["memcpy, torch copy_"], refs["memcpy, one thread"])
+    return refs
 
 
 def measure_saves(state: dict, workdir: Path, repeats: int) -> dict[str, dict[str, float]]:
@@ -593,11 +626,40 @@ def measure_saves(state: dict, workdir: Path, repeats: int) -> dict[str, dict[st
     return {p: {k: median(v) for k, v in m.items()} for p, m in got.items()}
 
 
+RAW_READ = "raw pread of the ss data file, one thread (reference)"
+
+
+def raw_read_runner(workdir: Path, cold: bool) -> Callable[[int], dict]:
+    """``preadv`` of slipstream's data file into a touched buffer: the kernel's read speed."""
+    path = load_source("ss.load", workdir) / "__0_0.distcp"
+    buf = torch.ones(path.stat().st_size, dtype=torch.uint8)
+    from slipstream.core.buffers import byte_view
+
+    view = byte_view(buf)
+    piece = 64 * MIB
+
+    def run(_rep: int, buf: torch.Tensor = buf) -> dict[str, float]:
+        """(``buf`` is bound here so the memory ``view`` points into stays alive.)"""
+        if cold:
+            drop_page_cache([path])
+        start = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset in range(0, len(view), piece):
+                os.preadv(fd, [view[offset : offset + piece]], offset)
+        finally:
+            os.close(fd)
+        return {"seconds": time.perf_counter() - start}
+
+    return run
+
+
 def measure_loads(state: dict, workdir: Path, repeats: int) -> dict[str, dict[str, float]]:
     dest = empty_like_state(state)
-    out: dict[str, dict[str, float]] = {p: {} for p in LOAD_PEERS}
+    out: dict[str, dict[str, float]] = {p: {} for p in [*LOAD_PEERS, RAW_READ]}
     for cold in (False, True):
         runners = {p: load_runner(p, workdir, dest, cold) for p in LOAD_PEERS}
+        runners[RAW_READ] = raw_read_runner(workdir, cold)
         got = interleave(runners, repeats)
         for p, m in got.items():
             out[p]["cold" if cold else "warm"] = median(m["seconds"])
@@ -620,10 +682,10 @@ def save_table(saves: dict, memory: dict, refs: dict) -> Table:
                 m["durable"],
                 ratio(m["blocked"], ref["blocked"]),
                 ratio(m["durable"], ref["durable"]),
-                memory.get(("save", p), float("nan")),
+                memory.get(("save", p), ""),
             ]
         )
-    rows.append(["warm memcpy (reference)", "", refs["memcpy"], "", "", "", ""])
+    rows.append(["warm memcpy, faster of two (reference)", "", refs["memcpy"], "", "", "", ""])
     rows.append(["raw write + fsync (reference)", "", "", refs["raw write"], "", "", ""])
     return Table(
         "Saves (steady state; seconds, medians; x = peer / ss.async_save)",
@@ -641,11 +703,11 @@ def load_table(loads: dict, memory: dict, refs: dict) -> Table:
             loads[p]["cold"],
             ratio(loads[p]["warm"], ref["warm"]),
             ratio(loads[p]["cold"], ref["cold"]),
-            memory.get(("load", p), float("nan")),
+            memory.get(("load", p), ""),
         ]
-        for p in LOAD_PEERS
+        for p in [*LOAD_PEERS, RAW_READ]
     ]
-    rows.append(["warm memcpy (reference)", refs["memcpy"], "", "", "", ""])
+    rows.append(["warm memcpy, faster of two (reference)", refs["memcpy"], "", "", "", ""])
     return Table(
         "Loads into existing tensors (seconds, medians; x = peer / ss.load)",
         ["peer", "warm s", "cold s", "warm x", "cold x", "peak RSS +MiB"],
@@ -695,19 +757,29 @@ def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
 
 def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
     got = child_json("train", opts)
-    base = median(got["none"])
+    base = median(got["none/block"])
     rows, overheads = [], {}
     for mode in ("none", "ss.async_save", "dcp.async_save"):
-        step = median(got[mode])
-        overheads[mode] = 100 * (step / base - 1)
-        rows.append([mode, step, overheads[mode]])
+        block = median(got[mode + "/block"])
+        overheads[mode] = 100 * (block / base - 1)
+        cpu, stall = median(got[mode + "/cpu"]), 1000 * median(got[mode + "/stall"])
+        rows.append([mode, median(got[mode]), block, overheads[mode], cpu, stall])
     extra["train"] = overheads
     mb = got["checkpoint_bytes"][0] / 1e6
     result.tables.append(
         Table(
             f"Checkpoint every step, demo model ({mb:.0f} MB with AdamW state, batch "
-            f"{opts.train_batch}, torch.set_num_threads(1); median step seconds)",
-            ["checkpointing", "step s", "overhead %"],
+            f"{opts.train_batch}, torch.set_num_threads(1)): median step seconds, and median "
+            f"over blocks of {opts.train_steps} steps of the block's time per step, the block "
+            "ending when its last save is durable (the overhead is taken from these)",
+            [
+                "checkpointing",
+                "step s",
+                "block s / step",
+                "overhead %",
+                "train thread CPU s / step",
+                "stall ms / step",
+            ],
             rows,
         )
     )
@@ -771,6 +843,7 @@ def run(opts: BenchOptions) -> Result:
             f"({sizes[0] / 1024:.0f} KiB - {sizes[-1] / MIB:.0f} MiB)",
             "repetitions": f"1 warm-up + {opts.repeats}, interleaved, medians",
             "directory": str(workdir.resolve()),
+            "load average at start": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
         },
     )
     print("references ...", flush=True)
@@ -796,10 +869,11 @@ def run(opts: BenchOptions) -> Result:
         Table(
             "References (same bytes, medians)",
             ["what", "seconds", "GiB/s"],
-            [[k, v, opts.nbytes / GIB / v] for k, v in refs.items()],
+            [[k, v, opts.nbytes / GIB / v] for k, v in refs.items() if k != "memcpy"],
         )
     )
     record_floors(result, saves, loads, refs, extra)
+    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     result.notes += NOTES
     figure = plot(saves, refs, Path(opts.out).with_suffix(".png"))
     if figure:

@@ -99,9 +99,24 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+_PLAIN_TYPES = frozenset({dict, list, tuple, int, float, bool, str, bytes, type(None)})
+
+
+def is_stateful(value: Any) -> bool:
+    """``isinstance(value, Stateful)``, answered at once for tensors and containers.
+
+    ``Stateful`` is a runtime-checkable protocol whose check walks the class with
+    ``inspect.getattr_static`` (about 0.1 ms a value): on a flat state dict of a few
+    hundred tensors that was most of the time ``async_save`` blocked its caller.
+    """
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
+        return False
+    return isinstance(value, Stateful)
+
+
 def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Replace top-level Stateful objects by their ``state_dict()`` (as DCP does)."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+    return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state_dict.items()}
 
 
 def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ..core.buffers import byte_view
@@ -37,6 +36,7 @@ from ..core.flatten import flatten, set_path
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import INDEX_FILE, METADATA_FILE
 from .files import pread_bytes, pread_into
+from .layout import is_stateful, resolve_stateful
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
 
@@ -366,9 +366,7 @@ def load(
     """Load a committed checkpoint into ``state_dict`` in place (see the module docstring)."""
     reader = CheckpointReader(checkpoint_id)
     try:
-        resolved = {
-            k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()
-        }
+        resolved = resolve_stateful(state_dict)
         flat, paths = flatten(resolved)
         _check_keys(flat, reader.metadata, strict, reader.path)
         reader.check_file_sizes()
@@ -394,7 +392,7 @@ def load(
         for fqn, value in values.items():
             set_path(resolved, paths[fqn], value)
         for key, value in state_dict.items():
-            if isinstance(value, Stateful):
+            if is_stateful(value):
                 value.load_state_dict(resolved[key])
             elif key in resolved and resolved[key] is not value:
                 state_dict[key] = resolved[key]
