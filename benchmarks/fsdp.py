@@ -247,19 +247,25 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/fsdp.json")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=4, help="real device: sequences per rank")
+    parser.add_argument("--batch", type=int, default=2, help="real device: sequences per rank")
     parser.add_argument("--release-delay", type=int, default=2)
-    parser.add_argument("--standin-dim", type=int, default=1024)
+    parser.add_argument("--standin-dim", type=int, default=512)
     parser.add_argument("--standin-tokens", type=int, default=4096)
-    parser.add_argument("--tflops", type=float, default=2.0, help="stand-in device FLOP rate")
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=0.25,
+        help="stand-in device FLOP rate: a block's forward then takes ~2x its gather here",
+    )
+    parser.add_argument("--devices", default="standin,real", help="comma-separated subset")
     args = parser.parse_args()
     args.warmup = 2
+    devices = tuple(args.devices.split(","))
     if args.quick:
         args.repeats, args.steps, args.layers = 1, 3, 3
-        args.standin_dim = 512
 
     tmp = tempfile.mkdtemp(prefix="fsdp_bench_")
-    configs = [(d, p) for d in ("standin", "real") for p in ("slipstream", "fsdp2")]
+    configs = [(d, p) for d in devices for p in ("slipstream", "fsdp2")]
     runners = {
         f"{d}/{p}": (
             lambda rep, d=d, p=p: _spawn(d, p, args, os.path.join(tmp, f"{d}_{p}_{rep}.pt"))
@@ -275,7 +281,7 @@ def main() -> None:
             )
             for r in range(args.repeats)
         )
-        for d in ("standin", "real")
+        for d in devices
     }
 
     result = Result(
@@ -296,7 +302,7 @@ def main() -> None:
             "optimizer": "AdamW lr 1e-3 eps 1e-3",
         },
     )
-    for device in ("standin", "real"):
+    for device in devices:
         table = Table(
             f"{device} device (medians over {args.repeats} runs)",
             ["peer", "step s", "all-gather s/step", "exposed s/step", "exposed %", "peak MiB"],
@@ -316,8 +322,7 @@ def main() -> None:
             )
         result.tables.append(table)
 
-    ours, theirs = med["standin/slipstream"], med["standin/fsdp2"]
-    for device in ("standin", "real"):
+    for device in devices:
         result.floor(
             f"parity ({device}): max abs weight difference vs FSDP2 after "
             f"{args.warmup + args.steps} steps",
@@ -325,20 +330,23 @@ def main() -> None:
             "<= 1e-4",
             parity[device] <= 1e-4,
         )
-    exposed_share = ours["exposed_s"] / ours["allgather_s"]
-    result.floor(
-        "stand-in device: exposed all-gather / all-gather time",
-        exposed_share,
-        "<= 0.20",
-        exposed_share <= 0.20,
-    )
-    ratio = ours["step_s"] / theirs["step_s"]
-    result.floor("stand-in device: step time / FSDP2's", ratio, "<= 0.9", ratio <= 0.9)
-    ours, theirs = med["real/slipstream"], med["real/fsdp2"]
-    ratio = ours["step_s"] / theirs["step_s"]
-    result.floor("real compute: step time / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
-    ratio = ours["peak_mib"] / theirs["peak_mib"]
-    result.floor("real compute: peak memory / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
+    if "standin" in devices:
+        ours, theirs = med["standin/slipstream"], med["standin/fsdp2"]
+        exposed_share = ours["exposed_s"] / ours["allgather_s"]
+        result.floor(
+            "stand-in device: exposed all-gather / all-gather time",
+            exposed_share,
+            "<= 0.20",
+            exposed_share <= 0.20,
+        )
+        ratio = ours["step_s"] / theirs["step_s"]
+        result.floor("stand-in device: step time / FSDP2's", ratio, "<= 0.9", ratio <= 0.9)
+    if "real" in devices:
+        ours, theirs = med["real/slipstream"], med["real/fsdp2"]
+        ratio = ours["step_s"] / theirs["step_s"]
+        result.floor("real compute: step time / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
+        ratio = ours["peak_mib"] / theirs["peak_mib"]
+        result.floor("real compute: peak memory / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
     result.notes.append(
         "FSDP2 on CPU issues its all-gathers synchronously, so all of its all-gather time is "
         "exposed; slipstream issues the next unit's gather as async gloo work before the "
