@@ -1,4 +1,4 @@
-"""The demo, end to end on a toy model: kill mid-run, resume, match the reference bit for bit."""
+"""The demo end to end on a toy model: kill, resume bit for bit, rollout generations match."""
 
 import subprocess
 import sys
@@ -15,3 +15,4 @@ def test_demo_resumes_bit_for_bit_after_sigkill(tmp_path):
     assert "SIGKILL at step 7" in done.stdout
     assert "resumed from committed step" in done.stdout
     assert "matches the uninterrupted reference bit for bit: OK" in done.stdout
+    assert "rollout generations match the trainers' for versions [13, 15, 17]: OK" in done.stdout

@@ -3,12 +3,15 @@
     python -m slipstream.demo            # ~1-2 minutes on 2 cores
     python -m slipstream.demo --tiny     # seconds: the same phases on a toy model
 
-Phases, each on 2 local processes joined by gloo:
+Phases, each on 2 local training processes joined by gloo, training with slipstream FSDP:
 1. reference: train without checkpoints (the step time to beat, and the weights to match);
 2. checkpointed: the same run, saving asynchronously every step, SIGKILLed mid-run;
 3. resumed: restart from ``Checkpointer.latest()`` and train to the end;
 then check that the resumed run's weights and optimizer state equal the reference's bit
 for bit, and print what checkpointing cost the training loop.
+4. rl: the trainers go on from the last checkpoint and publish their weights every few
+steps to a third process, a rollout worker, which generates tokens with each version; they
+must match the tokens the trainers generate with their own weights.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import Checkpointer
 from .model import ModelConfig
+from .rollout import RlPhase, read_generated, rollout, trainer
 from .train import Phase, StepRecord, read_records, run
 
 WORLD_SIZE = 2
@@ -38,13 +43,18 @@ def _free_port() -> int:
 
 
 def launch(phase: Phase, expect_killed: bool = False) -> None:
-    """Run ``phase`` on ``WORLD_SIZE`` processes; join them all, with a timeout."""
-    ctx = multiprocessing.get_context("spawn")
+    """Run ``phase`` on ``WORLD_SIZE`` training processes."""
     port = _free_port()
-    procs = [
-        ctx.Process(target=run, args=(r, WORLD_SIZE, port, phase), name=f"{phase.name}-rank{r}")
-        for r in range(WORLD_SIZE)
-    ]
+    run_processes(
+        {f"{phase.name}-rank{r}": (run, (r, WORLD_SIZE, port, phase)) for r in range(WORLD_SIZE)},
+        expect_killed,
+    )
+
+
+def run_processes(targets: dict[str, tuple], expect_killed: bool = False) -> None:
+    """Start one process per ``name -> (function, args)``; join them all, with a timeout."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=args, name=name) for name, (fn, args) in targets.items()]
     for p in procs:
         p.start()
     for p in procs:
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-at", type=int, default=7, help="step at which to SIGKILL")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rl-steps", type=int, default=6, help="training steps of the RL phase")
+    parser.add_argument("--publish-every", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a toy model: seconds, not minutes")
     args = parser.parse_args(argv)
     if not 0 < args.kill_at < args.steps - 1:
@@ -99,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
     common = dict(out_dir=str(out), steps=args.steps, model=cfg, batch_size=args.batch_size)
 
-    print(f"== 1/3 reference: {args.steps} steps on {WORLD_SIZE} processes, no checkpoints")
+    print(f"== 1/4 reference: {args.steps} steps on {WORLD_SIZE} processes, no checkpoints")
     launch(Phase("reference", **common))
-    print(f"== 2/3 checkpointed: saving every step, killed with SIGKILL at step {args.kill_at}")
+    print(f"== 2/4 checkpointed: saving every step, killed with SIGKILL at step {args.kill_at}")
     launch(Phase("checkpointed", checkpoint=True, kill_at=args.kill_at, **common), True)
-    print("== 3/3 resumed: from the latest committed checkpoint to the end")
+    print("== 3/4 resumed: from the latest committed checkpoint to the end")
     launch(Phase("resumed", checkpoint=True, resume=True, **common))
 
     reference = read_records(str(out), "reference")
@@ -129,6 +141,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED: rank {rank}'s resumed shards differ from the reference at {diffs[:5]}")
             return 1
     print("resumed run matches the uninterrupted reference bit for bit: OK")
+    return run_rl(out, cfg, args)
+
+
+def run_rl(out: Path, cfg: ModelConfig, args: argparse.Namespace) -> int:
+    """Phase 4: trainers publish to a rollout process; its generations must match theirs."""
+    with Checkpointer(out / "checkpoints") as ck:
+        start = ck.latest() + 1
+    phase = RlPhase(str(out), WORLD_SIZE, args.rl_steps, args.publish_every, cfg, args.batch_size)
+    print(
+        f"\n== 4/4 rl: {args.rl_steps} more steps, weights published every "
+        f"{args.publish_every} steps to a rollout process that generates with them"
+    )
+    train_port, sync_port = _free_port(), _free_port()
+    targets = {
+        f"trainer-rank{r}": (trainer, (r, train_port, sync_port, phase)) for r in range(WORLD_SIZE)
+    }
+    targets["rollout"] = (rollout, (sync_port, start, phase))
+    run_processes(targets)
+    theirs, ours = read_generated(str(out), "rollout"), read_generated(str(out), "trainer")
+    if not ours or theirs != ours:
+        print(f"FAILED: rollout generated {theirs}, trainers generated {ours}")
+        return 1
+    print(f"rollout generations match the trainers' for versions {sorted(map(int, ours))}: OK")
     return 0
 
 
