@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_pa
             failed.set()
             raise ss.CheckpointError(f"writing {path} at offset 0 failed: disk full")
         if failed.wait(10):
-            threading.Event().wait(0.05)
+            time.sleep(0.05)  # room for a premature close of the file to happen
             try:
                 os.fstat(fd)
                 fstat_after_failure.append(True)
@@ -217,10 +218,9 @@ def _rank0_disk_full(rank: int, world: int, root: str) -> None:
     try:
         state = {"w": torch.full((1000,), float(rank)), f"own{rank}": torch.zeros(3)}
         saver.save(state, os.path.join(root, "ok")).result(30)
+        real_pwrite = os.pwrite
         if rank == 0:
-            saver_module_os = saver_module.os
-            real = saver_module_os.pwrite
-            saver_module_os.pwrite = _enospc
+            os.pwrite = _enospc
         try:
             response = saver.save(state, os.path.join(root, "full"))
             with pytest.raises(ss.CheckpointError) as info:
@@ -228,8 +228,7 @@ def _rank0_disk_full(rank: int, world: int, root: str) -> None:
             assert not isinstance(info.value, ss.PeerTimeoutError), str(info.value)
             assert "__0_0.distcp" in str(info.value), str(info.value)
         finally:
-            if rank == 0:
-                saver_module_os.pwrite = real
+            os.pwrite = real_pwrite
         saver.save(state, os.path.join(root, "after")).result(30)
     finally:
         saver.close()
