@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import threading
 import time
 
@@ -13,9 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint.safe_pickle import load_metadata
 from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
 
 
@@ -87,6 +90,19 @@ def test_checkpoint_of_a_different_layout_is_refused_before_any_byte_lands(saved
     with pytest.raises(ss.CheckpointError, match="shape mismatch for 'model.w'"):
         ss.load(target, saved)
     assert torch.equal(target["model"]["b"], torch.full((7,), 5.0))
+
+
+def test_tensor_whose_saved_chunks_leave_a_gap_is_refused_before_any_byte_lands(saved):
+    path = saved / ".metadata"
+    metadata = load_metadata(path.read_bytes(), str(path))
+    entry = metadata.state_dict_metadata["model.w"]
+    entry.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([150, 200]))]
+    path.write_bytes(pickle.dumps(metadata))
+    target = _blank()
+    target["model"]["w"].fill_(5.0)
+    with pytest.raises(ss.CorruptCheckpointError, match=r"'model.w' hold 30000 of the 60000"):
+        ss.load(target, saved)
+    assert torch.equal(target["model"]["w"], torch.full((300, 200), 5.0))
 
 
 def test_tensor_where_checkpoint_has_a_value_is_named(saved):
