@@ -196,6 +196,24 @@ def test_full_disk_fails_naming_the_file_and_keeps_the_previous_checkpoint(tmp_p
         assert not (tmp_path / "step_2").exists()
 
 
+def test_full_disk_while_publishing_metadata_leaves_the_step_uncommitted(tmp_path, monkeypatch):
+    real_replace = os.replace
+
+    def replace_fails_for_metadata(src, dst, *args, **kwargs):
+        if str(dst).endswith(".metadata"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst, *args, **kwargs)
+
+    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(1, _state()).result(60)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "replace", replace_fails_for_metadata)
+            with pytest.raises(ss.CheckpointError, match=r"could not write .*step_2/\.metadata"):
+                ck.save(2, _state()).result(60)
+        assert ck.steps() == [1] and not (tmp_path / "step_2" / ".metadata").exists()
+        assert ck.load(_blank()) == 1
+
+
 def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_path, monkeypatch):
     monkeypatch.setattr(saver_module, "WRITE_PIECE_BYTES", 64 * 1024)
     failed = threading.Event()
