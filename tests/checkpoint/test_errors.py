@@ -6,15 +6,19 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint.safe_pickle import load_metadata
 from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
 
 
@@ -86,6 +90,19 @@ def test_checkpoint_of_a_different_layout_is_refused_before_any_byte_lands(saved
     with pytest.raises(ss.CheckpointError, match="shape mismatch for 'model.w'"):
         ss.load(target, saved)
     assert torch.equal(target["model"]["b"], torch.full((7,), 5.0))
+
+
+def test_tensor_whose_saved_chunks_leave_a_gap_is_refused_before_any_byte_lands(saved):
+    path = saved / ".metadata"
+    metadata = load_metadata(path.read_bytes(), str(path))
+    entry = metadata.state_dict_metadata["model.w"]
+    entry.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([150, 200]))]
+    path.write_bytes(pickle.dumps(metadata))
+    target = _blank()
+    target["model"]["w"].fill_(5.0)
+    with pytest.raises(ss.CorruptCheckpointError, match=r"'model.w' hold 30000 of the 60000"):
+        ss.load(target, saved)
+    assert torch.equal(target["model"]["w"], torch.full((300, 200), 5.0))
 
 
 def test_tensor_where_checkpoint_has_a_value_is_named(saved):
@@ -179,6 +196,24 @@ def test_full_disk_fails_naming_the_file_and_keeps_the_previous_checkpoint(tmp_p
         assert not (tmp_path / "step_2").exists()
 
 
+def test_full_disk_while_publishing_metadata_leaves_the_step_uncommitted(tmp_path, monkeypatch):
+    real_replace = os.replace
+
+    def replace_fails_for_metadata(src, dst, *args, **kwargs):
+        if str(dst).endswith(".metadata"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst, *args, **kwargs)
+
+    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+        ck.save(1, _state()).result(60)
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "replace", replace_fails_for_metadata)
+            with pytest.raises(ss.CheckpointError, match=r"could not write .*step_2/\.metadata"):
+                ck.save(2, _state()).result(60)
+        assert ck.steps() == [1] and not (tmp_path / "step_2" / ".metadata").exists()
+        assert ck.load(_blank()) == 1
+
+
 def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_path, monkeypatch):
     monkeypatch.setattr(saver_module, "WRITE_PIECE_BYTES", 64 * 1024)
     failed = threading.Event()
@@ -192,7 +227,7 @@ def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_pa
             failed.set()
             raise ss.CheckpointError(f"writing {path} at offset 0 failed: disk full")
         if failed.wait(10):
-            threading.Event().wait(0.05)
+            time.sleep(0.05)  # room for a premature close of the file to happen
             try:
                 os.fstat(fd)
                 fstat_after_failure.append(True)
@@ -217,10 +252,9 @@ def _rank0_disk_full(rank: int, world: int, root: str) -> None:
     try:
         state = {"w": torch.full((1000,), float(rank)), f"own{rank}": torch.zeros(3)}
         saver.save(state, os.path.join(root, "ok")).result(30)
+        real_pwrite = os.pwrite
         if rank == 0:
-            saver_module_os = saver_module.os
-            real = saver_module_os.pwrite
-            saver_module_os.pwrite = _enospc
+            os.pwrite = _enospc
         try:
             response = saver.save(state, os.path.join(root, "full"))
             with pytest.raises(ss.CheckpointError) as info:
@@ -228,8 +262,7 @@ def _rank0_disk_full(rank: int, world: int, root: str) -> None:
             assert not isinstance(info.value, ss.PeerTimeoutError), str(info.value)
             assert "__0_0.distcp" in str(info.value), str(info.value)
         finally:
-            if rank == 0:
-                saver_module_os.pwrite = real
+            os.pwrite = real_pwrite
         saver.save(state, os.path.join(root, "after")).result(30)
     finally:
         saver.close()

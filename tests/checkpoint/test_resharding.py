@@ -10,6 +10,7 @@ few and shared through module fixtures (spawning costs seconds).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from pathlib import Path
@@ -207,11 +208,15 @@ def _storage_entries(root: Path, fqn: str) -> list:
 
 @pytest.mark.parametrize("saved_by", ["ss2", "ss4"])
 def test_replicated_tensors_are_written_once(checkpoints, saved_by):
+    with open(checkpoints / saved_by / ".slipstream.json") as f:
+        files = json.load(f)["records"]
     for fqn in ["model.rep", *(f"model.{p}" for p in PLAIN)]:
         entries = _storage_entries(checkpoints / saved_by, fqn)
         assert len(entries) == 1, (fqn, entries)
         index, _ = entries[0]
         assert index == MetadataIndex(fqn, torch.Size([0, 0]), index.index)
+        holders = [name for name, records in files.items() if f"{fqn}@0,0" in records]
+        assert len(holders) == 1, (fqn, holders)
 
 
 def test_replicated_tensors_are_spread_over_the_writing_ranks(checkpoints):

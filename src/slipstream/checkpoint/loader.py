@@ -287,11 +287,18 @@ def _plan_reads(
     reads: list,
     copies: list,
 ) -> None:
+    """Queue the reads (and copies) that fill ``value`` from the saved chunks of ``fqn``.
+
+    Saved chunks tile their tensor without overlap, so the elements they share with a
+    target chunk add up to the whole target chunk; when they do not, the checkpoint is
+    missing part of the tensor and this raises before any byte is read.
+    """
     dtype = value.dtype
     itemsize = dtype.itemsize
     for dest, t_off, t_size in _target_chunks(value):
         if _numel(t_size) == 0:
             continue
+        covered = 0
         for chunk in md.chunks:
             s_off, s_size = tuple(chunk.offsets), tuple(chunk.sizes)
             lo = [max(a, b) for a, b in zip(t_off, s_off, strict=True)]
@@ -300,6 +307,7 @@ def _plan_reads(
             ]
             if any(h <= low for low, h in zip(lo, hi, strict=True)):
                 continue
+            covered += _numel([h - low for low, h in zip(lo, hi, strict=True)])
             src = reader.source(fqn, s_off, s_size, dtype)
             box = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, t_off, strict=True))
             dest_view = dest[box] if box else dest
@@ -326,6 +334,12 @@ def _plan_reads(
                 scratch = torch.empty(count, dtype=dtype)
                 reads.append(_Read(src, fqn, start, end, byte_view(scratch)))
                 copies.append((dest_view, scratch.as_strided(extent, strides), None))
+        if covered != _numel(t_size):
+            raise CorruptCheckpointError(
+                f"{reader.path}: the saved chunks of {fqn!r} hold {covered} of the "
+                f"{_numel(t_size)} elements at offsets {list(t_off)}, size {list(t_size)}; "
+                "the checkpoint is missing part of this tensor"
+            )
 
 
 def _read_verified(reader: CheckpointReader, job: _Read) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..core import streams
-from ..core.buffers import PAGE_BYTES, StagingPool, byte_view
+from ..core.buffers import PAGE_BYTES, StagingBudgetError, StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices
 from ..core.handles import Watermark
@@ -207,7 +207,14 @@ class CheckpointSaver:
         for stale in [k for k in self._framed if k != job.fingerprint]:
             self._pool.drop(stale)
             del self._framed[stale]
-        buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
+        try:
+            buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
+        except StagingBudgetError as exc:
+            raise StagingBudgetError(
+                f"rank {self.rank} cannot stage {job.checkpoint_dir}: it needs "
+                f"{job.plan.image_bytes} bytes, over SaveOptions.staging_budget_bytes="
+                f"{self._pool.budget_bytes}"
+            ) from exc
         if self._framed.get(job.fingerprint) != buf.data_ptr():
             _write_frames(buf, job.plan)
             self._framed[job.fingerprint] = buf.data_ptr()
