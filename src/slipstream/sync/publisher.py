@@ -21,6 +21,7 @@ also uses. :meth:`WeightPublisher.close` (or the context manager) joins it.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -211,11 +212,11 @@ class WeightPublisher:
                 helds = self._start_round(k, version, plan)
                 self._pack_and_send(plan, BucketSources(plan, tensors, self.rank), helds, version)
                 handle.staged.set_result(None)
-                job = lambda: self._finish_round(k, version)  # noqa: E731
+                job = functools.partial(self._finish_round, k, version)
             else:
                 self._snapshot(plan, tensors, version)
                 handle.staged.set_result(None)
-                job = lambda: self._serve_cached(k, version, plan)  # noqa: E731
+                job = functools.partial(self._serve_cached, k, version, plan)
         except BaseException as exc:
             for fut in (handle.staged, handle.delivered):
                 if not fut.done():

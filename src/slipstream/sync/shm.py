@@ -227,7 +227,7 @@ class ShmReceiver:
         self.timeout = timeout
         self._count = 0
 
-    def start(self, header_bytes: int) -> Pending:
+    def start(self, header_bytes: int, next_header_bytes: int | None = None) -> Pending:
         message = self._count + 1
         slot = self._count % self.ring.num_slots
         self._count = message

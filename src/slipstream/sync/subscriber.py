@@ -184,9 +184,12 @@ class WeightSubscriber:
             got.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
             self._pool.release("sync-atomic")
         pending = None
+        step = len(plan.trainer_ranks)  # the same owner's next bucket
         for bucket in plan.buckets:
             receiver = self._receivers[bucket.owner]
-            current = (bucket.index, receiver.start(bucket.header_bytes))
+            after = bucket.index + step
+            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
+            current = (bucket.index, receiver.start(bucket.header_bytes, following))
             if pending is not None:
                 self._unpack(plan, sink, into, got, *pending)
             pending = current
