@@ -407,6 +407,11 @@ class WeightPublisher:
             raise SyncError(f"version {version} was not applied everywhere: " + "; ".join(errors))
         return version
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of transfer buffers and host cache this publisher holds."""
+        return self._sender.buffer_bytes + self._pool.live_bytes
+
     def staleness(self) -> dict[int, int | None]:
         """Versions behind the last publish, per rollout (``None``: holds no complete version)."""
         last = self._last_version

@@ -100,6 +100,13 @@ class WeightSubscriber:
         return self._version if self._complete else None
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes of receive buffers, atomic staging and reassembly buffers this rank holds."""
+        receivers = sum(r.buffer_bytes for r in self._receivers.values())
+        assembly = sum(t.numel() for t in self._assembly.values())
+        return receivers + self._pool.live_bytes + assembly
+
+    @property
     def complete(self) -> bool:
         return self._complete
 

@@ -35,6 +35,7 @@ from .plan import HEADER_PREFIX
 
 class Sender(Protocol):
     bytes_sent: int
+    buffer_bytes: int
 
     def next_buffer(self) -> torch.Tensor: ...
     def submit(self, header: torch.Tensor, payload: torch.Tensor) -> None: ...
@@ -59,6 +60,8 @@ class Pending:
 
 
 class Receiver(Protocol):
+    buffer_bytes: int
+
     def start(self, header_bytes: int, next_header_bytes: int | None = None) -> Pending: ...
     def close(self) -> None: ...
 
@@ -98,6 +101,7 @@ class BroadcastSender:
         self._works: list[list[dist.Work]] = [[] for _ in range(num_slots)]
         self._count = 0
         self.bytes_sent = 0
+        self.buffer_bytes = num_slots * (bucket_bytes + header_bytes)
 
     def _drain(self, slot: int) -> None:
         for work in self._works[slot]:
@@ -155,6 +159,7 @@ class BroadcastReceiver:
         self._headers = [_buffer(size, device) for _ in range(2)]
         self._count = 0
         self._header_count = 0
+        self.buffer_bytes = num_slots * bucket_bytes + 2 * size
         self._posted: tuple[dist.Work, torch.Tensor] | None = None
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
