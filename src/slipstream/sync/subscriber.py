@@ -75,7 +75,7 @@ class WeightSubscriber:
                 pg,
                 trainer,
                 info["bucket_bytes"],
-                64 * 1024,
+                info["header_cap"],
                 info["num_slots"],
                 self.timeout,
                 self.group.device,
@@ -108,6 +108,7 @@ class WeightSubscriber:
 
     @property
     def complete(self) -> bool:
+        """False from the first byte of a receive applied until that receive completes."""
         return self._complete
 
     def receive(
@@ -136,14 +137,11 @@ class WeightSubscriber:
         )
         version = info["version"]
         try:
-            if self._version is not None and version <= self._version:
-                raise SyncError(
-                    f"rollout rank {self.rank} holds version {self._version} but was sent "
-                    f"{version}: versions must increase"
-                )
             plan = self._plan(info["plan"], leader)
             problems = sink.check(plan)
-            if problems:
+            if self._version is not None and version <= self._version:
+                problems.insert(0, f"it holds version {self._version}, versions must increase")
+            if problems:  # drain the round so the group stays usable, apply nothing
                 self._receive_all(plan, sink, "drain")
                 raise_problems(problems, version, self.rank)
             if atomic:
