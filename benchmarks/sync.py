@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Result, Table, current_rss_mib, interleave, median, peak_rss_mib  # noqa: E402
+from common import Result, Table, interleave, median, peak_rss_mib  # noqa: E402
 
 import slipstream as ss  # noqa: E402
 
@@ -110,7 +110,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
     flat = torch.zeros(total, dtype=torch.uint8)
     bucket_buf = torch.zeros(bucket, dtype=torch.uint8)
 
-    def timed_run(body) -> dict[str, float]:
+    def timed_run(body, buffers: int) -> dict[str, float]:
         if trainer:
             for t in tensors:
                 t.neg_()  # every run ships changed bytes
@@ -122,18 +122,18 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
         return {
             "seconds": elapsed,
             "blocked": elapsed if blocked is None else blocked,
-            "rss": current_rss_mib(),
+            "buffers": buffers / 2**20,
         }
 
     def raw(_: int) -> dict[str, float]:
-        return timed_run(lambda: dist.broadcast(flat, 0))
+        return timed_run(lambda: dist.broadcast(flat, 0), total)
 
     def per_tensor(_: int) -> dict[str, float]:
         def body():
             for t in tensors:
                 dist.broadcast(t, 0)
 
-        return timed_run(body)
+        return timed_run(body, 0)
 
     def verl(_: int) -> dict[str, float]:
         def body():
@@ -167,7 +167,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
                 i = j
             return blocked
 
-        return timed_run(body)
+        return timed_run(body, (total if trainer else 0) + bucket)
 
     def slipstream_runner(k: int):
         def run(_: int) -> dict[str, float]:
@@ -181,7 +181,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
                 ends[k].receive(dest)
                 return None
 
-            return timed_run(body)
+            return timed_run(body, ends[k].buffer_bytes)
 
         return run
 
@@ -266,7 +266,7 @@ def main() -> None:
     for name in [n for n in trainer if n != "warm memcpy"]:
         secs = median(trainer[name]["seconds"])
         blocked = median(trainer[name]["blocked"])
-        rollout_rss = median(by_rank[1][0][name]["rss"])
+        rollout_buffers = median(by_rank[1][0][name]["buffers"])
         stats[name] = (secs, blocked)
         rows.append(
             [
@@ -275,15 +275,23 @@ def main() -> None:
                 round(gib / secs, 3),
                 round(raw_s / secs, 2),
                 round(blocked, 3),
-                round(median(trainer[name]["rss"])),
-                round(rollout_rss),
+                round(median(trainer[name]["buffers"])),
+                round(rollout_buffers),
             ]
         )
     memcpy_s = median(trainer["warm memcpy"]["seconds"])
     result.tables.append(
         Table(
-            "median of the repetitions; RSS = resident MiB right after the run",
-            ["peer", "time s", "GiB/s", "x raw", "trainer blocked s", "trainer RSS", "rollout RSS"],
+            "median of the repetitions; buffers = transfer buffers and caches the peer holds, MiB",
+            [
+                "peer",
+                "time s",
+                "GiB/s",
+                "x raw",
+                "trainer blocked s",
+                "trainer buffers",
+                "rollout buffers",
+            ],
             rows,
         )
     )
@@ -324,6 +332,11 @@ def main() -> None:
     result.notes.append(
         "Every run ships changed bytes (the trainer negates each weight first), so "
         "slipstream's skipping of unchanged tensors never kicks in here."
+    )
+    result.notes.append(
+        "All peers run in the same three processes, so peak RSS is per side for the whole "
+        "run; the per-peer memory is the buffers column (for shm, the ring is shared memory "
+        "counted on the trainer's side)."
     )
     result.notes.append(
         "The verl-style baseline is written here after verl's checkpoint engine: host cache, "

@@ -21,6 +21,7 @@ also uses. :meth:`WeightPublisher.close` (or the context manager) joins it.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,7 +40,7 @@ from .transport import BroadcastSender, Sender
 
 MODES = ("direct", "cached")
 TRANSPORTS = ("auto", "broadcast", "shm")
-SHM_HEADER_CAP = 64 * 1024
+HEADER_CAP = 64 * 1024
 
 
 @dataclass
@@ -127,7 +128,6 @@ class WeightPublisher:
         self._pool = StagingPool(pin=torch.cuda.is_available())
         self._cache: torch.Tensor | None = None
         self._cache_offsets: dict[int, int] = {}
-        self._cache_version: int | None = None
         self._last_round: Future | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
@@ -150,7 +150,12 @@ class WeightPublisher:
         return transport
 
     def _make_sender(self, num_slots: int) -> Sender:
-        info = {"kind": self.transport, "bucket_bytes": self.bucket_bytes, "num_slots": num_slots}
+        info = {
+            "kind": self.transport,
+            "bucket_bytes": self.bucket_bytes,
+            "num_slots": num_slots,
+            "header_cap": HEADER_CAP,
+        }
         if self.transport == "broadcast":
             self.group.set_json(f"transport/{self.rank}", info)
             pg = self.group.subgroup([self.rank, *self.rollout_ranks])
@@ -158,7 +163,7 @@ class WeightPublisher:
                 pg,
                 self.rank,
                 self.bucket_bytes,
-                SHM_HEADER_CAP,
+                HEADER_CAP,
                 num_slots,
                 self.timeout,
                 self.group.device,
@@ -168,13 +173,13 @@ class WeightPublisher:
             path,
             self.rank,
             self.bucket_bytes,
-            SHM_HEADER_CAP,
+            HEADER_CAP,
             num_slots,
             self.rollout_ranks,
             [self.group.pids[r] for r in self.rollout_ranks],
             self.timeout,
         )
-        info.update(path=path, header_cap=SHM_HEADER_CAP, pid=self.group.pids[self.rank])
+        info.update(path=path, pid=self.group.pids[self.rank])
         self.group.set_json(f"transport/{self.rank}", info)
         try:
             self.group.wait_keys(
@@ -211,11 +216,11 @@ class WeightPublisher:
                 helds = self._start_round(k, version, plan)
                 self._pack_and_send(plan, BucketSources(plan, tensors, self.rank), helds, version)
                 handle.staged.set_result(None)
-                job = lambda: self._finish_round(k, version)  # noqa: E731
+                job = functools.partial(self._finish_round, k, version)
             else:
-                self._snapshot(plan, tensors, version)
+                self._snapshot(plan, tensors)
                 handle.staged.set_result(None)
-                job = lambda: self._serve_cached(k, version, plan)  # noqa: E731
+                job = functools.partial(self._serve_cached, k, version, plan)
         except BaseException as exc:
             for fut in (handle.staged, handle.delivered):
                 if not fut.done():
@@ -241,14 +246,13 @@ class WeightPublisher:
         plan = self._plan
         if plan is None or plan.specs != tuple(specs):
             plan = BucketPlan.build(specs, self.bucket_bytes, self.trainer_ranks)
-            if plan.max_header_bytes > SHM_HEADER_CAP:
+            if plan.max_header_bytes > HEADER_CAP:
                 raise ValueError(
                     f"a bucket holds {plan.max_header_bytes - 8} slices, more than "
-                    f"{SHM_HEADER_CAP - 8}; use a smaller bucket_bytes"
+                    f"{HEADER_CAP - 8}; use a smaller bucket_bytes"
                 )
             self._plan = plan
             self._checksums.clear()
-            self._cache_version = None
         if self.rank == self.leader and plan.plan_id not in self._announced:
             self.group.set_json(
                 f"plan/{plan.plan_id}",
@@ -320,7 +324,7 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
-    def _snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor], version: int) -> None:
+    def _snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> None:
         """Copy this rank's buckets into the reused host cache (bucket-by-bucket gathers)."""
         owned = plan.owned(self.rank)
         offsets: dict[int, int] = {}
@@ -341,7 +345,7 @@ class WeightPublisher:
                     cache[start : start + s.nbytes].copy_(sources.slice_bytes(s))
             sources.leave(g)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
-        self._cache, self._cache_offsets, self._cache_version = cache, offsets, version
+        self._cache, self._cache_offsets = cache, offsets
 
     # ------------------------------------------------------------------- worker thread
     def _work(self) -> None:
@@ -405,6 +409,11 @@ class WeightPublisher:
         if errors:
             raise SyncError(f"version {version} was not applied everywhere: " + "; ".join(errors))
         return version
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of transfer buffers and host cache this publisher holds."""
+        return self._sender.buffer_bytes + self._pool.live_bytes
 
     def staleness(self) -> dict[int, int | None]:
         """Versions behind the last publish, per rollout (``None``: holds no complete version)."""

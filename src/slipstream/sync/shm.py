@@ -148,6 +148,7 @@ class ShmSender:
         self.ring = _Ring(path, num_slots, len(reader_ranks), bucket_bytes, header_cap, True)
         self._count = 0
         self.bytes_sent = 0
+        self.buffer_bytes = self.ring.buf.numel()  # shared with the readers, counted here
 
     def _wait_free(self, slot: int, message: int) -> None:
         previous = message - self.ring.num_slots
@@ -226,8 +227,9 @@ class ShmReceiver:
         self.root_pid = root_pid
         self.timeout = timeout
         self._count = 0
+        self.buffer_bytes = 0  # the trainer's mapping, counted on its side
 
-    def start(self, header_bytes: int) -> Pending:
+    def start(self, header_bytes: int, next_header_bytes: int | None = None) -> Pending:
         message = self._count + 1
         slot = self._count % self.ring.num_slots
         self._count = message

@@ -75,7 +75,7 @@ class WeightSubscriber:
                 pg,
                 trainer,
                 info["bucket_bytes"],
-                64 * 1024,
+                info["header_cap"],
                 info["num_slots"],
                 self.timeout,
                 self.group.device,
@@ -100,7 +100,15 @@ class WeightSubscriber:
         return self._version if self._complete else None
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes of receive buffers, atomic staging and reassembly buffers this rank holds."""
+        receivers = sum(r.buffer_bytes for r in self._receivers.values())
+        assembly = sum(t.numel() for t in self._assembly.values())
+        return receivers + self._pool.live_bytes + assembly
+
+    @property
     def complete(self) -> bool:
+        """False from the first byte of a receive applied until that receive completes."""
         return self._complete
 
     def receive(
@@ -129,14 +137,11 @@ class WeightSubscriber:
         )
         version = info["version"]
         try:
-            if self._version is not None and version <= self._version:
-                raise SyncError(
-                    f"rollout rank {self.rank} holds version {self._version} but was sent "
-                    f"{version}: versions must increase"
-                )
             plan = self._plan(info["plan"], leader)
             problems = sink.check(plan)
-            if problems:
+            if self._version is not None and version <= self._version:
+                problems.insert(0, f"it holds version {self._version}, versions must increase")
+            if problems:  # drain the round so the group stays usable, apply nothing
                 self._receive_all(plan, sink, "drain")
                 raise_problems(problems, version, self.rank)
             if atomic:
@@ -184,9 +189,12 @@ class WeightSubscriber:
             got.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
             self._pool.release("sync-atomic")
         pending = None
+        step = len(plan.trainer_ranks)  # the same owner's next bucket
         for bucket in plan.buckets:
             receiver = self._receivers[bucket.owner]
-            current = (bucket.index, receiver.start(bucket.header_bytes))
+            after = bucket.index + step
+            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
+            current = (bucket.index, receiver.start(bucket.header_bytes, following))
             if pending is not None:
                 self._unpack(plan, sink, into, got, *pending)
             pending = current

@@ -35,6 +35,7 @@ from .plan import HEADER_PREFIX
 
 class Sender(Protocol):
     bytes_sent: int
+    buffer_bytes: int
 
     def next_buffer(self) -> torch.Tensor: ...
     def submit(self, header: torch.Tensor, payload: torch.Tensor) -> None: ...
@@ -59,7 +60,9 @@ class Pending:
 
 
 class Receiver(Protocol):
-    def start(self, header_bytes: int) -> Pending: ...
+    buffer_bytes: int
+
+    def start(self, header_bytes: int, next_header_bytes: int | None = None) -> Pending: ...
     def close(self) -> None: ...
 
 
@@ -98,6 +101,7 @@ class BroadcastSender:
         self._works: list[list[dist.Work]] = [[] for _ in range(num_slots)]
         self._count = 0
         self.bytes_sent = 0
+        self.buffer_bytes = num_slots * (bucket_bytes + header_bytes)
 
     def _drain(self, slot: int) -> None:
         for work in self._works[slot]:
@@ -151,26 +155,46 @@ class BroadcastReceiver:
         self.timeout = timeout
         self.num_slots = num_slots
         self._slots = [_buffer(bucket_bytes, device) for _ in range(num_slots)]
-        self._header = _buffer(max(header_bytes, HEADER_PREFIX), device)
+        size = max(header_bytes, HEADER_PREFIX)
+        self._headers = [_buffer(size, device) for _ in range(2)]
         self._count = 0
+        self._header_count = 0
+        self.buffer_bytes = num_slots * bucket_bytes + 2 * size
+        self._posted: tuple[dist.Work, torch.Tensor] | None = None
 
-    def start(self, header_bytes: int) -> Pending:
+    def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        buf = self._headers[self._header_count % 2][:header_bytes]
+        self._header_count += 1
+        return self.pg.broadcast([buf], opts), buf
+
+    def start(self, header_bytes: int, next_header_bytes: int | None = None) -> Pending:
+        """Receive the next header, post its payload's receive, and post the header after it.
+
+        ``next_header_bytes`` (the size of this trainer's next bucket header, if any) lets
+        that header's receive be posted now, so the trainer never waits for us to ask.
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         what = f"bucket from trainer rank {self.root_rank}"
-        header = self._header[:header_bytes]
-        _wait(self.pg.broadcast([header], opts), self.timeout, f"receiving a {what}")
+        work, header = self._posted or self._post_header(header_bytes)
+        self._posted = None
+        _wait(work, self.timeout, f"receiving a {what}")
         header = header.cpu().clone()
         payload_bytes = int(header[:HEADER_PREFIX].view(torch.int64).item())
         slot = self._slots[self._count % self.num_slots]
         self._count += 1
         payload = slot[:payload_bytes]
-        work = self.pg.broadcast([payload], opts) if payload_bytes else None
+        payload_work = self.pg.broadcast([payload], opts) if payload_bytes else None
+        if next_header_bytes is not None:
+            self._posted = self._post_header(next_header_bytes)
 
         def finish() -> torch.Tensor:
-            if work is not None:
-                _wait(work, self.timeout, f"receiving a {what}")
+            if payload_work is not None:
+                _wait(payload_work, self.timeout, f"receiving a {what}")
             return payload
 
         return Pending(header, payload_bytes, finish, lambda: None)
