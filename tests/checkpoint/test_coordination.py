@@ -109,3 +109,21 @@ def test_saver_rejects_use_after_close(tmp_path):
     saver.close()
     with pytest.raises(ss.CheckpointError, match="closed"):
         saver.save({"w": torch.zeros(1)}, tmp_path / "x")
+
+
+def test_async_save_coordinates_through_a_recreated_process_groups_store(tmp_path):
+    from slipstream.checkpoint import api
+
+    for i in range(2):
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+        try:
+            ss.save({"w": torch.full((4,), float(i))}, tmp_path / f"c{i}", timeout=10)
+            saver = api._saver(None, 10)
+            assert saver.channel.store is dist.distributed_c10d._get_default_store()
+        finally:
+            dist.destroy_process_group()
+    loaded = {"w": torch.zeros(4)}
+    ss.load(loaded, tmp_path / "c1")
+    assert torch.equal(loaded["w"], torch.ones(4))

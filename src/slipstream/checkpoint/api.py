@@ -27,11 +27,20 @@ def _group_key(process_group) -> tuple:
     return tuple(dist.get_process_group_ranks(group))
 
 
+def _current_store() -> dist.Store | None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
 def _saver(process_group, timeout: float) -> CheckpointSaver:
     key = _group_key(process_group)
     with _savers_lock:
         saver = _savers.get(key)
-        if saver is None or saver.channel.world_size == 0:
+        if saver is not None and key != ("local",) and saver.channel.store is not _current_store():
+            saver.close()  # the process group it coordinated through was destroyed
+            saver = None
+        if saver is None:
             saver = CheckpointSaver(process_group, SaveOptions(timeout=timeout))
             _savers[key] = saver
         saver.options.timeout = timeout

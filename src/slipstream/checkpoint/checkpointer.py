@@ -9,6 +9,7 @@ running).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -43,8 +44,7 @@ class Checkpointer:
         self.root = Path(root)
         self.keep_last = keep_last
         self.root.mkdir(parents=True, exist_ok=True)
-        opts = options or SaveOptions()
-        opts.timeout = timeout
+        opts = dataclasses.replace(options or SaveOptions(), timeout=timeout)
         self._saver = CheckpointSaver(process_group, opts)
         self._last: AsyncSaveResponse | None = None
 
