@@ -155,7 +155,10 @@ def _worker(rank: int, port: int, device: str, peer: str, args, out_path: str, q
         if peer == "slipstream":
             from slipstream.fsdp import FsdpContext, fully_shard
 
-            ctx = FsdpContext(release_delay=args.release_delay)
+            # Real compute saturates both cores: a reduce-scatter beside it only competes.
+            ctx = FsdpContext(
+                release_delay=args.release_delay, overlap_reduce_scatter=device == "standin"
+            )
             for block in model.blocks:
                 fully_shard(block, context=ctx)
             fully_shard(model, context=ctx)
@@ -300,6 +303,10 @@ def main() -> None:
                 f"{args.standin_tokens} virtual tokens at {args.tflops} TFLOP/s"
             ),
             "optimizer": "AdamW lr 1e-3 eps 1e-3",
+            "slipstream_options": (
+                "release_delay 2; overlap_reduce_scatter on the stand-in device, off for real "
+                "compute (both cores already compute; an async reduce-scatter only competes)"
+            ),
         },
     )
     for device in devices:

@@ -31,9 +31,10 @@ def shard(
     release_delay: int = 2,
     nested: bool = False,
     mp: MixedPrecision | None = None,
+    overlap_reduce_scatter: bool = True,
 ) -> FsdpContext:
     """Blocks (and, if ``nested``, each block's MLP up-projection inside them), then the root."""
-    ctx = FsdpContext(release_delay=release_delay)
+    ctx = FsdpContext(release_delay=release_delay, overlap_reduce_scatter=overlap_reduce_scatter)
     for block in model.blocks:
         if nested:
             fully_shard(block.up, context=ctx)

@@ -156,7 +156,10 @@ class FsdpContext:
     staging buffers, the recorded schedule, the delay queue and :class:`FsdpStats`.
 
     ``release_delay`` bounds how many non-root units may be unsharded at once; with 2 the next
-    unit's all-gather overlaps the current unit's compute. ``timeout`` bounds every wait.
+    unit's all-gather overlaps the current unit's compute. ``overlap_reduce_scatter=False``
+    waits for each reduce-scatter as soon as it is issued: better when compute itself
+    saturates the host's cores (CPU training), where a collective running beside it only
+    competes for them. ``timeout`` bounds every wait.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class FsdpContext:
         release_delay: int = 2,
         *,
         device: torch.device | str = "cpu",
+        overlap_reduce_scatter: bool = True,
         timeout: float = 300.0,
     ) -> None:
         if release_delay < 1:
@@ -177,6 +181,7 @@ class FsdpContext:
         self.device = torch.device(device)
         self.mesh = DeviceMesh.from_group(self.group, self.device.type)
         self.release_delay = release_delay
+        self.overlap_reduce_scatter = overlap_reduce_scatter
         self.timeout = timeout
         self.comm_stream = new_stream(self.device)
         self.stats = FsdpStats()
@@ -542,6 +547,8 @@ class FsdpContext:
                 )
             self._reduces.append(_Reduce(unit, gi, work, _Timer(work), out, accumulate))
             self.stats.reduce_scatter_count += 1
+            if not self.overlap_reduce_scatter:
+                self._finish_reduce(self._reduces.popleft())
 
     def _finish_reduce(self, red: _Reduce) -> None:
         self.stats.reduce_scatter_exposed_seconds += self._wait(
