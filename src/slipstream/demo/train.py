@@ -131,6 +131,8 @@ def _train(rank: int, phase: Phase) -> None:
                 + (f"  (save cost the loop {blocked * 1e3:.2f} ms)" if ck is not None else ""),
             )
             _write_records(out, phase, rank, records)
+            if len(records) == 1:
+                fsdp.reset_stats()  # the first step records the unit order and cannot prefetch
             if phase.kill_at == step:
                 _log(rank, f"[{phase.name}] SIGKILL at step {step}, with its save in flight")
                 os.kill(os.getpid(), signal.SIGKILL)
