@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from ..checkpoint import Checkpointer
 from ..sync import WeightPublisher, WeightSubscriber, init_group
 from .model import ModelConfig, batch, build_model
-from .train import TrainState, shard_model
+from .train import TrainState, join_training_group, shard_model
 
 SYNC_TIMEOUT_S = 120.0
 PROMPT = [[1, 2, 3, 4]]
@@ -49,14 +48,7 @@ class RlPhase:
 
 
 def trainer(rank: int, train_port: int, sync_port: int, phase: RlPhase) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{train_port}",
-        rank=rank,
-        world_size=phase.trainers,
-        timeout=timedelta(seconds=SYNC_TIMEOUT_S),
-    )
+    join_training_group(rank, phase.trainers, train_port)
     group = init_group("127.0.0.1", sync_port, phase.trainers + 1, rank, timeout=SYNC_TIMEOUT_S)
     try:
         _train_and_publish(rank, group, phase)

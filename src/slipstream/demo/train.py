@@ -26,6 +26,9 @@ from ..fsdp import FsdpContext, fully_shard
 from .model import ModelConfig, TinyGPT, batch, build_model
 
 
+GROUP_TIMEOUT_S = 120.0
+
+
 @dataclass
 class Phase:
     """What one run of the training processes does."""
@@ -76,16 +79,21 @@ class StepRecord:
     """Seconds this step spent in slipstream calls: starting the save and waiting on staging."""
 
 
-def run(rank: int, world_size: int, port: int, phase: Phase) -> None:
-    """Train ``phase.steps`` steps on this rank; write step records and its final shards."""
+def join_training_group(rank: int, world_size: int, port: int) -> None:
+    """One compute thread per process (2 ranks share 2 cores) and the trainers' gloo group."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=120),
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
     )
+
+
+def run(rank: int, world_size: int, port: int, phase: Phase) -> None:
+    """Train ``phase.steps`` steps on this rank; write step records and its final shards."""
+    join_training_group(rank, world_size, port)
     try:
         _train(rank, phase)
         dist.barrier()
