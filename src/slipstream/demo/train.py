@@ -25,7 +25,6 @@ from ..checkpoint import Checkpointer
 from ..fsdp import FsdpContext, fully_shard
 from .model import ModelConfig, TinyGPT, batch, build_model
 
-
 GROUP_TIMEOUT_S = 120.0
 
 
