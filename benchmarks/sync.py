@@ -54,6 +54,10 @@ def shapes(total_bytes: int, count: int) -> list[tuple[int, torch.dtype]]:
     for u, dt in zip(units, dtypes, strict=True):
         numel = max(64, int(u * unit_bytes / dt.itemsize) // 64 * 64)
         out.append((numel, dt))
+    short = total_bytes - sum(n * dt.itemsize for n, dt in out)
+    if short > 0:  # top up the first tensor so the total is at least what was asked
+        numel, dt = out[0]
+        out[0] = (numel + -(-short // (64 * dt.itemsize)) * 64, dt)
     return out
 
 
