@@ -54,6 +54,10 @@ def shapes(total_bytes: int, count: int) -> list[tuple[int, torch.dtype]]:
     for u, dt in zip(units, dtypes, strict=True):
         numel = max(64, int(u * unit_bytes / dt.itemsize) // 64 * 64)
         out.append((numel, dt))
+    short = total_bytes - sum(n * dt.itemsize for n, dt in out)
+    if short > 0:  # top up the first tensor so the total is at least what was asked
+        numel, dt = out[0]
+        out[0] = (numel + -(-short // (64 * dt.itemsize)) * 64, dt)
     return out
 
 
@@ -232,6 +236,7 @@ def main() -> None:
         with socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
+    load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     procs = [ctx.Process(target=worker, args=(r, args, tuple(ports), results)) for r in range(3)]
@@ -258,6 +263,7 @@ def main() -> None:
             "bucket_mib": args.bucket_mib,
             "repeats": args.repeats,
             "processes": "3 (1 trainer, 2 rollouts), gloo on loopback, 1 torch thread each",
+            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         },
     )
     raw_s = median(trainer["raw broadcast"]["seconds"])
@@ -342,6 +348,11 @@ def main() -> None:
         "The verl-style baseline is written here after verl's checkpoint engine: host cache, "
         "then bucket copy, then broadcast, one bucket buffer, no overlap; its cache is "
         "allocated once (verl allocated fresh pinned buffers every sync)."
+    )
+    result.notes.append(
+        "load_average_1min is the host's 1-minute load average before and after the run: "
+        "on a shared 2-core host every extra copy (packing, checksums, unpacking into the "
+        "rollout's tensors) competes with the transfer itself for CPU time."
     )
     for floor in result.floors:
         print(f"{'PASS' if floor.passed else 'MISS'} {floor.claim}: {floor.measured}")

@@ -68,6 +68,19 @@ def module_name(name: str) -> str:
     return "model." + name.replace(".", "_")
 
 
+def record_store_writes(group) -> list[str]:
+    """Wrap ``group.set_json`` so every key written through it is listed."""
+    written: list[str] = []
+    set_json = group.set_json
+
+    def recording(key: str, value: object) -> None:
+        written.append(key)
+        set_json(key, value)
+
+    group.set_json = recording
+    return written
+
+
 # --------------------------------------------------------------------------- plan (no processes)
 def test_plan_splits_large_tensors_and_is_deterministic():
     specs = [
@@ -110,9 +123,7 @@ def _delivery(rank, port):
                 channel=channel,
             )
             assert pub.transport == transport
-            written: list[str] = []
-            set_json = pub.group.set_json
-            pub.group.set_json = lambda key, value: (written.append(key), set_json(key, value))
+            written = record_store_writes(pub.group)
             sent = []
             with pub:
                 for version in (1, 2, 3):
