@@ -763,6 +763,7 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
         block = median(got[mode + "/block"])
         overheads[mode] = 100 * (block / base - 1)
         cpu, stall = median(got[mode + "/cpu"]), 1000 * median(got[mode + "/stall"])
+        extra.setdefault("train_detail", {})[mode] = {"cpu": cpu, "stall": stall}
         rows.append([mode, median(got[mode]), block, overheads[mode], cpu, stall])
     extra["train"] = overheads
     mb = got["checkpoint_bytes"][0] / 1e6
@@ -875,6 +876,7 @@ def run(opts: BenchOptions) -> Result:
     record_floors(result, saves, loads, refs, extra)
     result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     result.notes += NOTES
+    result.notes += measured_notes(loads, refs, extra)
     figure = plot(saves, refs, Path(opts.out).with_suffix(".png"))
     if figure:
         result.notes.append(f"Figure: `{figure}`.")
@@ -893,6 +895,29 @@ NOTES = [
     "safetensors load whole then copy_; cold means the checkpoint files were evicted from "
     "the page cache (fsync + POSIX_FADV_DONTNEED) before each repetition.",
 ]
+
+
+def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
+    """What the reference measurements say about the floors, in this run's numbers."""
+    raw = loads[RAW_READ]["warm"]
+    notes = [
+        f"Reading alone: one thread's pread of slipstream's data file from a warm page cache "
+        f"(no checksum, no copy to the destination beyond the kernel's) took {raw:.3f} s, "
+        f"{raw / refs['memcpy']:.2f}x the warm memcpy; ss.load took "
+        f"{loads['ss.load']['warm']:.3f} s, {loads['ss.load']['warm'] / raw:.2f}x that read. "
+        "ss.load reads with 4 threads and verifies an xxh3 checksum of every 1 MiB block "
+        "(xxhash holds the GIL, so hashing does not run in parallel)."
+    ]
+    if "train_detail" in extra:
+        none, ss_ = extra["train_detail"]["none"], extra["train_detail"]["ss.async_save"]
+        notes.append(
+            "Training loop: the training thread's own CPU time per step was "
+            f"{none['cpu']:.3f} s without checkpoints and {ss_['cpu']:.3f} s with "
+            f"ss.async_save every step, which stalled the loop {ss_['stall']:.1f} ms per step "
+            "(the save call plus the wait for staging). Wall time beyond that is time the "
+            "machine's other runnable threads took from the training thread."
+        )
+    return notes
 
 
 def child_main(spec: str, opts: BenchOptions) -> None:
