@@ -198,8 +198,12 @@ class Stamp:
         self.at = time.perf_counter() - self.start
 
     def wait(self, timeout: float = 600.0) -> float:
+        """The stamp, once the future has resolved and its callback has run."""
         self.fut.result(timeout)
+        deadline = time.perf_counter() + timeout
         while self.at is None:
+            if time.perf_counter() > deadline:
+                raise TimeoutError("a future resolved but its done-callback never ran")
             time.sleep(0.0001)
         return self.at
 
