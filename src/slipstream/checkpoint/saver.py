@@ -39,6 +39,7 @@ from ..core.buffers import PAGE_BYTES, StagingBudgetError, StagingPool, byte_vie
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices
 from ..core.handles import Watermark
+from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline
 from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
@@ -65,6 +66,9 @@ class SaveOptions:
     """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
     direct_io: bool = True
     """Write data files with ``O_DIRECT`` where the filesystem allows it (see ``_RankFile``)."""
+    thread_nice: int = 5
+    """Nice increment of the saver's own threads (Linux), so that on oversubscribed cores
+    staging and upload give way to the training thread; 0 keeps the caller's priority."""
 
 
 @dataclass
@@ -101,9 +105,19 @@ class CheckpointSaver:
     def __init__(self, process_group=None, options: SaveOptions | None = None) -> None:
         self.options = options or SaveOptions()
         self.channel = RankChannel.for_group(process_group)
-        self._stage_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-stage")
-        self._upload_thread = ThreadPoolExecutor(1, thread_name_prefix="slipstream-upload")
-        self._io_pool = ThreadPoolExecutor(self.options.io_threads, "slipstream-io")
+        nice = (self.options.thread_nice,)
+        self._stage_thread = ThreadPoolExecutor(
+            1, "slipstream-stage", initializer=lower_thread_priority, initargs=nice
+        )
+        self._upload_thread = ThreadPoolExecutor(
+            1, "slipstream-upload", initializer=lower_thread_priority, initargs=nice
+        )
+        self._io_pool = ThreadPoolExecutor(
+            self.options.io_threads,
+            "slipstream-io",
+            initializer=lower_thread_priority,
+            initargs=nice,
+        )
         self._pool = StagingPool(self.options.staging_budget_bytes)
         self._framed: dict[str, int] = {}
         self._plans: dict[str, SavePlan] = {}

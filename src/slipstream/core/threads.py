@@ -1,0 +1,37 @@
+"""Background threads that yield the CPU to the training thread.
+
+On CPU a worker thread stands in for an accelerator's side stream: it stages and writes
+while the training thread computes. Where the cores are oversubscribed, a background
+thread at the training thread's priority takes its time slices from training as much as
+from anything else. Linux keeps a nice value per thread, so the worker threads of a
+checkpoint saver lower their own priority when they start: they still run whenever a
+core is free (an idle core, or while the training thread waits on them), and they give
+way to training when there is not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+MAX_NICE = 19
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Run the calling thread ``increment`` nice levels below the main thread (Linux only).
+
+    Only the calling thread changes: the process and its other threads keep theirs. The
+    level is relative to the main thread, not to the caller's current one, so a worker
+    started by another lowered worker (which inherits its nice value) is not lowered
+    twice. Failure to change it is ignored, since priority is a hint, never a requirement.
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + increment)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+    except OSError:
+        pass
