@@ -215,6 +215,19 @@ def _worker(rank: int, port: int, device: str, peer: str, args, out_path: str, q
 
 
 def _spawn(device: str, peer: str, args, out_path: str) -> dict[str, float]:
+    """One run of ``peer`` on ``WORLD`` processes, retried once if a process dies.
+
+    torch's gloo teardown occasionally aborts a process at exit ("terminate called
+    without an active exception"); a retry keeps that from losing the whole benchmark.
+    """
+    try:
+        return _spawn_once(device, peer, args, out_path)
+    except RuntimeError as exc:
+        print(f"retrying once: {exc}", flush=True)
+        return _spawn_once(device, peer, args, out_path)
+
+
+def _spawn_once(device: str, peer: str, args, out_path: str) -> dict[str, float]:
     import socket
 
     with socket.socket() as s:
