@@ -19,7 +19,7 @@ def test_saver_threads_run_below_the_callers_priority(tmp_path):
     saver = CheckpointSaver(options=SaveOptions(thread_nice=2))
     try:
         saver.save({"w": torch.ones(1000)}, tmp_path / "ck").upload_completion.result(30)
-        pools = (saver._stage_thread, saver._upload_thread, saver._io_pool)
+        pools = (saver._stage_thread, saver._tail_copier, saver._upload_thread, saver._io_pool)
         for pool in pools:
             assert pool.submit(_own_nice).result(10) == min(19, caller + 2)
         assert _own_nice() == caller

@@ -50,3 +50,19 @@ def test_tensor_frame_is_what_torch_save_writes_around_the_data():
     layout = locate_tensor_data(lambda o, n: written[o : o + n], len(written), "torch.save")
     assert layout.data_offset == frame.data_offset
     assert layout.size == (5, 6) and layout.dtype == torch.float64 and layout.is_compact
+
+
+def test_staging_split_over_two_threads_writes_the_same_file(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(1000 * (i + 1), generator=g) for i in range(9)}
+    for name, split in (("split", True), ("single", False)):
+        saver = CheckpointSaver(options=SaveOptions(split_copy=split))
+        try:
+            saver.save(state, tmp_path / name).upload_completion.result(30)
+        finally:
+            saver.close()
+    split_bytes = (tmp_path / "split" / "__0_0.distcp").read_bytes()
+    assert split_bytes == (tmp_path / "single" / "__0_0.distcp").read_bytes()
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "split"), no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
