@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,19 +79,34 @@ def _train_and_publish(rank: int, group, phase: RlPhase) -> None:
             handle = pub.publish(model.state_dict(), version=step)
             handle.staged.result(SYNC_TIMEOUT_S)
             blocked = time.perf_counter() - begin
+            sync_seconds = _time_to(handle.delivered, begin)
             tokens = model.generate(torch.tensor(PROMPT), NEW_TOKENS)
             generated[step] = tokens[0, len(PROMPT[0]) :].tolist()
             if rank == 0:
                 print(
-                    f"[rl] trainer published version {step} (blocked {blocked * 1e3:.1f} ms); "
-                    f"generates {generated[step]}",
+                    f"[rl] trainer published version {step}: blocked {blocked * 1e3:.0f} ms, "
+                    f"every rollout held it {sync_seconds.result(SYNC_TIMEOUT_S) * 1e3:.0f} ms "
+                    f"after the publish; generates {generated[step]}",
                     flush=True,
                 )
-        handle.delivered.result(SYNC_TIMEOUT_S)
         if rank == 0:
             print(f"[rl] rollout versions seen by the trainer: {pub.rollout_versions}", flush=True)
     if rank == 0:
         _write(phase, "trainer", generated)
+
+
+def _time_to(fut: Future, begin: float) -> Future:
+    """A future of the seconds from ``begin`` until ``fut`` resolved (its error, if it failed)."""
+    seconds: Future = Future()
+
+    def stamp(done: Future) -> None:
+        if done.exception() is not None:
+            seconds.set_exception(done.exception())
+        else:
+            seconds.set_result(time.perf_counter() - begin)
+
+    fut.add_done_callback(stamp)
+    return seconds
 
 
 def rollout(sync_port: int, start: int, phase: RlPhase) -> None:
@@ -109,8 +125,8 @@ def rollout(sync_port: int, start: int, phase: RlPhase) -> None:
                 tokens = model.generate(torch.tensor(PROMPT), NEW_TOKENS)
                 generated[version] = tokens[0, len(PROMPT[0]) :].tolist()
                 print(
-                    f"[rl] rollout received version {version} in {took * 1e3:.1f} ms; "
-                    f"generates {generated[version]}",
+                    f"[rl] rollout holds version {version} ({took * 1e3:.0f} ms after asking, "
+                    f"waiting for the trainers included); generates {generated[version]}",
                     flush=True,
                 )
     finally:
