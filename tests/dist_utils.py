@@ -65,15 +65,8 @@ def _worker(rank, world_size, port, fn, args, errors):
             dist.destroy_process_group()
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
-    ctx = worker_context()
-    errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors), daemon=True)
-        for r in range(world_size)
-    ]
+def start_and_join(procs: list, timeout: float) -> list[int]:
+    """Start ``procs``, join each within ``timeout``, kill stragglers; return their indices."""
     for p in procs:
         p.start()
     for p in procs:
@@ -83,6 +76,19 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> None:
         if p.is_alive():
             p.kill()
             p.join(5)
+    return hung
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
+    ctx = worker_context()
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors), daemon=True)
+        for r in range(world_size)
+    ]
+    hung = start_and_join(procs, timeout)
     failures = []
     while not errors.empty():
         failures.append(errors.get())

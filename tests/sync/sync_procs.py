@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import traceback
 
-import torch.multiprocessing as mp
-from dist_utils import free_port
+from dist_utils import free_port, start_and_join, worker_context
 
 
 def _entry(fn, rank, port, args, results):
@@ -29,22 +28,14 @@ def _entry(fn, rank, port, args, results):
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 60.0, may_die: tuple[int, ...] = ()):
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, port, args, results), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    hung = start_and_join(procs, timeout)
     out, errors = {}, []
     while not results.empty():
         rank, status, value = results.get()
