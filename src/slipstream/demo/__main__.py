@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import shutil
 import signal
 import socket
@@ -132,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median step time without checkpoints: {base_ms:8.1f} ms")
     print(f"median step time saving every step:   {with_ms:8.1f} ms ({with_ms / base_ms - 1:+.1%})")
     print(f"median time the save cost the loop:   {blocked_ms:8.2f} ms per step")
+    if (os.cpu_count() or 1) <= WORLD_SIZE:
+        print(
+            f"  (this host has {os.cpu_count()} cores for {WORLD_SIZE} training processes, so the "
+            "saver's copies and writes take CPU from training; on a host with a spare core, "
+            "benchmarks/checkpoint.py measures the per-step cost)"
+        )
 
     for rank in range(WORLD_SIZE):
         ref_state = torch.load(out / f"reference.rank{rank}.final.pt", weights_only=True)
