@@ -1,9 +1,10 @@
 """slipstream: move training state beside compute instead of in front of it.
 
-Public API lives here; everything else may change between releases.
+Public API lives here (and in the ``sync`` and ``fsdp`` subpackages it exports); everything
+else may change between releases.
 """
 
-from . import sync
+from . import fsdp, sync
 from .checkpoint import AsyncSaveResponse, Checkpointer, SaveOptions, async_save, load, save
 from .errors import (
     CheckpointError,
@@ -34,5 +35,6 @@ __all__ = [
     "UnsafeCheckpointError",
     "WeightPublisher",
     "WeightSubscriber",
+    "fsdp",
     "sync",
 ]
