@@ -38,7 +38,7 @@ from ..core import streams
 from ..core.buffers import PAGE_BYTES, StagingBudgetError, StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices
-from ..core.handles import Watermark
+from ..core.handles import Watermark, completed_future
 from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline, wait_future
 from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
@@ -260,7 +260,11 @@ class CheckpointSaver:
             head, tail = job.plan.records, []
             if side is None and self.options.split_copy:
                 head, tail = _split_by_bytes(job.plan.records)
-            tail_copy = self._tail_copier.submit(self._copy_records, job, tail, side, False)
+            tail_copy = (
+                self._tail_copier.submit(self._copy_records, job, tail, side, False)
+                if tail
+                else completed_future()
+            )
             try:
                 with streams.on_stream(side):
                     self._copy_records(job, head, side, True)
