@@ -19,14 +19,20 @@ def _state():
     }
 
 
-def test_direct_and_buffered_writes_produce_identical_files(tmp_path):
-    state = _state()
-    for name, direct in (("direct", True), ("buffered", False)):
-        saver = CheckpointSaver(options=SaveOptions(direct_io=direct))
+def _save_with(state: dict, root, variants: dict[str, SaveOptions]) -> None:
+    """Save ``state`` once per named options, each into ``root / name``."""
+    for name, options in variants.items():
+        saver = CheckpointSaver(options=options)
         try:
-            saver.save(state, tmp_path / name).upload_completion.result(30)
+            saver.save(state, root / name).upload_completion.result(30)
         finally:
             saver.close()
+
+
+def test_direct_and_buffered_writes_produce_identical_files(tmp_path):
+    state = _state()
+    variants = {"direct": SaveOptions(direct_io=True), "buffered": SaveOptions(direct_io=False)}
+    _save_with(state, tmp_path, variants)
     direct_bytes = (tmp_path / "direct" / "__0_0.distcp").read_bytes()
     buffered_bytes = (tmp_path / "buffered" / "__0_0.distcp").read_bytes()
     assert direct_bytes == buffered_bytes
@@ -55,12 +61,8 @@ def test_tensor_frame_is_what_torch_save_writes_around_the_data():
 def test_staging_split_over_two_threads_writes_the_same_file(tmp_path):
     g = torch.Generator().manual_seed(1)
     state = {f"t{i}": torch.randn(1000 * (i + 1), generator=g) for i in range(9)}
-    for name, split in (("split", True), ("single", False)):
-        saver = CheckpointSaver(options=SaveOptions(split_copy=split))
-        try:
-            saver.save(state, tmp_path / name).upload_completion.result(30)
-        finally:
-            saver.close()
+    variants = {"split": SaveOptions(split_copy=True), "single": SaveOptions(split_copy=False)}
+    _save_with(state, tmp_path, variants)
     split_bytes = (tmp_path / "split" / "__0_0.distcp").read_bytes()
     assert split_bytes == (tmp_path / "single" / "__0_0.distcp").read_bytes()
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
