@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from ..core.buffers import byte_view
 from ..core.checksum import checksum
 from ..core.flatten import flatten, set_path
+from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import INDEX_FILE, METADATA_FILE
 from .files import pread_bytes, pread_into
@@ -41,7 +42,6 @@ from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
 
 READ_PIECE_BYTES = 64 * 1024 * 1024
-SPAN_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -311,8 +311,8 @@ def _plan_reads(
             covered += _numel([h - low for low, h in zip(lo, hi, strict=True)])
             src = reader.source(fqn, s_off, s_size, dtype)
             box = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, t_off, strict=True))
-            dest_view = dest[box] if box else dest
             extent = tuple(h - low for low, h in zip(lo, hi, strict=True))
+            dest_view = dest if extent == t_size else dest[box]
             if src.data_offset < 0:
                 src_box = tuple(
                     slice(low - o, h - o) for low, h, o in zip(lo, hi, s_off, strict=True)
@@ -369,9 +369,9 @@ def _read_partial_block(reader: CheckpointReader, job: _Read, i: int) -> None:
 def _read_verified(reader: CheckpointReader, job: _Read) -> None:
     """Read ``job``'s bytes into its destination, verifying every block they touch.
 
-    Runs of whole blocks are read with one ``preadv`` of up to ``SPAN_BYTES`` and then
-    hashed block by block: one system call, so one release and re-acquisition of the
-    GIL, per span instead of per block.
+    Whole blocks are read one ``preadv`` each, straight into the destination, and hashed
+    right away while they are still in this core's cache: hashing re-reads every byte, and
+    from cache that pass costs about half what it does from memory.
     """
     src, a, b, out = job.source, job.start, job.end, job.out
     fd, path = reader.fd(src.file), reader.file_path(src.file)
@@ -381,22 +381,14 @@ def _read_verified(reader: CheckpointReader, job: _Read) -> None:
         pread_into(fd, out, src.data_offset + a, path)
         return
     block = src.block_bytes
-    i, last = a // block, (b - 1) // block
-    while i <= last:
-        bs = i * block
-        if bs < a or min(bs + block, src.nbytes) > b:
+    for i in range(a // block, (b - 1) // block + 1):
+        bs, be = i * block, min((i + 1) * block, src.nbytes)
+        if bs < a or be > b:
             _read_partial_block(reader, job, i)
-            i += 1
             continue
-        j = i + 1
-        while j <= last and (j - i) * block < SPAN_BYTES and min((j + 1) * block, src.nbytes) <= b:
-            j += 1
-        end = min(j * block, src.nbytes)
-        pread_into(fd, out[bs - a : end - a], src.data_offset + bs, path)
-        for k in range(i, j):
-            ks, ke = k * block, min((k + 1) * block, src.nbytes)
-            _check_block(job, k, checksum(out[ks - a : ke - a]), path)
-        i = j
+        piece = out[bs - a : be - a]
+        pread_into(fd, piece, src.data_offset + bs, path)
+        _check_block(job, i, checksum(piece), path)
 
 
 def load(
@@ -404,9 +396,16 @@ def load(
     checkpoint_id: str | os.PathLike,
     *,
     strict: bool = True,
-    io_threads: int = 4,
+    io_threads: int | None = None,
 ) -> None:
-    """Load a committed checkpoint into ``state_dict`` in place (see the module docstring)."""
+    """Load a committed checkpoint into ``state_dict`` in place (see the module docstring).
+
+    ``io_threads`` defaults to one more than the usable cores: reading from the page cache
+    is bound by the cores (a copy and a hash per byte), and the extra thread keeps a
+    request queued when reads wait on the disk.
+    """
+    if io_threads is None:
+        io_threads = usable_cores() + 1
     reader = CheckpointReader(checkpoint_id)
     try:
         resolved = resolve_stateful(state_dict)

@@ -18,6 +18,13 @@ import threading
 MAX_NICE = 19
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def lower_thread_priority(increment: int) -> None:
     """Run the calling thread ``increment`` nice levels below the main thread (Linux only).
 
