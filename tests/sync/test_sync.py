@@ -20,6 +20,8 @@ from slipstream.errors import PeerTimeoutError, SyncError
 from slipstream.sync.plan import BucketPlan, TensorSpec, payload_offsets
 
 BUCKET = 64 * 1024
+# slices of 4 KiB and up cross a broadcast on their own: both paths run in every delivery test
+SEPARATE = 4096
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.uint8]
 # sizes in elements: empty, scalar-like, odd, around and well above a 64 KiB bucket
 SIZES = [0, 1, 7, 1000, 16 * 1024, 40_000, 100_003]
@@ -121,6 +123,7 @@ def _delivery(rank, port):
                 mode=mode,
                 transport=transport,
                 channel=channel,
+                separate_min_bytes=SEPARATE,
             )
             assert pub.transport == transport
             written = record_store_writes(pub.group)
@@ -214,6 +217,7 @@ def _dtensor_run(rank, port, mesh_port):
                 mode=mode,
                 transport=transport,
                 channel=channel,
+                separate_min_bytes=SEPARATE,
             ) as pub:
                 pub.publish(named, version=7).delivered.result(timeout=20)
                 out[mode] = (pub.bytes_sent, pub.peak_gathered_bytes)
@@ -329,7 +333,14 @@ def _killed_run(rank, port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=8)
     named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
     if rank == 0:
-        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport)
+        pub = ss.WeightPublisher(
+            group,
+            [0],
+            [1, 2],
+            bucket_bytes=BUCKET,
+            transport=transport,
+            separate_min_bytes=SEPARATE,
+        )
         pub.publish(named, version=1).delivered.result(timeout=20)
 
         def die():  # polls: a blocking wait would hold the store client the publisher uses

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..core.buffers import as_bytes
+from ..core.copy import copy_in_slices
 from ..errors import SyncError
 from .plan import BucketPlan, Slice, TensorSpec
 
@@ -77,10 +78,15 @@ class ModuleTarget:
             problems.append(f"non-contiguous in the target: {layout}")
         return problems
 
-    def write(self, s: Slice, data: torch.Tensor) -> None:
+    def direct_view(self, s: Slice) -> torch.Tensor | None:
+        """The bytes slice ``s`` goes to, for receiving it in place (``None``: not applied)."""
         dest = self._dest.get(s.tensor)
+        return None if dest is None else dest[s.tensor_offset : s.tensor_offset + s.nbytes]
+
+    def write(self, s: Slice, data: torch.Tensor) -> None:
+        dest = self.direct_view(s)
         if dest is not None:
-            dest[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(data)
+            copy_in_slices(dest, data)
 
     def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
         return None
@@ -119,6 +125,10 @@ class CallableTarget:
             buf = torch.empty(spec.nbytes, dtype=torch.uint8)
             self._assembly[(self._plan_id, i)] = buf
         return buf
+
+    def direct_view(self, s: Slice) -> torch.Tensor | None:
+        """Always ``None``: ``load_weights`` is handed whole tensors, never fed in place."""
+        return None
 
     def write(self, s: Slice, data: torch.Tensor) -> None:
         return None

@@ -9,18 +9,23 @@ caller's thread) match across ranks.
 
 :func:`pack_slices` copies a bucket's slices into a payload buffer, takes an xxh3 checksum of
 each copied slice, and leaves out (rewinds over) slices whose checksum says every rollout
-already holds those bytes.
+already holds those bytes. Slices the transport sends on their own (``separate_min``) are
+checksummed where they are and not copied: their place in the payload is only reserved.
+:func:`payload_segments` cuts a payload into what crosses the transport, the same way on
+both sides.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..core.buffers import as_bytes, byte_view
 from ..core.checksum import checksum
-from .plan import BucketPlan, Slice, align
+from ..core.copy import copy_in_slices
+from .plan import BucketPlan, Slice, align, payload_offsets
 
 try:
     from torch.distributed.tensor import DTensor
@@ -86,31 +91,93 @@ def slice_checksum(data: torch.Tensor) -> int | None:
     return checksum(byte_view(data))
 
 
+def sent_separately(s: Slice, separate_min: int | None) -> bool:
+    return separate_min is not None and s.nbytes >= separate_min
+
+
 def pack_slices(
     slices: Sequence[Slice],
     read: Callable[[Slice], torch.Tensor],
     out: torch.Tensor,
     unchanged: Callable[[int, int | None], bool],
     first_slice: int,
-) -> tuple[list[int], int, dict[int, int]]:
+    separate_min: int | None = None,
+) -> tuple[list[int], int, dict[int, int], dict[int, torch.Tensor]]:
     """Copy the changed slices into ``out`` back to back (``ALIGN``-aligned).
 
-    ``unchanged(slice_index, checksum)`` decides, after the copy, whether the slice may be left
-    out. Returns the include mask, the payload size and each slice's checksum.
+    ``unchanged(slice_index, checksum)`` decides whether the slice may be left out. A
+    changed slice sent separately is not copied (its bytes in ``out`` stay unwritten) and
+    comes back in ``separate``, keyed by its index in ``slices``, as the bytes to send.
+    Returns the include mask, the payload size, each slice's checksum and ``separate``.
     """
     mask: list[int] = []
     sums: dict[int, int] = {}
+    separate: dict[int, torch.Tensor] = {}
     cursor = 0
     for k, s in enumerate(slices):
         pos = align(cursor)
-        dst = out[pos : pos + s.nbytes]
-        dst.copy_(read(s))
-        cs = slice_checksum(dst)
+        src = read(s)
+        if sent_separately(s, separate_min):
+            cs = slice_checksum(src)
+        else:
+            dst = out[pos : pos + s.nbytes]
+            copy_in_slices(dst, src)
+            cs = slice_checksum(dst)
         if cs is not None:
             sums[first_slice + k] = cs
         if unchanged(first_slice + k, cs):
             mask.append(0)
+            continue
+        mask.append(1)
+        cursor = pos + s.nbytes
+        if sent_separately(s, separate_min):
+            separate[k] = src
+    return mask, cursor, sums, separate
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Payload bytes ``[start, start + nbytes)`` that cross the transport as one message;
+    ``slice`` is set (an index into the bucket's slices) when they are one slice sent on
+    its own."""
+
+    start: int
+    nbytes: int
+    slice: int | None = None
+
+
+def payload_segments(
+    slices: Sequence[Slice], mask: Sequence[int], separate_min: int | None
+) -> list[Segment]:
+    """The payload of a bucket with include ``mask``, cut into runs of packed slices and the
+    slices sent separately, in payload order (sender and receiver derive the same list)."""
+    offsets, _ = payload_offsets(slices, mask)
+    segments: list[Segment] = []
+    run: list[int] | None = None
+    for k, (s, off) in enumerate(zip(slices, offsets, strict=True)):
+        if off < 0 or s.nbytes == 0:
+            continue
+        if sent_separately(s, separate_min):
+            if run is not None:
+                segments.append(Segment(run[0], run[1] - run[0]))
+                run = None
+            segments.append(Segment(off, s.nbytes, k))
+        elif run is None:
+            run = [off, off + s.nbytes]
         else:
-            mask.append(1)
-            cursor = pos + s.nbytes
-    return mask, cursor, sums
+            run[1] = off + s.nbytes
+    if run is not None:
+        segments.append(Segment(run[0], run[1] - run[0]))
+    return segments
+
+
+def segment_parts(
+    segments: Sequence[Segment], payload: torch.Tensor, separate: dict[int, torch.Tensor]
+) -> list[torch.Tensor]:
+    """The tensors to send for ``segments``: separate slices' own bytes, else payload ranges."""
+    return [
+        separate[seg.slice]
+        if seg.slice is not None and seg.slice in separate
+        else payload[seg.start : seg.start + seg.nbytes]
+        for seg in segments
+    ]

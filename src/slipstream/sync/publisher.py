@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.buffers import StagingPool
+from ..core.copy import copy_in_slices
 from ..errors import PeerTimeoutError, SyncError
 from .group import SyncGroup
-from .packing import BucketSources, pack_slices, slice_checksum
+from .packing import BucketSources, pack_slices, payload_segments, segment_parts, slice_checksum
 from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
 from .shm import ShmSender, new_ring_path
-from .transport import BroadcastSender, Sender
+from .transport import SEPARATE_MIN_BYTES, BroadcastSender, Sender
 
 MODES = ("direct", "cached")
 TRANSPORTS = ("auto", "broadcast", "shm")
@@ -79,9 +80,14 @@ class WeightPublisher:
     with the same names, shapes, dtypes and version. Construction sets up the transport
     and waits (up to the group's timeout) for the rollouts to construct their subscribers.
 
+    Over broadcast, a slice of at least ``separate_min_bytes`` (default 16 MiB) travels as a
+    message of its own, straight from the trainer's tensor into the rollout's, skipping
+    the bucket copy on both sides; smaller slices are packed into buckets. ``None`` packs
+    everything.
+
     Invariants: versions strictly increase; a round starts only once every rollout asked
     for it; ``staged`` resolves only after the last byte this rank reads from the caller's
-    tensors has been copied.
+    tensors has been copied or sent.
     """
 
     def __init__(
@@ -96,6 +102,7 @@ class WeightPublisher:
         timeout: float | None = None,
         channel: str = "weights",
         history: int = 8,
+        separate_min_bytes: int | None = SEPARATE_MIN_BYTES,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -117,6 +124,7 @@ class WeightPublisher:
         self.mode = mode
         self.timeout = group.timeout if timeout is None else timeout
         self.history = history
+        self.separate_min_bytes = separate_min_bytes
         self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
         self.bytes_sent = 0
         self.peak_gathered_bytes = 0
@@ -157,6 +165,7 @@ class WeightPublisher:
             "header_cap": HEADER_CAP,
         }
         if self.transport == "broadcast":
+            info["separate_min"] = self.separate_min_bytes
             self.group.set_json(f"transport/{self.rank}", info)
             pg = self.group.subgroup([self.rank, *self.rollout_ranks])
             return BroadcastSender(
@@ -167,6 +176,7 @@ class WeightPublisher:
                 num_slots,
                 self.timeout,
                 self.group.device,
+                self.separate_min_bytes,
             )
         path = new_ring_path(self.rank)
         sender = ShmSender(
@@ -195,9 +205,11 @@ class WeightPublisher:
     def publish(self, named_tensors: Mapping | Iterable, version: int) -> PublishHandle:
         """Send ``named_tensors`` as ``version`` to every rollout.
 
-        ``direct``: returns once this rank packed its last bucket (``staged`` resolved); the
-        sends finish in the background. ``cached``: returns once the weights are snapshotted
-        into the host cache; the worker thread sends from the cache.
+        ``direct``: returns once nothing more is read from ``named_tensors`` (``staged``
+        resolved): this rank packed its last bucket and the slices sent straight from the
+        tensors have left; the packed buckets still in flight finish in the background.
+        ``cached``: returns once the weights are snapshotted into the host cache; the worker
+        thread sends from the cache.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
@@ -306,21 +318,29 @@ class WeightPublisher:
         self, plan: BucketPlan, sources: BucketSources, helds: dict[int, int | None], version: int
     ) -> None:
         unchanged = self._unchanged_fn(helds)
+        separate_min = self._sender.separate_min
         sums: dict[int, int] = {}
+        sent_from_tensors = False
         for bucket in plan.buckets:
             g = bucket.index
             sources.enter(g)
             if bucket.owner == self.rank:
                 out = self._sender.next_buffer()
-                mask, nbytes, bucket_sums = pack_slices(
-                    plan.bucket_slices(g), sources.slice_bytes, out, unchanged, bucket.first_slice
+                slices = plan.bucket_slices(g)
+                mask, nbytes, bucket_sums, separate = pack_slices(
+                    slices, sources.slice_bytes, out, unchanged, bucket.first_slice, separate_min
                 )
                 sums.update(bucket_sums)
+                sent_from_tensors |= bool(separate)
                 header = encode_header(
                     torch.empty(bucket.header_bytes, dtype=torch.uint8), nbytes, mask
                 )
-                self._sender.submit(header.to(out.device), out[:nbytes])
+                segments = payload_segments(slices, mask, separate_min)
+                parts = segment_parts(segments, out[:nbytes], separate)
+                self._sender.submit(header.to(out.device), parts)
             sources.leave(g)
+        if sent_from_tensors:  # those sends read the caller's tensors: done before `staged`
+            self._sender.flush()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
@@ -342,7 +362,7 @@ class WeightPublisher:
                 base = offsets[g]
                 for s in plan.bucket_slices(g):
                     start = base + s.bucket_offset
-                    cache[start : start + s.nbytes].copy_(sources.slice_bytes(s))
+                    copy_in_slices(cache[start : start + s.nbytes], sources.slice_bytes(s))
             sources.leave(g)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._cache, self._cache_offsets = cache, offsets
@@ -381,13 +401,16 @@ class WeightPublisher:
                     sums[bucket.first_slice + j] = cs
                 mask.append(0 if unchanged(bucket.first_slice + j, cs) else 1)
             header = torch.empty(bucket.header_bytes, dtype=torch.uint8)
+            segments = payload_segments(slices, mask, self._sender.separate_min)
             if all(mask):  # the cache already holds the payload: send it without a copy
-                self._sender.submit(encode_header(header, bucket.nbytes, mask), view)
+                parts = segment_parts(segments, view, {})
+                self._sender.submit(encode_header(header, bucket.nbytes, mask), parts)
                 continue
             out = self._sender.next_buffer()
             kept = [s for s, m in zip(slices, mask, strict=True) if m]
-            _, nbytes, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
-            self._sender.submit(encode_header(header, nbytes, mask), out[:nbytes])
+            _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
+            parts = segment_parts(segments, out[:nbytes], {})
+            self._sender.submit(encode_header(header, nbytes, mask), parts)
         self._remember(version, sums)
         return self._finish_round(k, version)
 

@@ -24,11 +24,12 @@ import mmap
 import os
 import time
 import uuid
+from collections.abc import Sequence
 
 import torch
 
 from ..errors import PeerTimeoutError, SyncError
-from .transport import Pending
+from .transport import Pending, Place
 
 PAGE = 4096
 CTRL_PER_SLOT_FIXED = 1
@@ -128,7 +129,13 @@ def new_ring_path(rank: int) -> str:
 
 
 class ShmSender:
-    """The trainer's end of a ring: writes each message once for every colocated reader."""
+    """The trainer's end of a ring: writes each message once for every colocated reader.
+
+    Every byte is copied into the ring once, so a payload is one segment
+    (``separate_min`` is ``None``): packing straight into :meth:`next_buffer` is the copy.
+    """
+
+    separate_min = None
 
     def __init__(
         self,
@@ -170,7 +177,10 @@ class ShmSender:
         self._wait_free(slot, self._count + 1)
         return self.ring.payload(slot)
 
-    def submit(self, header: torch.Tensor, payload: torch.Tensor) -> None:
+    def submit(self, header: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+        if len(parts) > 1:
+            raise SyncError(f"a shared-memory message is one segment, got {len(parts)}")
+        payload = parts[0] if parts else torch.empty(0, dtype=torch.uint8)
         message = self._count + 1
         slot = self._count % self.ring.num_slots
         self._wait_free(slot, message)
@@ -207,7 +217,14 @@ class ShmSender:
 
 
 class ShmReceiver:
-    """A rollout's end of a trainer's ring (reader index ``reader``)."""
+    """A rollout's end of a trainer's ring (reader index ``reader``).
+
+    :meth:`start` only names the next message's slot; :meth:`Pending.finish` waits for the
+    trainer to publish it. So a rollout unpacks bucket g-1 while the trainer is still
+    writing bucket g, and releases each slot as soon as it has been unpacked.
+    """
+
+    separate_min = None
 
     def __init__(
         self,
@@ -229,27 +246,30 @@ class ShmReceiver:
         self._count = 0
         self.buffer_bytes = 0  # the trainer's mapping, counted on its side
 
-    def start(self, header_bytes: int, next_header_bytes: int | None = None) -> Pending:
+    def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
+        """The next message; ``place`` is not needed (the payload stays in the ring)."""
         message = self._count + 1
         slot = self._count % self.ring.num_slots
         self._count = message
         ctrl = self.ring.ctrl
         word = self.ring.ready_word(slot)
-        _poll(
-            lambda: int(ctrl[word]) >= message,
-            self.timeout,
-            f"trainer rank {self.root_rank}",
-            self.root_pid,
-            "a rollout waited for a bucket in shared memory",
-        )
-        header = self.ring.header(slot)[:header_bytes].clone()
-        payload_bytes = int(header[:8].view(torch.int64).item())
-        payload = self.ring.payload(slot)[:payload_bytes]
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            _poll(
+                lambda: int(ctrl[word]) >= message,
+                self.timeout,
+                f"trainer rank {self.root_rank}",
+                self.root_pid,
+                "a rollout waited for a bucket in shared memory",
+            )
+            header = self.ring.header(slot)[:header_bytes].clone()
+            payload_bytes = int(header[:8].view(torch.int64).item())
+            return header, self.ring.payload(slot)[:payload_bytes]
 
         def release() -> None:
             ctrl[self.ring.ack_word(slot, self.reader)] = message
 
-        return Pending(header, payload_bytes, lambda: payload, release)
+        return Pending(finish, release)
 
     def close(self) -> None:
         self.ring.close()

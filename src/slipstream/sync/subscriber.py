@@ -4,7 +4,9 @@
 thread) and only uses the sync group's own store and process groups. One call takes part in
 one round (see :mod:`.publisher`): it asks for a version newer than the one it holds, checks
 the plan against the target before any byte moves, receives bucket g while unpacking bucket
-g-1 (two reused buffers per trainer), then acknowledges.
+g-1 (two reused buffers per trainer), then acknowledges. Over
+broadcast, slices sent on their own land straight in their final place (the parameter, or
+the atomic stream buffer) and are never copied again.
 
 Invariant: :attr:`WeightSubscriber.version` is either a version whose every byte reached the
 target, or ``None``. A transfer that breaks part-way marks the subscriber as holding no
@@ -15,6 +17,7 @@ leaves the target and ``version`` exactly as they were.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,9 +25,11 @@ import torch
 from torch import nn
 
 from ..core.buffers import StagingPool
+from ..core.copy import copy_in_slices
 from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .group import SyncGroup
+from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
 from .shm import ShmReceiver
 from .transport import BroadcastReceiver, Receiver
@@ -79,6 +84,7 @@ class WeightSubscriber:
                 info["num_slots"],
                 self.timeout,
                 self.group.device,
+                info.get("separate_min"),
             )
         receiver = ShmReceiver(
             info["path"],
@@ -191,16 +197,50 @@ class WeightSubscriber:
         pending = None
         step = len(plan.trainer_ranks)  # the same owner's next bucket
         for bucket in plan.buckets:
+            g = bucket.index
             receiver = self._receivers[bucket.owner]
-            after = bucket.index + step
+            after = g + step
             following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
-            current = (bucket.index, receiver.start(bucket.header_bytes, following))
+            place = functools.partial(self._place, plan, sink, into, got, g, receiver)
+            current = (g, receiver.start(bucket.header_bytes, following, place))
             if pending is not None:
                 self._unpack(plan, sink, into, got, *pending)
             pending = current
         if pending is not None:
             self._unpack(plan, sink, into, got, *pending)
         return got
+
+    def _place(
+        self,
+        plan: BucketPlan,
+        sink: ModuleTarget | CallableTarget,
+        into: str,
+        got: _Received,
+        g: int,
+        receiver: Receiver,
+        header: torch.Tensor,
+        payload: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Where bucket ``g``'s payload segments land: a slice sent on its own goes straight
+        to its final bytes when it has some on this device (recorded in ``got.landed``)."""
+        slices = plan.bucket_slices(g)
+        _, mask = decode_header(header, len(slices))
+        buffers = []
+        for seg in payload_segments(slices, mask, receiver.separate_min):
+            dest = None
+            if seg.slice is not None:
+                s = slices[seg.slice]
+                if into == "target":
+                    dest = sink.direct_view(s)
+                elif into == "stream":
+                    start = g * plan.bucket_bytes + s.bucket_offset
+                    dest = got.stream[start : start + s.nbytes]
+            if dest is not None and dest.device == payload.device:
+                got.landed.add((g, seg.slice))
+                buffers.append(dest)
+            else:
+                buffers.append(payload[seg.start : seg.start + seg.nbytes])
+        return buffers
 
     def _unpack(
         self,
@@ -211,33 +251,36 @@ class WeightSubscriber:
         g: int,
         pending,
     ) -> None:
-        payload = pending.finish()
+        header, payload = pending.finish()
         slices = plan.bucket_slices(g)
-        _, mask = decode_header(pending.header, len(slices))
+        _, mask = decode_header(header, len(slices))
         offsets, size = payload_offsets(slices, mask)
-        if size != pending.payload_bytes:
+        if size != payload.numel():
             raise SyncError(
                 f"bucket {g} from trainer rank {plan.buckets[g].owner} holds "
-                f"{pending.payload_bytes} bytes, the plan expects {size}"
+                f"{payload.numel()} bytes, the plan expects {size}"
             )
         self.bytes_received += size
         whole: dict[int, torch.Tensor] = {}
-        for s, keep, off in zip(slices, mask, offsets, strict=True):
+        for k, (s, keep, off) in enumerate(zip(slices, mask, offsets, strict=True)):
             if keep:
                 data = payload[off : off + s.nbytes]
+                landed = (g, k) in got.landed
                 got.dirty.add(s.tensor)
                 if into == "stream":
-                    start = g * plan.bucket_bytes + s.bucket_offset
-                    got.stream[start : start + s.nbytes].copy_(data)
+                    if not landed:
+                        start = g * plan.bucket_bytes + s.bucket_offset
+                        copy_in_slices(got.stream[start : start + s.nbytes], data)
                     got.slices.append((g, s))
                 elif into == "target":
-                    sink.write(s, data)
+                    if not landed:
+                        sink.write(s, data)
                     if isinstance(sink, CallableTarget):
                         if s.nbytes == plan.specs[s.tensor].nbytes:
                             whole[s.tensor] = data
                         else:
                             buf = sink.assembly(s.tensor, plan.specs[s.tensor])
-                            buf[s.tensor_offset : s.tensor_offset + s.nbytes].copy_(data)
+                            copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
             if into == "target" and s.tensor in got.dirty and plan.last_bucket[s.tensor] == g:
                 if isinstance(sink, CallableTarget) and s.tensor not in whole:
                     sink.assembly(s.tensor, plan.specs[s.tensor])
@@ -275,8 +318,10 @@ class WeightSubscriber:
 
 @dataclass
 class _Received:
-    """What one receive gathered: tensors with new bytes, and (buffered) the stream."""
+    """What one receive gathered: tensors with new bytes, (buffered) the stream, and the
+    slices (bucket, index in the bucket) that landed in their final place on arrival."""
 
     dirty: set[int] = field(default_factory=set)
     slices: list[tuple[int, Slice]] = field(default_factory=list)
     stream: torch.Tensor | None = None
+    landed: set[tuple[int, int]] = field(default_factory=set)
