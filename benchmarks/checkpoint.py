@@ -448,7 +448,9 @@ def reshard_rank(rank: int, world: int, port: int, opts: BenchOptions, queue) ->
             "ss.load": lambda: ss.load(dest, checkpoint_id=path),
         }
         times: dict[str, list[float]] = {name: [] for name in loaders}
-        for rep in range(1 + opts.repeats):
+        # twice the repetitions: a round takes seconds, and four ranks on a small host
+        # make single rounds noisy
+        for rep in range(1 + 2 * opts.repeats):
             for name, fn in loaders.items():
                 dist.barrier()
                 start = time.perf_counter()

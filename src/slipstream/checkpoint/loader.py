@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -354,16 +355,28 @@ def _check_block(job: _Read, i: int, got: int, path: str) -> None:
         )
 
 
+_scratch = threading.local()
+
+
+def _scratch_view(nbytes: int) -> memoryview:
+    """This thread's scratch memory, at least ``nbytes``, reused across blocks: a fresh
+    buffer per block would be zeroed and page-faulted in every time."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _scratch.buf = bytearray(nbytes)
+    return memoryview(buf)[:nbytes]
+
+
 def _read_partial_block(reader: CheckpointReader, job: _Read, i: int) -> None:
     """Read block ``i`` whole into scratch memory, verify it, copy out the part needed."""
     src, a, b, out = job.source, job.start, job.end, job.out
     path = reader.file_path(src.file)
     bs, be = i * src.block_bytes, min((i + 1) * src.block_bytes, src.nbytes)
     lo, hi = max(bs, a), min(be, b)
-    whole = bytearray(be - bs)
-    pread_into(reader.fd(src.file), memoryview(whole), src.data_offset + bs, path)
+    whole = _scratch_view(be - bs)
+    pread_into(reader.fd(src.file), whole, src.data_offset + bs, path)
     _check_block(job, i, checksum(whole), path)
-    out[lo - a : hi - a] = memoryview(whole)[lo - bs : hi - bs]
+    out[lo - a : hi - a] = whole[lo - bs : hi - bs]
 
 
 def _read_verified(reader: CheckpointReader, job: _Read) -> None:

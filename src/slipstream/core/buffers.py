@@ -19,9 +19,19 @@ import torch
 
 from ..errors import SlipstreamError
 
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_memory_view.restype = ctypes.py_object
+_PYBUF_WRITE = 0x200
+
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable ``memoryview`` over a contiguous CPU tensor's bytes (no copy)."""
+    """A writable ``memoryview`` over a contiguous CPU tensor's bytes (no copy).
+
+    The view does not keep ``tensor`` alive: the caller holds the tensor while using it.
+    (Built straight from the address, in about a microsecond: a ctypes array type per
+    size cost about 100 times that, once per tensor of a load.)
+    """
     if tensor.device.type != "cpu":
         raise ValueError(f"byte_view needs a CPU tensor, got one on {tensor.device}")
     if not tensor.is_contiguous():
@@ -29,7 +39,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
