@@ -751,7 +751,8 @@ def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
     result.tables.append(
         Table(
             f"Resharding load: saved by 1 rank, loaded by {opts.reshard_ranks} ranks into "
-            "DTensor Shard(0) (gloo, 127.0.0.1; seconds of the slowest rank, warm cache)",
+            f"DTensor Shard(0) (gloo, 127.0.0.1; seconds of the slowest rank, warm cache, "
+            f"median of {2 * opts.repeats} rounds)",
             ["loader", "seconds", "x (/ ss.load)"],
             [[k, v, ratio(v, med["ss.load"])] for k, v in med.items()],
         )
