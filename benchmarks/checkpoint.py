@@ -498,7 +498,7 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     Each step: forward + backward, wait for the previous save's staging, optimizer step,
     then start this step's save. DCP gets the same one-save-in-flight rule slipstream
     applies itself (wait for the previous upload before starting a new save). Modes run
-    in interleaved blocks of ``train_steps`` steps, ``2 * repeats`` rounds after a
+    in interleaved blocks of ``train_steps`` steps, ``train_rounds(opts)`` rounds after a
     warm-up round; each block ends once its last save is durable, so no save's cost
     spills into another mode's block. A block's first step is not counted: every counted
     step runs beside the previous step's save, as in a long run. Returns, per mode, each
@@ -541,7 +541,7 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
         if fut is not None:
             getattr(fut, "upload_completion", fut).result(600)
 
-    for rnd in range(1 + 2 * opts.repeats):
+    for rnd in range(1 + train_rounds(opts)):
         for mode in modes:
             for i in range(opts.train_steps):
                 start, cpu_start = time.perf_counter(), time.thread_time()
@@ -565,6 +565,12 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     sd = {"model": model.state_dict(), "optim": optim.state_dict()}
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
     return {**times, "checkpoint_bytes": [float(nbytes)]}
+
+
+def train_rounds(opts: BenchOptions) -> int:
+    """Rounds of the training-loop measurement: steps of about a second each make few
+    samples per round, so it runs four times the repetitions."""
+    return 4 * opts.repeats
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -760,22 +766,34 @@ def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
 
 
 def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
+    """Per-mode step times, and the overhead of each mode as the median over rounds of its
+    median step against the no-checkpoint block of the same round (the host's drift between
+    rounds cancels; each round runs the three modes back to back)."""
     got = child_json("train", opts)
-    base = median(got["none"])
+    per_round = opts.train_steps - 1
+    rounds = train_rounds(opts)
+
+    def round_medians(mode: str) -> list[float]:
+        steps = got[mode]
+        return [median(steps[r * per_round : (r + 1) * per_round]) for r in range(rounds)]
+
+    base = round_medians("none")
     rows, overheads = [], {}
     for mode in ("none", "ss.async_save", "dcp.async_save"):
-        step = median(got[mode])
-        overheads[mode] = 100 * (step / base - 1)
+        paired = [m / b for m, b in zip(round_medians(mode), base, strict=True)]
+        overheads[mode] = 100 * (median(paired) - 1)
         cpu, stall = median(got[mode + "/cpu"]), 1000 * median(got[mode + "/stall"])
         extra.setdefault("train_detail", {})[mode] = {"cpu": cpu, "stall": stall}
-        rows.append([mode, step, overheads[mode], cpu, stall, len(got[mode])])
+        rows.append([mode, median(got[mode]), overheads[mode], cpu, stall, len(got[mode])])
     extra["train"] = overheads
     mb = got["checkpoint_bytes"][0] / 1e6
     result.tables.append(
         Table(
             f"Checkpoint every step, demo model ({mb:.0f} MB with AdamW state, batch "
-            f"{opts.train_batch}, torch.set_num_threads(1)): medians over the counted steps of "
-            f"interleaved blocks of {opts.train_steps} steps per mode",
+            f"{opts.train_batch}, torch.set_num_threads(1)): {rounds} rounds of interleaved "
+            f"blocks of {opts.train_steps} steps per mode; step s and CPU are medians over "
+            "the counted steps, overhead the median over rounds of the step time against "
+            "the same round's no-checkpoint block",
             [
                 "checkpointing",
                 "step s",

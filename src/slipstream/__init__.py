@@ -5,7 +5,15 @@ else may change between releases.
 """
 
 from . import fsdp, sync
-from .checkpoint import AsyncSaveResponse, Checkpointer, SaveOptions, async_save, load, save
+from .checkpoint import (
+    AsyncSaveResponse,
+    Checkpointer,
+    SaveOptions,
+    SaveTimings,
+    async_save,
+    load,
+    save,
+)
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -23,6 +31,7 @@ __all__ = [
     "AsyncSaveResponse",
     "Checkpointer",
     "SaveOptions",
+    "SaveTimings",
     "async_save",
     "load",
     "save",

@@ -165,3 +165,25 @@ def test_staging_budget_too_small_fails_clearly_and_commits_nothing(tmp_path):
         assert (tmp_path / "small" / ".metadata").is_file()
     finally:
         saver.close()
+
+
+def test_timings_fill_in_phase_by_phase_and_both_ends_log_what_they_moved(
+    tmp_path, monkeypatch, caplog
+):
+    gate, _ = _gate(monkeypatch, "pwrite_all")
+    state = _big_state()
+    with caplog.at_level("INFO", logger="slipstream"):
+        response = ss.async_save(state, tmp_path / "ck")
+        timings = response.timings
+        assert timings.blocked is not None and timings.durable is None
+        assert timings.nbytes == (2_000_000 + 3000) * 4  # the tensors' bytes, values aside
+        response.staging_completion.result(60)
+        assert timings.staged is not None and timings.durable is None  # writes are gated
+        gate.set()
+        response.upload_completion.result(60)
+        assert 0 < timings.staged <= timings.durable
+        _load_fresh(tmp_path / "ck")
+    saved = [r.getMessage() for r in caplog.records if "saved" in r.getMessage()]
+    loaded = [r.getMessage() for r in caplog.records if "loaded" in r.getMessage()]
+    assert len(saved) == 1 and str(tmp_path / "ck") in saved[0] and "durable in" in saved[0]
+    assert len(loaded) == 1 and str(tmp_path / "ck") in loaded[0] and "GiB/s" in loaded[0]

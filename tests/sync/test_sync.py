@@ -135,6 +135,8 @@ def _delivery(rank, port):
                     assert h.staged.done()
                     assert h.delivered.result(timeout=20) == version
                     sent.append(pub.bytes_sent - before)
+                    assert h.timings.nbytes == sent[-1]
+                    assert 0 < h.timings.staged <= h.timings.delivered
                     assert pub.rollout_versions == {1: version, 2: version}
             # the layout crossed the store once; later publishes only name the plan
             assert len([k for k in written if k.startswith("plan/")]) == 1, written

@@ -2,13 +2,14 @@
 
 from .api import async_save, load, save
 from .checkpointer import Checkpointer
-from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions, SaveTimings
 
 __all__ = [
     "AsyncSaveResponse",
     "CheckpointSaver",
     "Checkpointer",
     "SaveOptions",
+    "SaveTimings",
     "async_save",
     "load",
     "save",

@@ -15,8 +15,10 @@ record reads the surrounding blocks whole so that it can verify them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +43,8 @@ from .files import pread_bytes, pread_into
 from .layout import is_stateful, resolve_stateful
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
+
+logger = logging.getLogger(__name__)
 
 READ_PIECE_BYTES = 64 * 1024 * 1024
 
@@ -419,6 +423,7 @@ def load(
     """
     if io_threads is None:
         io_threads = usable_cores() + 1
+    started = time.perf_counter()
     reader = CheckpointReader(checkpoint_id)
     try:
         resolved = resolve_stateful(state_dict)
@@ -438,6 +443,7 @@ def load(
         with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
             for fut in [pool.submit(_read_verified, reader, r) for r in reads]:
                 fut.result()
+        nbytes = sum(r.end - r.start for r in reads)
         for dest_view, src, fallback in copies:
             if src is None:
                 fqn, s_off, src_box = fallback
@@ -453,3 +459,11 @@ def load(
                 state_dict[key] = resolved[key]
     finally:
         reader.close()
+    seconds = time.perf_counter() - started
+    logger.info(
+        "loaded %s: %.3f GiB read and verified in %.3f s (%.2f GiB/s)",
+        reader.path,
+        nbytes / 2**30,
+        seconds,
+        nbytes / 2**30 / max(seconds, 1e-9),
+    )

@@ -24,8 +24,10 @@ process group.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -47,6 +49,8 @@ from .commit import build_index, build_metadata, publish, uncommit
 from .files import pwrite_all
 from .layout import LocalLayout, dtype_from_name, local_layout, serialize_values
 from .plan import SavePlan, make_save_plan
+
+logger = logging.getLogger(__name__)
 
 WRITE_PIECE_BYTES = 64 * 1024 * 1024
 MAX_CACHED_PLANS = 8
@@ -77,11 +81,28 @@ class SaveOptions:
 
 
 @dataclass
+class SaveTimings:
+    """Where one save's time went on this rank, in seconds from the call; each field is
+    filled in when its phase ends (``None`` until then, or if the save failed)."""
+
+    nbytes: int = 0
+    """Tensor bytes this rank staged and wrote."""
+    blocked: float | None = None
+    """Time the caller's thread spent in the call (waiting for the previous save included)."""
+    staged: float | None = None
+    """Until ``staging_completion``: the state may be mutated from then on."""
+    durable: float | None = None
+    """Until ``upload_completion``: written, fsync'd and committed on every rank."""
+
+
+@dataclass
 class AsyncSaveResponse:
-    """The two phases of a save, as futures (same names as DCP's ``AsyncSaveResponse``)."""
+    """The two phases of a save, as futures (same names as DCP's ``AsyncSaveResponse``),
+    and this rank's :class:`SaveTimings` of it."""
 
     staging_completion: Future
     upload_completion: Future
+    timings: SaveTimings = field(default_factory=SaveTimings)
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the save is durable and committed."""
@@ -100,8 +121,12 @@ class _Job:
     device: torch.device | None
     response: AsyncSaveResponse
     after_commit: Callable[[], None] | None
+    started: float = 0.0
     progress: Watermark = field(default_factory=Watermark)
     buffer: torch.Tensor | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
 
 class CheckpointSaver:
@@ -154,6 +179,7 @@ class CheckpointSaver:
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
+        started = time.perf_counter()
         self.wait_previous()
         # Every rank numbers this save before anything can fail on its own thread, so a
         # save that fails on one rank only leaves the ranks' sequence numbers in step.
@@ -193,10 +219,13 @@ class CheckpointSaver:
             device,
             response,
             after_commit,
+            started,
         )
+        response.timings.nbytes = sum(rec.nbytes for rec in plan.records)
         self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
         self._last = response
+        response.timings.blocked = job.elapsed()
         return response
 
     def wait_previous(self) -> None:
@@ -274,6 +303,7 @@ class CheckpointSaver:
                 side.synchronize()
             job.layout = LocalLayout([], {}, {}, {})
             job.progress.advance(job.plan.image_bytes)
+            job.response.timings.staged = job.elapsed()
             job.response.staging_completion.set_result(None)
         except BaseException as exc:
             job.progress.fail(exc)
@@ -301,6 +331,18 @@ class CheckpointSaver:
             self._fail(job, exc)
         else:
             self._pool.release(job.fingerprint)
+            timings = job.response.timings
+            timings.durable = job.elapsed()
+            logger.info(
+                "rank %d saved %s: %.3f GiB, caller blocked %.1f ms, staged in %.3f s, "
+                "durable in %.3f s",
+                self.rank,
+                job.checkpoint_dir,
+                timings.nbytes / 2**30,
+                1000 * (timings.blocked or 0.0),
+                timings.staged or 0.0,
+                timings.durable,
+            )
             job.response.upload_completion.set_result(None)
 
     def _upload_and_commit(self, job: _Job) -> None:

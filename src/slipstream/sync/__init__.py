@@ -9,12 +9,13 @@
 
 from .group import SyncGroup, init_group
 from .plan import BucketPlan, TensorSpec
-from .publisher import PublishHandle, WeightPublisher
+from .publisher import PublishHandle, PublishTimings, WeightPublisher
 from .subscriber import WeightSubscriber
 
 __all__ = [
     "BucketPlan",
     "PublishHandle",
+    "PublishTimings",
     "SyncGroup",
     "TensorSpec",
     "WeightPublisher",

@@ -22,8 +22,10 @@ also uses. :meth:`WeightPublisher.close` (or the context manager) joins it.
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,19 +41,42 @@ from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layo
 from .shm import ShmSender, new_ring_path
 from .transport import SEPARATE_MIN_BYTES, BroadcastSender, Sender
 
+logger = logging.getLogger(__name__)
+
 MODES = ("direct", "cached")
 TRANSPORTS = ("auto", "broadcast", "shm")
 HEADER_CAP = 64 * 1024
 
 
 @dataclass
+class PublishTimings:
+    """Where one publish's time went on this trainer rank, in seconds from the call; each
+    field is filled in when its phase ends (``None`` until then, or if it failed)."""
+
+    nbytes: int = 0
+    """Payload bytes this rank sent (unchanged tensors left out are not counted)."""
+    blocked: float | None = None
+    """Time the caller's thread spent in ``publish`` (waiting for the previous round too)."""
+    staged: float | None = None
+    """Until ``staged``: the weights may change from then on."""
+    delivered: float | None = None
+    """Until ``delivered``: every rollout acknowledged the version."""
+
+
+@dataclass
 class PublishHandle:
     """``staged``: the trainer may change its weights. ``delivered``: every rollout holds
-    ``version`` (its result is the version). Both are ``concurrent.futures.Future``."""
+    ``version`` (its result is the version). Both are ``concurrent.futures.Future``;
+    ``timings`` fills in as they resolve."""
 
     version: int
     staged: Future = field(default_factory=Future)
     delivered: Future = field(default_factory=Future)
+    timings: PublishTimings = field(default_factory=PublishTimings)
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
     def wait(self, timeout: float | None = None) -> int:
         return self.delivered.result(timeout)
@@ -218,6 +243,7 @@ class WeightPublisher:
         items = named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
+        sent_before = self._sender.bytes_sent
         try:
             plan = self._plan_for([spec_of(n, t) for n, t in items])
             tensors = [t for _, t in items]
@@ -227,10 +253,12 @@ class WeightPublisher:
             if self.mode == "direct":
                 helds = self._start_round(k, version, plan)
                 self._pack_and_send(plan, BucketSources(plan, tensors, self.rank), helds, version)
+                handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
                 job = functools.partial(self._finish_round, k, version)
             else:
                 self._snapshot(plan, tensors)
+                handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
                 job = functools.partial(self._serve_cached, k, version, plan)
         except BaseException as exc:
@@ -239,7 +267,8 @@ class WeightPublisher:
                     fut.set_exception(exc)
             raise
         self._last_round = handle.delivered
-        self._jobs.put((job, handle))
+        self._jobs.put((job, handle, sent_before))
+        handle.timings.blocked = handle.elapsed()
         return handle
 
     def _wait_previous_round(self) -> None:
@@ -373,11 +402,26 @@ class WeightPublisher:
             item = self._jobs.get()
             if item is None:
                 return
-            job, handle = item
+            job, handle, sent_before = item
             try:
-                handle.delivered.set_result(job())
+                version = job()
             except BaseException as exc:
                 handle.delivered.set_exception(exc)
+                continue
+            timings = handle.timings
+            timings.nbytes = self._sender.bytes_sent - sent_before
+            timings.delivered = handle.elapsed()
+            logger.info(
+                "trainer rank %d published version %d: %.3f GiB sent, blocked %.3f s, "
+                "staged in %.3f s, delivered in %.3f s",
+                self.rank,
+                version,
+                timings.nbytes / 2**30,
+                timings.blocked or 0.0,
+                timings.staged or 0.0,
+                timings.delivered,
+            )
+            handle.delivered.set_result(version)
 
     def _serve_cached(self, k: int, version: int, plan: BucketPlan) -> int:
         helds = self._start_round(k, version, plan)

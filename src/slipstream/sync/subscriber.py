@@ -18,6 +18,8 @@ leaves the target and ``version`` exactly as they were.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +35,8 @@ from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
 from .shm import ShmReceiver
 from .transport import BroadcastReceiver, Receiver
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSubscriber:
@@ -131,6 +135,8 @@ class WeightSubscriber:
         ``target`` does not hold :attr:`version`, e.g. a fresh engine); otherwise tensors
         unchanged since the held version are not resent.
         """
+        started = time.perf_counter()
+        received_before = self.bytes_received
         sink = make_target(target, name_map, self._assembly)
         held_key = (sink.kind, atomic)
         held = self.version if (not full and self._held_by == held_key) else None
@@ -164,6 +170,13 @@ class WeightSubscriber:
         self._complete = True
         self._held_by = held_key
         self._ack(k, {"holds": version})
+        logger.info(
+            "rollout rank %d received version %d: %.3f GiB in %.3f s (waiting included)",
+            self.rank,
+            version,
+            (self.bytes_received - received_before) / 2**30,
+            time.perf_counter() - started,
+        )
         return version
 
     def _ack(self, k: int, value: dict) -> None:
