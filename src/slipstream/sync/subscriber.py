@@ -34,7 +34,7 @@ from .group import SyncGroup
 from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
 from .shm import ShmReceiver
-from .transport import BroadcastReceiver, Receiver
+from .transport import BroadcastReceiver, Pending, Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -154,15 +154,15 @@ class WeightSubscriber:
             if self._version is not None and version <= self._version:
                 problems.insert(0, f"it holds version {self._version}, versions must increase")
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._receive_all(plan, sink, "drain")
+                self._receive_all(_Round(plan, sink, "drain"))
                 raise_problems(problems, version, self.rank)
             if atomic:
-                got = self._receive_all(plan, sink, "stream")
+                rnd = self._receive_all(_Round(plan, sink, "stream"))
                 self._complete = False
-                self._apply_stream(plan, sink, got)
+                self._apply_stream(rnd)
             else:
                 self._complete = False
-                self._receive_all(plan, sink, "target")
+                self._receive_all(_Round(plan, sink, "target"))
         except BaseException as exc:
             self._ack(k, {"holds": self.version, "error": str(exc)[:2000]})
             raise
@@ -195,17 +195,16 @@ class WeightSubscriber:
             self._plans = {plan_id: plan}
         return plan
 
-    def _receive_all(
-        self, plan: BucketPlan, sink: ModuleTarget | CallableTarget, into: str
-    ) -> _Received:
+    def _receive_all(self, rnd: _Round) -> _Round:
         """Receive every bucket, pipelined: bucket g arrives while bucket g-1 is unpacked.
 
-        ``into``: ``"target"`` applies each bucket as it lands; ``"stream"`` copies it into
-        a host buffer laid out as the plan's stream (applied later); ``"drain"`` discards.
+        ``rnd.into``: ``"target"`` applies each bucket as it lands; ``"stream"`` copies it
+        into a host buffer laid out as the plan's stream (applied later); ``"drain"``
+        discards.
         """
-        got = _Received()
-        if into == "stream":
-            got.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
+        plan = rnd.plan
+        if rnd.into == "stream":
+            rnd.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
             self._pool.release("sync-atomic")
         pending = None
         step = len(plan.trainer_ranks)  # the same owner's next bucket
@@ -214,56 +213,46 @@ class WeightSubscriber:
             receiver = self._receivers[bucket.owner]
             after = g + step
             following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
-            place = functools.partial(self._place, plan, sink, into, got, g, receiver)
+            place = functools.partial(self._place, rnd, g, receiver.separate_min)
             current = (g, receiver.start(bucket.header_bytes, following, place))
             if pending is not None:
-                self._unpack(plan, sink, into, got, *pending)
+                self._unpack(rnd, *pending)
             pending = current
         if pending is not None:
-            self._unpack(plan, sink, into, got, *pending)
-        return got
+            self._unpack(rnd, *pending)
+        return rnd
 
+    @staticmethod
     def _place(
-        self,
-        plan: BucketPlan,
-        sink: ModuleTarget | CallableTarget,
-        into: str,
-        got: _Received,
+        rnd: _Round,
         g: int,
-        receiver: Receiver,
+        separate_min: int | None,
         header: torch.Tensor,
         payload: torch.Tensor,
     ) -> list[torch.Tensor]:
         """Where bucket ``g``'s payload segments land: a slice sent on its own goes straight
-        to its final bytes when it has some on this device (recorded in ``got.landed``)."""
-        slices = plan.bucket_slices(g)
+        to its final bytes when it has some on this device (recorded in ``rnd.landed``)."""
+        slices = rnd.plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
         buffers = []
-        for seg in payload_segments(slices, mask, receiver.separate_min):
+        for seg in payload_segments(slices, mask, separate_min):
             dest = None
             if seg.slice is not None:
                 s = slices[seg.slice]
-                if into == "target":
-                    dest = sink.direct_view(s)
-                elif into == "stream":
-                    start = g * plan.bucket_bytes + s.bucket_offset
-                    dest = got.stream[start : start + s.nbytes]
+                if rnd.into == "target":
+                    dest = rnd.sink.direct_view(s)
+                elif rnd.into == "stream":
+                    start = g * rnd.plan.bucket_bytes + s.bucket_offset
+                    dest = rnd.stream[start : start + s.nbytes]
             if dest is not None and dest.device == payload.device:
-                got.landed.add((g, seg.slice))
+                rnd.landed.add((g, seg.slice))
                 buffers.append(dest)
             else:
                 buffers.append(payload[seg.start : seg.start + seg.nbytes])
         return buffers
 
-    def _unpack(
-        self,
-        plan: BucketPlan,
-        sink: ModuleTarget | CallableTarget,
-        into: str,
-        got: _Received,
-        g: int,
-        pending,
-    ) -> None:
+    def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
+        plan, sink, into = rnd.plan, rnd.sink, rnd.into
         header, payload = pending.finish()
         slices = plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
@@ -278,13 +267,13 @@ class WeightSubscriber:
         for k, (s, keep, off) in enumerate(zip(slices, mask, offsets, strict=True)):
             if keep:
                 data = payload[off : off + s.nbytes]
-                landed = (g, k) in got.landed
-                got.dirty.add(s.tensor)
+                landed = (g, k) in rnd.landed
+                rnd.dirty.add(s.tensor)
                 if into == "stream":
                     if not landed:
                         start = g * plan.bucket_bytes + s.bucket_offset
-                        copy_in_slices(got.stream[start : start + s.nbytes], data)
-                    got.slices.append((g, s))
+                        copy_in_slices(rnd.stream[start : start + s.nbytes], data)
+                    rnd.slices.append((g, s))
                 elif into == "target":
                     if not landed:
                         sink.write(s, data)
@@ -294,7 +283,7 @@ class WeightSubscriber:
                         else:
                             buf = sink.assembly(s.tensor, plan.specs[s.tensor])
                             copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
-            if into == "target" and s.tensor in got.dirty and plan.last_bucket[s.tensor] == g:
+            if into == "target" and s.tensor in rnd.dirty and plan.last_bucket[s.tensor] == g:
                 if isinstance(sink, CallableTarget) and s.tensor not in whole:
                     sink.assembly(s.tensor, plan.specs[s.tensor])
                 sink.tensor_done(s.tensor, plan.specs[s.tensor], whole.get(s.tensor))
@@ -302,15 +291,14 @@ class WeightSubscriber:
             sink.flush()
         pending.release()
 
-    def _apply_stream(
-        self, plan: BucketPlan, sink: ModuleTarget | CallableTarget, got: _Received
-    ) -> None:
+    @staticmethod
+    def _apply_stream(rnd: _Round) -> None:
         """Apply what :meth:`_receive_all` gathered into the stream buffer."""
-        stream = got.stream
-        for g, s in got.slices:
+        plan, sink, stream = rnd.plan, rnd.sink, rnd.stream
+        for g, s in rnd.slices:
             start = g * plan.bucket_bytes + s.bucket_offset
             sink.write(s, stream[start : start + s.nbytes])
-        for i in sorted(got.dirty):
+        for i in sorted(rnd.dirty):
             start = plan.stream_offset[i]
             sink.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
         sink.flush()
@@ -330,10 +318,14 @@ class WeightSubscriber:
 
 
 @dataclass
-class _Received:
-    """What one receive gathered: tensors with new bytes, (buffered) the stream, and the
-    slices (bucket, index in the bucket) that landed in their final place on arrival."""
+class _Round:
+    """One receive: its plan, target and destination (``into``), and what it gathered:
+    tensors with new bytes, (buffered) the stream, and the slices (bucket, index in the
+    bucket) that landed in their final place on arrival."""
 
+    plan: BucketPlan
+    sink: ModuleTarget | CallableTarget
+    into: str
     dirty: set[int] = field(default_factory=set)
     slices: list[tuple[int, Slice]] = field(default_factory=list)
     stream: torch.Tensor | None = None
