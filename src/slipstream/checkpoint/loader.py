@@ -47,6 +47,7 @@ from .safe_pickle import load_metadata, load_value
 logger = logging.getLogger(__name__)
 
 READ_PIECE_BYTES = 64 * 1024 * 1024
+MAX_IO_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -417,12 +418,12 @@ def load(
 ) -> None:
     """Load a committed checkpoint into ``state_dict`` in place (see the module docstring).
 
-    ``io_threads`` defaults to one more than the usable cores: reading from the page cache
-    is bound by the cores (a copy and a hash per byte), and the extra thread keeps a
-    request queued when reads wait on the disk.
+    ``io_threads`` defaults to one more than the usable cores, at most ``MAX_IO_THREADS``:
+    reading from the page cache is bound by the cores (a copy and a hash per byte), and the
+    extra thread keeps a request queued when reads wait on the disk.
     """
     if io_threads is None:
-        io_threads = usable_cores() + 1
+        io_threads = min(MAX_IO_THREADS, usable_cores() + 1)
     started = time.perf_counter()
     reader = CheckpointReader(checkpoint_id)
     try:
