@@ -83,33 +83,43 @@ TRANSFORMER_PEERS = {
 }
 
 
+def endpoints(
+    rank: int,
+    group,
+    layout: list[tuple[int, torch.dtype]],
+    peers: dict[str, dict],
+    bucket_bytes: int,
+    seed: int,
+) -> tuple[list[torch.Tensor], nn.Module | None, list]:
+    """The weights, and per channel of ``peers`` (channel -> publisher keyword arguments) a
+    publisher on the trainer (rank 0) or a subscriber on a rollout. On the trainer the
+    weights are random and there is no destination module; on a rollout they are the
+    destination module's zeroed buffers."""
+    if rank == 0:
+        g = torch.Generator().manual_seed(seed)
+        tensors = [torch.randn(n, generator=g).to(dt) for n, dt in layout]
+        ends = [
+            ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=bucket_bytes, channel=c, **kw)
+            for c, kw in peers.items()
+        ]
+        return tensors, None, ends
+    dest = Weights(layout)
+    ends = [ss.WeightSubscriber(group, [0], [1, 2], channel=c) for c in peers]
+    return [b for _, b in dest.named_buffers()], dest, ends
+
+
 def transformer_runs(rank: int, group, args: argparse.Namespace) -> dict:
     """``direct`` on transformer-shaped weights with and without sending big slices on
     their own, beside one raw broadcast of the same bytes (interleaved, like the rest)."""
     layout = transformer_shapes(args.quick)
     total = sum(n * dt.itemsize for n, dt in layout)
     trainer = rank == 0
-    channels = [f"transformer/{k}" for k in range(len(TRANSFORMER_PEERS))]
-    if trainer:
-        g = torch.Generator().manual_seed(1)
-        tensors = [torch.randn(n, generator=g).to(dt) for n, dt in layout]
-        named = {f"w{i}": t for i, t in enumerate(tensors)}
-        ends = [
-            ss.WeightPublisher(
-                group,
-                [0],
-                [1, 2],
-                bucket_bytes=args.bucket_mib * 2**20,
-                transport="broadcast",
-                channel=channel,
-                **kwargs,
-            )
-            for channel, kwargs in zip(channels, TRANSFORMER_PEERS.values(), strict=True)
-        ]
-    else:
-        dest = Weights(layout)
-        tensors = [b for _, b in dest.named_buffers()]
-        ends = [ss.WeightSubscriber(group, [0], [1, 2], channel=c) for c in channels]
+    peers = {
+        f"transformer/{k}": {"transport": "broadcast", **kwargs}
+        for k, kwargs in enumerate(TRANSFORMER_PEERS.values())
+    }
+    tensors, dest, ends = endpoints(rank, group, layout, peers, args.bucket_mib * 2**20, seed=1)
+    named = {f"w{i}": t for i, t in enumerate(tensors)}
     flat = torch.zeros(total, dtype=torch.uint8)
     versions = iter(range(1, 10**9))
 
@@ -179,29 +189,13 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
     total = sum(n * dt.itemsize for n, dt in layout)
     bucket = args.bucket_mib * 2**20
     trainer = rank == 0
+    peers = {name: {"mode": mode, "transport": transport} for name, mode, transport in SLIPSTREAM}
+    tensors, dest, ends = endpoints(rank, group, layout, peers, bucket, seed=0)
+    named = {f"w{i}": t for i, t in enumerate(tensors)}
     if trainer:
-        g = torch.Generator().manual_seed(0)
-        tensors = [torch.randn(n, generator=g).to(dt) for n, dt in layout]
-        named = {f"w{i}": t for i, t in enumerate(tensors)}
-        ends = [
-            ss.WeightPublisher(
-                group,
-                [0],
-                [1, 2],
-                bucket_bytes=bucket,
-                mode=mode,
-                transport=transport,
-                channel=name,
-            )
-            for name, mode, transport in SLIPSTREAM
-        ]
         cache = [torch.empty_like(t) for t in tensors]  # verl-style host cache, reused
         for c in cache:
             c.zero_()
-    else:
-        dest = Weights(layout)
-        tensors = [b for _, b in dest.named_buffers()]
-        ends = [ss.WeightSubscriber(group, [0], [1, 2], channel=name) for name, _, _ in SLIPSTREAM]
     flat = torch.zeros(total, dtype=torch.uint8)
     bucket_buf = torch.zeros(bucket, dtype=torch.uint8)
 
