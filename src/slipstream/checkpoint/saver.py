@@ -185,26 +185,13 @@ class CheckpointSaver:
         # save that fails on one rank only leaves the ranks' sequence numbers in step.
         seq = self._seq
         self._seq += 1
-        layout = local_layout(state_dict)
-        values = serialize_values(layout.values)
-        signature = layout.signature
-        plan = self._plans.get(signature)
-        if plan is None:
-            plan = self._make_plan(layout, seq, Deadline(self.options.timeout))
-            if len(self._plans) >= MAX_CACHED_PLANS:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[signature] = plan
-        fingerprint = plan.fingerprints[plan.rank]
         checkpoint_dir = os.fspath(checkpoint_id)
         try:
-            os.makedirs(checkpoint_dir, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
-            ) from exc
-        # Every rank, not just rank 0: no rank may start rewriting its data file while an
-        # older .metadata in this directory still marks the old files as committed.
-        uncommit(checkpoint_dir)
+            layout, values, plan = self._prepare(state_dict, seq, checkpoint_dir)
+        except BaseException as exc:
+            self._announce_failure(seq, exc)
+            raise
+        fingerprint = plan.fingerprints[plan.rank]
         device = _accelerator_of(layout)
         ready = streams.record_event(streams.current_stream(device)) if device else None
         response = AsyncSaveResponse(Future(), Future())
@@ -228,6 +215,42 @@ class CheckpointSaver:
         response.timings.blocked = job.elapsed()
         return response
 
+    def _prepare(
+        self, state_dict: Mapping[str, Any], seq: int, checkpoint_dir: str
+    ) -> tuple[LocalLayout, dict[str, bytes], SavePlan]:
+        """The caller's-thread part of save ``seq``: layout, serialized values, plan (made
+        only for a new layout), and the directory, made and marked uncommitted."""
+        layout = local_layout(state_dict)
+        values = serialize_values(layout.values)
+        signature = layout.signature
+        plan = self._plans.get(signature)
+        if plan is None:
+            plan = self._make_plan(layout, seq, checkpoint_dir, Deadline(self.options.timeout))
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[signature] = plan
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
+            ) from exc
+        # Every rank, not just rank 0: no rank may start rewriting its data file while an
+        # older .metadata in this directory still marks the old files as committed.
+        uncommit(checkpoint_dir)
+        return layout, values, plan
+
+    def _announce_failure(self, seq: int, exc: BaseException) -> None:
+        """Tell the other ranks that this rank's part of save ``seq`` failed before it was
+        queued, so that they fail at once naming this rank instead of waiting for it until
+        their timeout: ranks planning read it as this rank's layout, rank 0 as its write
+        report, and when this is rank 0, every rank as the commit's outcome."""
+        error = f"{type(exc).__name__}: {exc}"
+        self.channel.post(f"{seq}/layout", {"error": error})
+        self.channel.post(f"{seq}/done", {"fp": None, "error": error})
+        if self.rank == 0:
+            self.channel.post(f"{seq}/commit", {"error": f"rank 0: {error}", "timeout": False})
+
     def wait_previous(self) -> None:
         """Block until the previous save has finished (its outcome is on its own futures)."""
         if self._last is not None:
@@ -240,13 +263,18 @@ class CheckpointSaver:
                     f"the previous save did not finish within {self.options.timeout} s"
                 ) from exc
 
-    def _make_plan(self, layout: LocalLayout, seq: int, deadline: Deadline) -> SavePlan:
+    def _make_plan(
+        self, layout: LocalLayout, seq: int, checkpoint_dir: str, deadline: Deadline
+    ) -> SavePlan:
         channel = self.channel
         fingerprint = layout.fingerprint()
         channel.post(f"{seq}/layout", {"fp": fingerprint, "desc": layout.describe()})
         msgs = channel.gather(
             f"{seq}/layout", deadline, "send their state dict layout for planning"
         )
+        errors = [f"rank {r}: {m['error']}" for r, m in enumerate(msgs) if m.get("error")]
+        if errors:
+            raise CheckpointError(f"save to {checkpoint_dir} failed; " + "; ".join(errors))
         plan = make_save_plan(channel.rank, [m["desc"] for m in msgs], [m["fp"] for m in msgs])
         self.plans_made += 1
         return plan
