@@ -1,3 +1,5 @@
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from slipstream.core.buffers import (
 )
 from slipstream.core.checksum import block_checksums
 from slipstream.core.flatten import flatten, unflatten
-from slipstream.core.handles import TwoPhaseHandle
+from slipstream.core.handles import fail_unfinished
 
 
 def test_staging_pool_reuses_buffers_by_key():
@@ -79,10 +81,16 @@ def test_flatten_matches_dcp_rules():
     assert torch.equal(back["lst"][1], torch.zeros(1))
 
 
-def test_two_phase_handle_failure_fails_both():
-    h = TwoPhaseHandle()
-    h.fail(ValueError("boom"))
+def test_a_failure_fails_both_phases_but_keeps_a_finished_one():
+    staged, done = Future(), Future()
+    fail_unfinished(ValueError("boom"), staged, done)
     with pytest.raises(ValueError):
-        h.staged.result(0)
+        staged.result(0)
     with pytest.raises(ValueError):
-        h.done.result(0)
+        done.result(0)
+    staged, done = Future(), Future()
+    staged.set_result(None)
+    fail_unfinished(ValueError("boom"), staged, done)
+    assert staged.result(0) is None
+    with pytest.raises(ValueError):
+        done.result(0)

@@ -9,7 +9,8 @@ come first, so its staging buffer is byte for byte the head of its file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import CheckpointError
 from .layout import ChunkSpec, dtype_from_name
@@ -46,11 +47,15 @@ class SavePlan:
     value_owner: dict[str, int]
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]]
     paths: dict[str, tuple]
-    plans_made: int = field(default=1)
 
     @property
     def records(self) -> list[RecordPlan]:
         return self.records_by_rank[self.rank]
+
+    @cached_property
+    def data_bytes(self) -> int:
+        """Tensor bytes this rank writes (its records' data, framing aside)."""
+        return sum(rec.nbytes for rec in self.records)
 
     @property
     def image_bytes(self) -> int:

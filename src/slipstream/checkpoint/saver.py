@@ -40,7 +40,7 @@ from ..core import streams
 from ..core.buffers import PAGE_BYTES, StagingBudgetError, StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices
-from ..core.handles import Watermark, completed_future
+from ..core.handles import Watermark, completed_future, fail_unfinished
 from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline, wait_future
 from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
@@ -208,7 +208,7 @@ class CheckpointSaver:
             after_commit,
             started,
         )
-        response.timings.nbytes = sum(rec.nbytes for rec in plan.records)
+        response.timings.nbytes = plan.data_bytes
         self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
         self._last = response
@@ -472,9 +472,7 @@ class CheckpointSaver:
     def _fail(job: _Job, exc: BaseException) -> None:
         if not isinstance(exc, SlipstreamError):
             exc = CheckpointError(f"save to {job.checkpoint_dir} failed: {exc!r}")
-        for fut in (job.response.staging_completion, job.response.upload_completion):
-            if not fut.done():
-                fut.set_exception(exc)
+        fail_unfinished(exc, job.response.staging_completion, job.response.upload_completion)
 
     def close(self) -> None:
         """Wait for the save in flight, then join every thread this saver owns."""

@@ -29,8 +29,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` over a contiguous CPU tensor's bytes (no copy).
 
     The view does not keep ``tensor`` alive: the caller holds the tensor while using it.
-    (Built straight from the address, in about a microsecond: a ctypes array type per
-    size cost about 100 times that, once per tensor of a load.)
+    It is built straight from the address (about 3 us); a ctypes array type per tensor
+    size took about 23 us, once per tensor of a load.
     """
     if tensor.device.type != "cpu":
         raise ValueError(f"byte_view needs a CPU tensor, got one on {tensor.device}")

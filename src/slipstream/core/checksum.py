@@ -1,12 +1,12 @@
 """Fast checksums of byte ranges, in fixed-size blocks.
 
-xxh3-64 runs at about 20 GiB/s on one core, so checksumming what is written or read costs
-a fraction of the copy itself. Checksums are taken per block of ``BLOCK_BYTES`` of a
-record's data so that a reader of part of a record can still verify what it read. Blocks
-are small (1 MiB) for two reasons: a reader hashes each block right after reading it,
-while it is still in the core's cache (xxhash holds the GIL, so the hash is the part of a
-load that does not run in parallel), and a resharding reader of part of a record reads
-at most one extra block at each end.
+xxh3-64 runs at about 15 GiB/s on one core of the development host (and releases the GIL
+on large buffers, so read threads hash in parallel), so checksumming what is written or
+read costs a fraction of the copy itself. Checksums are taken per block of
+``BLOCK_BYTES`` of a record's data so that a reader of part of a record can still verify
+what it read. Blocks are small (1 MiB) for two reasons: a reader hashes each block right
+after reading it, while it is still in the core's cache, and a resharding reader of part
+of a record reads at most one extra block at each end.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ def _memmove_compatible(dst: torch.Tensor, src: torch.Tensor) -> bool:
         and dst.dtype == src.dtype
         and dst.is_contiguous()
         and src.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
+        and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg())
     )
 
 

@@ -1,43 +1,27 @@
-"""Two-phase handles: ``staged`` (the source may change now) then ``done``.
+"""Two-phase futures and a watermark, the pieces every movement's handles are made of.
 
-Both phases are plain :class:`concurrent.futures.Future` objects so callers compose them
-with what they already know (``result(timeout)``, ``add_done_callback``, ``wait``).
+A save (``staging_completion`` then ``upload_completion``) and a weight publish
+(``staged`` then ``delivered``) are each a pair of plain :class:`concurrent.futures.Future`
+objects, so callers compose them with what they already know (``result(timeout)``,
+``add_done_callback``, ``wait``).
 
-Invariant: ``done`` never resolves successfully before ``staged`` has; an error in staging
-fails both.
+Invariant: the second phase never resolves successfully before the first has; an error
+in the first fails both (:func:`fail_unfinished`).
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from ..errors import PeerTimeoutError
 
 
-@dataclass
-class TwoPhaseHandle:
-    staged: Future = field(default_factory=Future)
-    done: Future = field(default_factory=Future)
-
-    def set_staged(self) -> None:
-        if not self.staged.done():
-            self.staged.set_result(None)
-
-    def set_done(self, value: object = None) -> None:
-        self.set_staged()
-        if not self.done.done():
-            self.done.set_result(value)
-
-    def fail(self, exc: BaseException) -> None:
-        """Fail whichever phases have not finished yet."""
-        for fut in (self.staged, self.done):
-            if not fut.done():
-                fut.set_exception(exc)
-
-    def wait(self, timeout: float | None = None) -> object:
-        return self.done.result(timeout)
+def fail_unfinished(exc: BaseException, *phases: Future) -> None:
+    """Fail whichever of ``phases`` have not finished yet with ``exc``."""
+    for fut in phases:
+        if not fut.done():
+            fut.set_exception(exc)
 
 
 def completed_future(value: object = None) -> Future:

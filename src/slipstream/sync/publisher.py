@@ -34,6 +34,7 @@ import torch
 
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
+from ..core.handles import fail_unfinished
 from ..errors import PeerTimeoutError, SyncError
 from .group import SyncGroup
 from .packing import BucketSources, pack_slices, payload_segments, segment_parts, slice_checksum
@@ -262,9 +263,7 @@ class WeightPublisher:
                 handle.staged.set_result(None)
                 job = functools.partial(self._serve_cached, k, version, plan)
         except BaseException as exc:
-            for fut in (handle.staged, handle.delivered):
-                if not fut.done():
-                    fut.set_exception(exc)
+            fail_unfinished(exc, handle.staged, handle.delivered)
             raise
         self._last_round = handle.delivered
         self._jobs.put((job, handle, sent_before))

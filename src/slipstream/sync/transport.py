@@ -39,9 +39,10 @@ from ..errors import SyncError
 from .plan import HEADER_PREFIX
 
 #: Slices of at least this many bytes cross a broadcast on their own, without a copy. Each
-#: extra message costs about a millisecond on gloo over loopback (a few microseconds on
-#: NCCL) while packing and unpacking 16 MiB costs about as much, so only slices this large
-#: (an LLM's embedding and MLP weights) gain from going alone.
+#: extra message costs about a millisecond on gloo over loopback, about what packing and
+#: unpacking a few MiB costs there, so only slices this large (an LLM's embedding and MLP
+#: weights) gain from going alone: on a transformer-shaped model 16 MiB did a little
+#: better than 4 MiB, and both far better than packing everything (benchmarks/sync.py).
 SEPARATE_MIN_BYTES = 16 * 1024 * 1024
 
 #: ``place(header, payload)``: the receive buffers of the payload's segments, in order.
@@ -80,6 +81,17 @@ class Receiver(Protocol):
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending: ...
     def close(self) -> None: ...
+
+
+def _broadcast_from_root() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return opts
+
+
+#: Every broadcast here is sent by member 0 of its group: the owning trainer.
+_FROM_ROOT = _broadcast_from_root()
 
 
 def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -139,11 +151,8 @@ class BroadcastSender:
         self._drain(slot)
         hdr = self._headers[slot][: header.numel()]
         hdr.copy_(header)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
-        works = [self.pg.broadcast([hdr], opts)]
-        works += [self.pg.broadcast([part], opts) for part in parts]
+        works = [self.pg.broadcast([hdr], _FROM_ROOT)]
+        works += [self.pg.broadcast([part], _FROM_ROOT) for part in parts]
         self._works[slot] = works
         self._sending[slot] = parts
         self.bytes_sent += sum(part.numel() for part in parts)
@@ -187,12 +196,9 @@ class BroadcastReceiver:
         self._posted: tuple[dist.Work, torch.Tensor] | None = None
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
         buf = self._headers[self._header_count % 2][:header_bytes]
         self._header_count += 1
-        return self.pg.broadcast([buf], opts), buf
+        return self.pg.broadcast([buf], _FROM_ROOT), buf
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
         """Receive the next header, post its payload segments' receives, and post the header
@@ -203,9 +209,6 @@ class BroadcastReceiver:
         bucket header, if any) lets that header's receive be posted now, so the trainer
         never waits for us to ask.
         """
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
         what = f"bucket from trainer rank {self.root_rank}"
         work, header = self._posted or self._post_header(header_bytes)
         self._posted = None
@@ -215,7 +218,7 @@ class BroadcastReceiver:
         slot = self._slots[self._count % self.num_slots]
         self._count += 1
         payload = slot[:payload_bytes]
-        works = [self.pg.broadcast([buf], opts) for buf in place(header, payload)]
+        works = [self.pg.broadcast([buf], _FROM_ROOT) for buf in place(header, payload)]
         if next_header_bytes is not None:
             self._posted = self._post_header(next_header_bytes)
 
