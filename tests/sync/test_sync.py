@@ -226,6 +226,79 @@ def test_bit_exact_delivery_in_both_modes_and_transports_with_unchanged_tensors_
         assert third == 0, channel  # nothing changed
 
 
+# --------------------------------------------------------------------------- asking again
+def _refetch_run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=30)
+    total = sum(t.numel() * t.element_size() for t in weights(1).values())
+    for transport in ("broadcast", "shm"):
+        channel = f"again-{transport}"
+        atomic = transport == "shm"
+        if rank == 0:
+            with ss.WeightPublisher(
+                group,
+                [0],
+                [1, 2],
+                bucket_bytes=BUCKET,
+                mode="cached",
+                transport=transport,
+                channel=channel,
+                separate_min_bytes=SEPARATE,
+            ) as pub:
+                live = weights(1)
+                pub.publish(live, version=1).delivered.result(timeout=20)
+                for t in live.values():
+                    t.zero_()  # training goes on: only the cache still holds version 1
+                group.wait_keys({1: f"test/{channel}/refetched"}, "rollout 1's refetch", 20)
+                assert pub.rollout_versions == {1: 1, 2: 1}
+                before = pub.bytes_sent
+                pub.publish(weights(2, changed_every=3), version=2).delivered.result(timeout=20)
+                if (
+                    not atomic
+                ):  # rollout 1 is known to hold version 1 again: nothing unchanged resent
+                    assert 0 < pub.bytes_sent - before < total / 2
+            continue
+        with ss.WeightSubscriber(group, [0], [1, 2], channel=channel) as sub:
+            target = Holder(weights(1))
+            assert sub.receive(target, name_map=module_name) == 1
+            if rank == 1:
+                for b in target.buffers():
+                    b.zero_()  # the engine lost its weights
+                assert sub.refetch(target, name_map=module_name, atomic=atomic) == 1
+                assert sub.version == 1 and sub.complete
+                for name, t in weights(1).items():
+                    assert same_bytes(target.get_buffer(module_name(name)), t), (channel, name)
+                group.set_json(f"test/{channel}/refetched", True)
+            assert sub.receive(target, name_map=module_name) == 2
+            for name, t in weights(2, changed_every=3).items():
+                assert same_bytes(target.get_buffer(module_name(name)), t), (channel, name)
+    _refetch_refused(group, rank)
+    group.close()
+
+
+def _refetch_refused(group, rank):
+    """A direct-mode trainer keeps no copy: the refetch fails clearly and applies nothing."""
+    named = {"w": torch.arange(10, dtype=torch.float32)}
+    if rank == 0:
+        with ss.WeightPublisher(group, [0], [1, 2], channel="again-direct") as pub:
+            pub.publish(named, version=3).delivered.result(timeout=20)
+            group.wait_keys({1: "test/again-direct/refused"}, "rollout 1's refetch", 20)
+        return
+    target = nn.Module()
+    target.register_buffer("w", torch.zeros(10))
+    with ss.WeightSubscriber(group, [0], [1, 2], channel="again-direct") as sub:
+        assert sub.receive(target) == 3
+        if rank == 1:
+            target.w.fill_(-1.0)
+            with pytest.raises(SyncError, match="trainer rank 0 publishes in direct mode"):
+                sub.refetch(target)
+            assert torch.equal(target.w, torch.full((10,), -1.0)) and sub.version == 3
+            group.set_json("test/again-direct/refused", True)
+
+
+def test_refetch_serves_the_cached_version_again_without_a_publish_and_refuses_in_direct_mode():
+    spawn(_refetch_run, 3, timeout=90)
+
+
 # --------------------------------------------------------------------------- two trainers
 def _dtensor_run(rank, port, mesh_port):
     from torch.distributed.device_mesh import init_device_mesh
@@ -262,12 +335,22 @@ def _dtensor_run(rank, port, mesh_port):
             ) as pub:
                 pub.publish(named, version=7).delivered.result(timeout=20)
                 out[mode] = (pub.bytes_sent, pub.peak_gathered_bytes)
+                if mode == "cached":  # serve the rollouts' refetches from both caches
+                    keys = {r: f"test/{channel}/refetched/{r}" for r in (2, 3)}
+                    group.wait_keys(keys, "the rollouts' refetches", 20)
         else:
             target = nn.Module()
             for n, t in base.items():
                 target.register_buffer(n, torch.zeros_like(t))
             with ss.WeightSubscriber(group, [0, 1], [2, 3], channel=channel) as sub:
                 assert sub.receive(target) == 7
+                for n, t in base.items():
+                    assert same_bytes(target.get_buffer(n), t), (mode, n)
+                if mode == "cached":
+                    for b in target.buffers():
+                        b.zero_()
+                    assert sub.refetch(target) == 7  # each trainer sends the buckets it owns
+                    group.set_json(f"test/{channel}/refetched/{rank}", True)
             for n, t in base.items():
                 assert same_bytes(target.get_buffer(n), t), (mode, n)
     if torch.distributed.is_initialized():

@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -121,12 +121,22 @@ class SyncGroup:
         self.wait_keys({rank: key}, what, timeout)
         return json.loads(self._call(lambda: self.store.get(key), what))
 
-    def wait_keys(self, keys: dict[int, str], what: str, timeout: float | None = None) -> None:
+    def count(self, key: str, delta: int = 0) -> int:
+        """Add ``delta`` to the counter at ``key`` (created at 0) and return its new value."""
+        return int(self._call(lambda: self.store.add(key, delta), f"counter {key}"))
+
+    def wait_keys(
+        self,
+        keys: dict[int, str],
+        what: str,
+        timeout: float | None = None,
+        idle: Callable[[], None] | None = None,
+    ) -> None:
         """Wait until every ``keys[rank]`` exists; on expiry name the ranks that did not write.
 
         Polls with ``check`` rather than a blocking ``wait``: a store client serves one
         request at a time, so a long blocking wait on one thread would stall every other
-        thread of the process that uses the same store.
+        thread of the process that uses the same store. ``idle`` runs between polls.
         """
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -143,6 +153,8 @@ class SyncGroup:
                     f"rank {self.rank}: rank(s) {sorted(pending)} did not answer within "
                     f"{timeout:.1f} s while waiting for {what}"
                 )
+            if idle is not None:
+                idle()
             time.sleep(sleep)
             sleep = min(0.02, sleep * 2)
 

@@ -11,10 +11,20 @@ One publish is one *round* ``k`` (rounds are counted identically on every rank):
    rollout holds is left out;
 4. every rollout acknowledges with ``ack/{r}/{k}``; then ``delivered`` resolves.
 
+A rollout may also ask again for the version the trainers hold in their caches (``cached``
+mode) without waiting for a publish: it writes ``again/{r}/{n}`` and bumps the counter
+``again/requests``. Each trainer answers ``again/{r}/{n}/from/{t}`` with the version in
+its cache (or why it cannot serve it); the rollout checks that every trainer offers the same
+version and that its plan fits the target, and writes ``again/{r}/{n}/go``; then each
+trainer sends its buckets from the cache over a process group of just the two of them, and
+the rollout acknowledges with ``again/{r}/{n}/ack``.
+
 Threads: in ``direct`` mode the caller's thread packs (reading live tensors, gathering
 DTensors on the user's mesh) and issues asynchronous sends on the sync group; in ``cached``
 mode the caller's thread only snapshots into a reused host cache and the publisher's one
-worker thread, ``slipstream-sync-publisher``, does steps 1-4 from that cache. The worker
+worker thread, ``slipstream-sync-publisher``, does steps 1-4 from that cache, and, between
+rounds and while it waits for a round's requests, serves the rollouts that ask again. The
+cache is rewritten only under a lock that a request served from it holds. The worker
 only ever talks to the sync group's own store and process groups, never to a group the user
 also uses. :meth:`WeightPublisher.close` (or the context manager) joins it.
 """
@@ -47,6 +57,9 @@ logger = logging.getLogger(__name__)
 MODES = ("direct", "cached")
 TRANSPORTS = ("auto", "broadcast", "shm")
 HEADER_CAP = 64 * 1024
+#: How often an idle publisher's worker looks for rollouts that ask again, in seconds.
+ASK_AGAIN_POLL = 0.05
+ASK_AGAIN_COUNT = "again/requests"
 
 
 @dataclass
@@ -162,6 +175,11 @@ class WeightPublisher:
         self._pool = StagingPool(pin=torch.cuda.is_available())
         self._cache: torch.Tensor | None = None
         self._cache_offsets: dict[int, int] = {}
+        self._cache_version: int | None = None
+        self._cache_plan: BucketPlan | None = None
+        self._cache_lock = threading.Lock()
+        self._asks_seen = 0
+        self._asks_next = dict.fromkeys(self.rollout_ranks, 0)
         self._last_round: Future | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
@@ -258,7 +276,7 @@ class WeightPublisher:
                 handle.staged.set_result(None)
                 job = functools.partial(self._finish_round, k, version)
             else:
-                self._snapshot(plan, tensors)
+                self._snapshot(plan, tensors, version)
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
                 job = functools.partial(self._serve_cached, k, version, plan)
@@ -301,12 +319,18 @@ class WeightPublisher:
             self._announced.add(plan.plan_id)
         return plan
 
-    def _start_round(self, k: int, version: int, plan: BucketPlan) -> dict[int, int | None]:
-        """Wait for every rollout's request, agree on the round, return what each holds."""
+    def _start_round(
+        self, k: int, version: int, plan: BucketPlan, serve_asks: bool = False
+    ) -> dict[int, int | None]:
+        """Wait for every rollout's request, agree on the round, return what each holds.
+
+        ``serve_asks`` (on the worker thread only): meanwhile serve rollouts that ask again.
+        """
         self.group.wait_keys(
             {r: f"req/{r}/{k}" for r in self.rollout_ranks},
             f"rollouts to ask for version {version} (round {k})",
             self.timeout,
+            idle=self._serve_asks_again if serve_asks else None,
         )
         helds: dict[int, int | None] = {}
         for r in self.rollout_ranks:
@@ -372,8 +396,21 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
-    def _snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> None:
+    def _snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor], version: int) -> None:
         """Copy this rank's buckets into the reused host cache (bucket-by-bucket gathers)."""
+        if not self._cache_lock.acquire(timeout=self.timeout):
+            raise PeerTimeoutError(
+                f"trainer rank {self.rank}: a rollout that asked again held the cache for "
+                f"more than {self.timeout:.1f} s"
+            )
+        try:
+            self._cache_version = None  # torn until the copy below completes
+            self._snapshot_locked(plan, tensors)
+            self._cache_version, self._cache_plan = version, plan
+        finally:
+            self._cache_lock.release()
+
+    def _snapshot_locked(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> None:
         owned = plan.owned(self.rank)
         offsets: dict[int, int] = {}
         total = 0
@@ -398,7 +435,11 @@ class WeightPublisher:
     # ------------------------------------------------------------------- worker thread
     def _work(self) -> None:
         while True:
-            item = self._jobs.get()
+            try:
+                item = self._jobs.get(timeout=ASK_AGAIN_POLL)
+            except queue.Empty:
+                self._serve_asks_again()
+                continue
             if item is None:
                 return
             job, handle, sent_before = item
@@ -423,8 +464,15 @@ class WeightPublisher:
             handle.delivered.set_result(version)
 
     def _serve_cached(self, k: int, version: int, plan: BucketPlan) -> int:
-        helds = self._start_round(k, version, plan)
-        unchanged = self._unchanged_fn(helds)
+        helds = self._start_round(k, version, plan, serve_asks=True)
+        with self._cache_lock:
+            sums = self._send_from_cache(self._sender, plan, self._unchanged_fn(helds))
+        self._remember(version, sums)
+        return self._finish_round(k, version)
+
+    def _send_from_cache(self, sender: Sender, plan: BucketPlan, unchanged) -> dict[int, int]:
+        """Send this rank's buckets of the cache through ``sender``, leaving out the slices
+        ``unchanged`` names; returns every slice's checksum."""
         sums: dict[int, int] = {}
         cache = self._cache
         assert cache is not None
@@ -444,18 +492,104 @@ class WeightPublisher:
                     sums[bucket.first_slice + j] = cs
                 mask.append(0 if unchanged(bucket.first_slice + j, cs) else 1)
             header = torch.empty(bucket.header_bytes, dtype=torch.uint8)
-            segments = payload_segments(slices, mask, self._sender.separate_min)
-            if all(mask):  # the cache already holds the payload: send it without a copy
+            segments = payload_segments(slices, mask, sender.separate_min)
+            if all(mask) and view.device == self.group.device:
+                # the cache already holds the payload where the transport reads: no copy
                 parts = segment_parts(segments, view, {})
-                self._sender.submit(encode_header(header, bucket.nbytes, mask), parts)
+                sender.submit(encode_header(header, bucket.nbytes, mask), parts)
                 continue
-            out = self._sender.next_buffer()
+            out = sender.next_buffer()
             kept = [s for s, m in zip(slices, mask, strict=True) if m]
             _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
             parts = segment_parts(segments, out[:nbytes], {})
-            self._sender.submit(encode_header(header, nbytes, mask), parts)
-        self._remember(version, sums)
-        return self._finish_round(k, version)
+            sender.submit(encode_header(header, nbytes, mask).to(out.device), parts)
+        return sums
+
+    # ------------------------------------------------------------- rollouts that ask again
+    def _serve_asks_again(self) -> None:
+        """Serve every rollout that asked again since the last look (worker thread only).
+
+        A request that cannot be served is answered with the reason; a failure while
+        serving one is the asking rollout's error (it times out or sees a broken
+        transfer), logged here, and never fails a publish.
+        """
+        try:
+            count = self.group.count(ASK_AGAIN_COUNT)
+            if count == self._asks_seen:
+                return
+            for r in self.rollout_ranks:
+                while self.group.store.check([f"again/{r}/{self._asks_next[r]}"]):
+                    key = f"again/{r}/{self._asks_next[r]}"
+                    self._asks_next[r] += 1
+                    try:
+                        self._serve_again(r, key)
+                    except (SyncError, RuntimeError) as exc:
+                        logger.warning(
+                            "trainer rank %d could not serve rollout rank %d's refetch: %s",
+                            self.rank,
+                            r,
+                            exc,
+                        )
+            self._asks_seen = count
+        except (SyncError, RuntimeError) as exc:
+            logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
+
+    def _serve_again(self, r: int, key: str) -> None:
+        if not self._cache_lock.acquire(blocking=False):
+            why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
+            self.group.set_json(f"{key}/from/{self.rank}", {"error": why})
+            return
+        try:
+            offer = self._offer()
+            self.group.set_json(f"{key}/from/{self.rank}", offer)
+            if "error" in offer:
+                return
+            go = self.group.get_json(f"{key}/go", r, f"rollout rank {r} to accept version")
+            if not go["go"]:
+                return
+            plan = self._cache_plan
+            assert plan is not None
+            sender = BroadcastSender(
+                self.group.subgroup([self.rank, r]),
+                self.rank,
+                plan.bucket_bytes,
+                HEADER_CAP,
+                2,
+                self.timeout,
+                self.group.device,
+                self.separate_min_bytes,
+            )
+            try:
+                self._send_from_cache(sender, plan, lambda i, cs: False)
+                sender.flush()
+            finally:
+                sender.close()
+        finally:
+            self._cache_lock.release()
+        ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
+        self.rollout_versions[r] = ack.get("holds")
+        logger.info(
+            "trainer rank %d served version %s again to rollout rank %d from its cache",
+            self.rank,
+            offer["version"],
+            r,
+        )
+
+    def _offer(self) -> dict:
+        """What this rank can serve again: its cache's version and plan, or why not."""
+        if self.mode != "cached":
+            return {
+                "error": f"trainer rank {self.rank} publishes in direct mode and keeps no "
+                "copy to serve again (use mode='cached', or receive() the next publish)"
+            }
+        if self._cache_version is None or self._cache_plan is None:
+            return {"error": f"trainer rank {self.rank} holds no complete version yet"}
+        return {
+            "version": self._cache_version,
+            "plan": self._cache_plan.plan_id,
+            "separate_min": self.separate_min_bytes,
+            "header_cap": HEADER_CAP,
+        }
 
     def _finish_round(self, k: int, version: int) -> int:
         """Wait until every send left and every rollout acknowledged round ``k``."""

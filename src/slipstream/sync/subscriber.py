@@ -6,7 +6,8 @@ one round (see :mod:`.publisher`): it asks for a version newer than the one it h
 the plan against the target before any byte moves, receives bucket g while unpacking bucket
 g-1 (two reused buffers per trainer), then acknowledges. Over
 broadcast, slices sent on their own land straight in their final place (the parameter, or
-the atomic stream buffer) and are never copied again.
+the atomic stream buffer) and are never copied again. :meth:`WeightSubscriber.refetch`
+asks the trainers for the version in their caches again, without waiting for a publish.
 
 Invariant: :attr:`WeightSubscriber.version` is either a version whose every byte reached the
 target, or ``None``. A transfer that breaks part-way marks the subscriber as holding no
@@ -33,6 +34,7 @@ from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_targ
 from .group import SyncGroup
 from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
+from .publisher import ASK_AGAIN_COUNT
 from .shm import ShmReceiver
 from .transport import BroadcastReceiver, Pending, Receiver
 
@@ -64,6 +66,7 @@ class WeightSubscriber:
         self.timeout = group.timeout if timeout is None else timeout
         self.bytes_received = 0
         self._round = 0
+        self._asked_again = 0
         self._version: int | None = None
         self._complete = False
         self._held_by: tuple[str, bool] | None = None
@@ -150,38 +153,125 @@ class WeightSubscriber:
         version = info["version"]
         try:
             plan = self._plan(info["plan"], leader)
-            problems = sink.check(plan)
-            if self._version is not None and version <= self._version:
-                problems.insert(0, f"it holds version {self._version}, versions must increase")
+            problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._receive_all(_Round(plan, sink, "drain"))
+                self._receive_all(_Round(plan, sink, "drain", self._receivers))
                 raise_problems(problems, version, self.rank)
-            if atomic:
-                rnd = self._receive_all(_Round(plan, sink, "stream"))
-                self._complete = False
-                self._apply_stream(rnd)
-            else:
-                self._complete = False
-                self._receive_all(_Round(plan, sink, "target"))
+            self._take(_Round(plan, sink, "stream" if atomic else "target", self._receivers))
         except BaseException as exc:
-            self._ack(k, {"holds": self.version, "error": str(exc)[:2000]})
+            self._ack(f"ack/{self.rank}/{k}", {"holds": self.version, "error": str(exc)[:2000]})
             raise
+        self._hold(version, held_key)
+        self._ack(f"ack/{self.rank}/{k}", {"holds": version})
+        self._log("received", version, received_before, started)
+        return version
+
+    def refetch(
+        self,
+        target: nn.Module | LoadWeights,
+        name_map: NameMap = None,
+        atomic: bool = False,
+    ) -> int:
+        """Fetch again, every byte, the version the trainers hold in their host caches, without
+        waiting for a publish; apply it to ``target`` and return it.
+
+        For a rollout whose weights were lost or left incomplete (a restarted engine, a
+        broken transfer). The trainers must publish in ``cached`` mode; their worker threads
+        serve the request while the trainers train. Raises :class:`SyncError` (and applies
+        nothing) when a trainer cannot serve it: ``direct`` mode, nothing published yet, or a
+        newer version being snapshotted, which :meth:`receive` then delivers.
+        """
+        started = time.perf_counter()
+        received_before = self.bytes_received
+        sink = make_target(target, name_map, self._assembly)
+        key = f"again/{self.rank}/{self._asked_again}"
+        self._asked_again += 1
+        self.group.set_json(key, {})
+        self.group.count(ASK_AGAIN_COUNT, 1)
+        offers = {
+            t: self.group.get_json(
+                f"{key}/from/{t}", t, f"trainer rank {t} to answer a refetch", self.timeout
+            )
+            for t in self.trainer_ranks
+        }
+        problems = [f"trainer rank {t}: {o['error']}" for t, o in offers.items() if "error" in o]
+        versions = {t: (o["version"], o["plan"]) for t, o in offers.items() if "error" not in o}
+        if not problems and len(set(versions.values())) > 1:
+            held = {t: v for t, (v, _) in versions.items()}
+            problems.append(f"the trainers' caches differ ({held}): receive() the new version")
+        if problems:
+            self.group.set_json(f"{key}/go", {"go": False})
+            raise SyncError(f"rollout rank {self.rank} cannot refetch: " + "; ".join(problems))
+        version, plan_id = next(iter(versions.values()))
+        problems = [f"plan {plan_id} could not be read"]
+        try:
+            plan = self._plan(plan_id, self.trainer_ranks[0])
+            problems = self._problems(plan, sink, version)
+        finally:
+            self.group.set_json(f"{key}/go", {"go": not problems})
+        raise_problems(problems, version, self.rank)
+        receivers = {
+            t: BroadcastReceiver(
+                self.group.subgroup([t, self.rank]),
+                t,
+                plan.bucket_bytes,
+                o["header_cap"],
+                2,
+                self.timeout,
+                self.group.device,
+                o["separate_min"],
+            )
+            for t, o in offers.items()
+        }
+        try:
+            self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
+        except BaseException as exc:
+            self._ack(f"{key}/ack", {"holds": self.version, "error": str(exc)[:2000]})
+            raise
+        finally:
+            for receiver in receivers.values():
+                receiver.close()
+        self._hold(version, (sink.kind, atomic))
+        self._ack(f"{key}/ack", {"holds": version})
+        self._log("refetched", version, received_before, started)
+        return version
+
+    def _problems(self, plan: BucketPlan, sink: ModuleTarget | CallableTarget, version: int):
+        """Why ``version`` (laid out by ``plan``) cannot be applied to ``sink``, if at all."""
+        problems = sink.check(plan)
+        if self._version is not None and version < self._version:
+            problems.insert(0, f"it holds the newer version {self._version}")
+        return problems
+
+    def _take(self, rnd: _Round) -> None:
+        """Receive a round and apply it; the held version is incomplete from the first byte
+        applied until the caller records the new one."""
+        if rnd.into == "stream":
+            self._receive_all(rnd)
+            self._complete = False
+            self._apply_stream(rnd)
+        else:
+            self._complete = False
+            self._receive_all(rnd)
+
+    def _hold(self, version: int, held_key: tuple[str, bool]) -> None:
         self._version = version
         self._complete = True
         self._held_by = held_key
-        self._ack(k, {"holds": version})
+
+    def _log(self, what: str, version: int, received_before: int, started: float) -> None:
         logger.info(
-            "rollout rank %d received version %d: %.3f GiB in %.3f s (waiting included)",
+            "rollout rank %d %s version %d: %.3f GiB in %.3f s (waiting included)",
             self.rank,
+            what,
             version,
             (self.bytes_received - received_before) / 2**30,
             time.perf_counter() - started,
         )
-        return version
 
-    def _ack(self, k: int, value: dict) -> None:
+    def _ack(self, key: str, value: dict) -> None:
         try:
-            self.group.set_json(f"ack/{self.rank}/{k}", value)
+            self.group.set_json(key, value)
         except (RuntimeError, SyncError):
             pass
 
@@ -210,7 +300,7 @@ class WeightSubscriber:
         step = len(plan.trainer_ranks)  # the same owner's next bucket
         for bucket in plan.buckets:
             g = bucket.index
-            receiver = self._receivers[bucket.owner]
+            receiver = rnd.receivers[bucket.owner]
             after = g + step
             following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
             place = functools.partial(self._place, rnd, g, receiver.separate_min)
@@ -319,13 +409,14 @@ class WeightSubscriber:
 
 @dataclass
 class _Round:
-    """One receive: its plan, target and destination (``into``), and what it gathered:
-    tensors with new bytes, (buffered) the stream, and the slices (bucket, index in the
-    bucket) that landed in their final place on arrival."""
+    """One receive: its plan, target, destination (``into``) and receiver per trainer, and
+    what it gathered: tensors with new bytes, (buffered) the stream, and the slices (bucket,
+    index in the bucket) that landed in their final place on arrival."""
 
     plan: BucketPlan
     sink: ModuleTarget | CallableTarget
     into: str
+    receivers: dict[int, Receiver]
     dirty: set[int] = field(default_factory=set)
     slices: list[tuple[int, Slice]] = field(default_factory=list)
     stream: torch.Tensor | None = None

@@ -51,8 +51,10 @@ Place = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
 
 class Sender(Protocol):
     bytes_sent: int
-    buffer_bytes: int
     separate_min: int | None
+
+    @property
+    def buffer_bytes(self) -> int: ...
 
     def next_buffer(self) -> torch.Tensor: ...
     def submit(self, header: torch.Tensor, parts: Sequence[torch.Tensor]) -> None: ...
@@ -126,13 +128,21 @@ class BroadcastSender:
         self.timeout = timeout
         self.num_slots = num_slots
         self.separate_min = separate_min
-        self._slots = [_buffer(bucket_bytes, device) for _ in range(num_slots)]
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self._slots: dict[int, torch.Tensor] = {}
         self._headers = [_buffer(header_bytes, device) for _ in range(num_slots)]
         self._works: list[list[dist.Work]] = [[] for _ in range(num_slots)]
         self._sending: list[Sequence[torch.Tensor]] = [() for _ in range(num_slots)]
         self._count = 0
         self.bytes_sent = 0
-        self.buffer_bytes = num_slots * (bucket_bytes + header_bytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the slots allocated so far (a slot is allocated when first packed into:
+        a sender that only sends from tensors or a cache never holds one) and headers."""
+        headers = sum(h.numel() for h in self._headers)
+        return len(self._slots) * self.bucket_bytes + headers
 
     def _drain(self, slot: int) -> None:
         for work in self._works[slot]:
@@ -143,6 +153,8 @@ class BroadcastSender:
     def next_buffer(self) -> torch.Tensor:
         slot = self._count % self.num_slots
         self._drain(slot)
+        if slot not in self._slots:
+            self._slots[slot] = _buffer(self.bucket_bytes, self.device)
         return self._slots[slot]
 
     def submit(self, header: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
