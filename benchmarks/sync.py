@@ -7,7 +7,9 @@ Peers (run interleaved, median of ``--repeats`` after one warm-up):
 - ``verl-style``: copy every tensor into a host cache, then per bucket copy the cache into a
   bucket buffer and broadcast it; rollouts copy each bucket out (one buffer, no overlap);
 - ``slipstream direct`` / ``cached`` over the network (broadcast), and ``direct`` / ``cached``
-  over the colocated shared-memory transport.
+  over the colocated shared-memory transport;
+- ``refetch``: one rollout asks the ``cached`` publisher for its cached version again (no
+  publish), beside a raw broadcast of the same bytes to that rollout alone.
 
 A second part runs ``direct`` on transformer-shaped weights (a few dozen matrices of 8 to
 125 MiB) with every slice packed and with big slices sent on their own (the default),
@@ -49,6 +51,9 @@ SLIPSTREAM = [
     ("slipstream direct shm", "direct", "shm"),
     ("slipstream cached shm", "cached", "shm"),
 ]
+CACHED = 1  # index in SLIPSTREAM of the publisher that serves refetches
+REFETCH = "slipstream cached: refetch by rollout 1"
+RAW_PAIR = "raw broadcast to rollout 1 alone"
 
 
 def shapes(total_bytes: int, count: int) -> list[tuple[int, torch.dtype]]:
@@ -198,6 +203,7 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
             c.zero_()
     flat = torch.zeros(total, dtype=torch.uint8)
     bucket_buf = torch.zeros(bucket, dtype=torch.uint8)
+    pair = dist.new_group([0, 1])
 
     def timed_run(body, buffers: int) -> dict[str, float]:
         if trainer:
@@ -277,6 +283,26 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
 
         return run
 
+    def raw_pair(_: int) -> dict[str, float]:
+        def body():
+            if rank in (0, 1):
+                dist.broadcast(flat, 0, group=pair)
+            return None if rank == 1 else 0.0
+
+        return timed_run(body, total)
+
+    def refetch(_: int) -> dict[str, float]:
+        def body():
+            if rank == 1:
+                before = ends[CACHED].bytes_received
+                ends[CACHED].refetch(dest)
+                if ends[CACHED].bytes_received - before < total:
+                    raise RuntimeError("a refetch received less than every byte")
+                return None
+            return 0.0  # the trainer's thread takes no part: its publisher's worker serves
+
+        return timed_run(body, 0)
+
     counter = iter(range(1, 10**9))
 
     def next_version() -> int:
@@ -295,6 +321,8 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
         "per-tensor loop": per_tensor,
         "verl-style": verl,
         **{name: slipstream_runner(k) for k, (name, _, _) in enumerate(SLIPSTREAM)},
+        RAW_PAIR: raw_pair,
+        REFETCH: refetch,
         "warm memcpy": memcpy,
     }
     kept = interleave(runners, args.repeats, warmup=1)
@@ -357,7 +385,7 @@ def main() -> None:
     raw_s = median(trainer["raw broadcast"]["seconds"])
     rows = []
     stats = {}
-    for name in [n for n in trainer if n != "warm memcpy"]:
+    for name in [n for n in trainer if n not in ("warm memcpy", RAW_PAIR, REFETCH)]:
         secs = median(trainer[name]["seconds"])
         blocked = median(trainer[name]["blocked"])
         rollout_buffers = median(by_rank[1][0][name]["buffers"])
@@ -374,6 +402,12 @@ def main() -> None:
             ]
         )
     memcpy_s = median(trainer["warm memcpy"]["seconds"])
+    pair_rows = []
+    for name in (RAW_PAIR, REFETCH):
+        secs = median(trainer[name]["seconds"])
+        pairs = zip(trainer[RAW_PAIR]["seconds"], trainer[name]["seconds"], strict=True)
+        vs_pair = median([a / b for a, b in pairs])
+        pair_rows.append([name, round(secs, 3), round(gib / secs, 3), round(vs_pair, 2)])
     result.tables.append(
         Table(
             "median of the repetitions; buffers = transfer buffers and caches the peer holds, MiB",
@@ -387,6 +421,16 @@ def main() -> None:
                 "rollout buffers",
             ],
             rows,
+        )
+    )
+    result.tables.append(
+        Table(
+            "One rollout asks again (refetch) for the cached version while the trainer trains "
+            "and the other rollout idles: every byte, from the publisher's cache over a "
+            "trainer-rollout pair group; x raw = median of per-round ratios to the raw "
+            "broadcast to that rollout alone",
+            ["peer", "time s", "GiB/s", "x raw"],
+            pair_rows,
         )
     )
     result.tables.append(

@@ -58,7 +58,7 @@ MODES = ("direct", "cached")
 TRANSPORTS = ("auto", "broadcast", "shm")
 HEADER_CAP = 64 * 1024
 #: How often an idle publisher's worker looks for rollouts that ask again, in seconds.
-ASK_AGAIN_POLL = 0.05
+ASK_AGAIN_POLL = 0.01
 ASK_AGAIN_COUNT = "again/requests"
 
 
