@@ -470,9 +470,10 @@ class WeightPublisher:
         self._remember(version, sums)
         return self._finish_round(k, version)
 
-    def _send_from_cache(self, sender: Sender, plan: BucketPlan, unchanged) -> dict[int, int]:
+    def _send_from_cache(self, sender: Sender, plan: BucketPlan, unchanged=None) -> dict[int, int]:
         """Send this rank's buckets of the cache through ``sender``, leaving out the slices
-        ``unchanged`` names; returns every slice's checksum."""
+        ``unchanged`` names; returns every slice's checksum. Without ``unchanged`` every byte
+        is sent and nothing is hashed."""
         sums: dict[int, int] = {}
         cache = self._cache
         assert cache is not None
@@ -485,12 +486,12 @@ class WeightPublisher:
                 return view[s.bucket_offset : s.bucket_offset + s.nbytes]
 
             slices = plan.bucket_slices(g)
-            mask = []
-            for j, s in enumerate(slices):
+            mask = [1] * len(slices)
+            for j, s in enumerate(slices if unchanged is not None else ()):
                 cs = slice_checksum(cached(s))
                 if cs is not None:
                     sums[bucket.first_slice + j] = cs
-                mask.append(0 if unchanged(bucket.first_slice + j, cs) else 1)
+                mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
             header = torch.empty(bucket.header_bytes, dtype=torch.uint8)
             segments = payload_segments(slices, mask, sender.separate_min)
             if all(mask) and view.device == self.group.device:
@@ -560,7 +561,7 @@ class WeightPublisher:
                 self.separate_min_bytes,
             )
             try:
-                self._send_from_cache(sender, plan, lambda i, cs: False)
+                self._send_from_cache(sender, plan)
                 sender.flush()
             finally:
                 sender.close()
