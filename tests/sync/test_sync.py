@@ -144,6 +144,22 @@ def test_payload_segments_cover_the_included_slices_once_in_payload_order():
     ]
 
 
+def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
+    from types import SimpleNamespace
+
+    from slipstream.sync import publisher
+
+    colocated_host = SimpleNamespace(colocated=lambda ranks: True, device=torch.device("cpu"))
+    pub = SimpleNamespace(group=colocated_host, rank=0, rollout_ranks=[1])
+    choose = publisher.WeightPublisher._choose_transport
+    monkeypatch.setattr(publisher, "ORDERED_STORES", True)
+    assert choose(pub, "auto") == "shm"
+    monkeypatch.setattr(publisher, "ORDERED_STORES", False)  # e.g. an ARM host
+    assert choose(pub, "auto") == "broadcast"
+    with pytest.raises(ValueError, match="needs an x86 CPU"):
+        choose(pub, "shm")
+
+
 # --------------------------------------------------------------------------- delivery
 CONFIGS = [("direct", "broadcast"), ("cached", "broadcast"), ("direct", "shm"), ("cached", "shm")]
 

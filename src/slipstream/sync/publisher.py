@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 import queue
 import threading
 import time
@@ -49,7 +50,7 @@ from ..errors import PeerTimeoutError, SyncError
 from .group import SyncGroup
 from .packing import BucketSources, pack_slices, payload_segments, segment_parts, slice_checksum
 from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
-from .shm import ShmSender, new_ring_path
+from .shm import ORDERED_STORES, ShmSender, new_ring_path
 from .transport import SEPARATE_MIN_BYTES, BroadcastSender, Sender
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,12 @@ class WeightPublisher:
                 f"transport='shm' needs every rollout on trainer rank {self.rank}'s host "
                 "and host buffers"
             )
+        if transport == "shm" and not ORDERED_STORES:
+            raise ValueError(
+                f"transport='shm' needs an x86 CPU: its handshake relies on ordered stores, "
+                f"which {platform.machine()} does not guarantee; use 'broadcast'"
+            )
+        local = local and ORDERED_STORES
         if transport == "auto":
             return "shm" if local else "broadcast"
         return transport

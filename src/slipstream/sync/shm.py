@@ -12,7 +12,9 @@ goes to slot ``(m - 1) % num_slots``. Handshake, one 8-byte word each:
 The file is unlinked as soon as every reader has mapped it, so nothing is left behind if
 either side dies. Waits poll with short sleeps, check that the peer process is alive, and
 time out naming the peer rank. Stores are ordered on x86 (TSO), so a reader that sees
-``ready`` also sees the bytes written before it.
+``ready`` also sees the bytes written before it; on other CPUs (ARM reorders stores) the
+handshake would need fences Python cannot issue, so the ring is offered on x86 only
+(:data:`ORDERED_STORES`).
 
 Invariant: a slot is never rewritten while a reader may still be reading it, and a reader
 never reads a slot before the trainer published it.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,6 +35,9 @@ from ..errors import PeerTimeoutError, SyncError
 from .transport import Pending, Place
 
 PAGE = 4096
+#: Whether this CPU makes stores visible to other cores in program order (x86's TSO), which
+#: the handshake relies on.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 CTRL_PER_SLOT_FIXED = 1
 
 
