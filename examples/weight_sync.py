@@ -1,5 +1,8 @@
 """A trainer and a rollout process: the trainer publishes its weights every few steps.
 
+After the first version arrives, the rollout loses its weights (as an inference engine that
+restarts would) and refetches them from the trainer's cache without waiting for a publish.
+
 python examples/weight_sync.py --steps 6 --every 2
 """
 
@@ -48,9 +51,15 @@ def rollout(port: int, steps: int, every: int) -> None:
     group = ss.sync.init_group("127.0.0.1", port, world_size=2, rank=1, timeout=60)
     model = make_model()
     with ss.WeightSubscriber(group, trainer_ranks=[0], rollout_ranks=[1]) as sub:
-        for _ in range(steps // every):
+        for i in range(steps // every):
             version = sub.receive(model)
             print(f"rollout: now at version {version}", flush=True)
+            if i == 0:
+                for layer in model:
+                    if isinstance(layer, nn.Linear):
+                        layer.reset_parameters()  # the engine restarted: its weights are gone
+                version = sub.refetch(model)  # served by the trainer's publisher thread
+                print(f"rollout: refetched version {version} from the trainer's cache", flush=True)
     checksum = sum(p.double().sum().item() for p in model.parameters())
     print(f"rollout: version {sub.version}, checksum {checksum:.6f}", flush=True)
     group.close()
