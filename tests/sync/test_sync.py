@@ -530,3 +530,39 @@ def _killed_run(rank, port, transport):
 def test_trainer_killed_mid_publish_raises_and_never_reports_a_partial_version(transport):
     out = spawn(_killed_run, 3, transport, timeout=60, may_die=(0,))
     assert out[1] >= 3  # the trainer died after v2 had started landing
+
+
+def _killed_refetch_run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=8)
+    named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
+    if rank == 0:
+        pub = ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, mode="cached")
+        pub.publish(named, version=1).delivered.result(timeout=20)
+        while not group.store.check(["die"]):  # the worker thread serves the refetch meanwhile
+            time.sleep(0.02)
+        os._exit(3)
+    sub = ss.WeightSubscriber(group, [0], [1])
+    calls = []
+    armed = []
+
+    def load_weights(batch):
+        calls.append(batch[0][0])
+        if armed and len(calls) == 3:  # the refetch is under way: kill the trainer
+            group.store.set("die", "1")
+            time.sleep(0.5)
+
+    assert sub.receive(load_weights) == 1
+    calls.clear()
+    armed.append(True)
+    start = time.monotonic()
+    with pytest.raises((SyncError, PeerTimeoutError), match="rank 0|trainer") as err:
+        sub.refetch(load_weights)
+    assert time.monotonic() - start < 8 + 5
+    assert sub.version is None and not sub.complete, (str(err.value), len(calls))
+    group.close()
+    return len(calls)
+
+
+def test_trainer_killed_mid_refetch_raises_and_leaves_no_complete_version():
+    out = spawn(_killed_refetch_run, 2, timeout=60, may_die=(0,))
+    assert out[1] >= 3  # the trainer died after the refetch had started landing
