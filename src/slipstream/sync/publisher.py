@@ -58,8 +58,9 @@ logger = logging.getLogger(__name__)
 MODES = ("direct", "cached")
 TRANSPORTS = ("auto", "broadcast", "shm")
 HEADER_CAP = 64 * 1024
-#: How often an idle publisher's worker looks for rollouts that ask again, in seconds.
-ASK_AGAIN_POLL = 0.01
+#: How often a ``cached`` publisher's worker looks for rollouts that ask again, in seconds
+#: (a look is one store request; a refetch waits at most this long to be noticed).
+ASK_AGAIN_POLL = 0.05
 ASK_AGAIN_COUNT = "again/requests"
 
 
@@ -180,6 +181,7 @@ class WeightPublisher:
         self._cache_plan: BucketPlan | None = None
         self._cache_lock = threading.Lock()
         self._asks_seen = 0
+        self._asks_looked = 0.0
         self._asks_next = dict.fromkeys(self.rollout_ranks, 0)
         self._last_round: Future | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -211,6 +213,7 @@ class WeightPublisher:
     def _make_sender(self, num_slots: int) -> Sender:
         info = {
             "kind": self.transport,
+            "mode": self.mode,
             "bucket_bytes": self.bucket_bytes,
             "num_slots": num_slots,
             "header_cap": HEADER_CAP,
@@ -441,9 +444,10 @@ class WeightPublisher:
 
     # ------------------------------------------------------------------- worker thread
     def _work(self) -> None:
+        poll = ASK_AGAIN_POLL if self.mode == "cached" else None
         while True:
             try:
-                item = self._jobs.get(timeout=ASK_AGAIN_POLL)
+                item = self._jobs.get(timeout=poll)
             except queue.Empty:
                 self._serve_asks_again()
                 continue
@@ -515,12 +519,17 @@ class WeightPublisher:
 
     # ------------------------------------------------------------- rollouts that ask again
     def _serve_asks_again(self) -> None:
-        """Serve every rollout that asked again since the last look (worker thread only).
+        """Serve every rollout that asked again since the last look (worker thread only,
+        ``cached`` mode; a look at most every ``ASK_AGAIN_POLL`` seconds).
 
         A request that cannot be served is answered with the reason; a failure while
         serving one is the asking rollout's error (it times out or sees a broken
         transfer), logged here, and never fails a publish.
         """
+        now = time.monotonic()
+        if now - self._asks_looked < ASK_AGAIN_POLL:
+            return
+        self._asks_looked = now
         try:
             count = self.group.count(ASK_AGAIN_COUNT)
             if count == self._asks_seen:
@@ -585,11 +594,6 @@ class WeightPublisher:
 
     def _offer(self) -> dict:
         """What this rank can serve again: its cache's version and plan, or why not."""
-        if self.mode != "cached":
-            return {
-                "error": f"trainer rank {self.rank} publishes in direct mode and keeps no "
-                "copy to serve again (use mode='cached', or receive() the next publish)"
-            }
         if self._cache_version is None or self._cache_plan is None:
             return {"error": f"trainer rank {self.rank} holds no complete version yet"}
         return {

@@ -74,6 +74,7 @@ class WeightSubscriber:
         self._pool = StagingPool()
         self._assembly: dict[tuple[str, int], torch.Tensor] = {}
         self.transports: dict[int, str] = {}
+        self.modes: dict[int, str] = {}
         self._receivers: dict[int, Receiver] = {t: self._connect(t) for t in self.trainer_ranks}
 
     def _connect(self, trainer: int) -> Receiver:
@@ -81,6 +82,7 @@ class WeightSubscriber:
             f"transport/{trainer}", trainer, f"trainer rank {trainer}'s publisher", self.timeout
         )
         self.transports[trainer] = info["kind"]
+        self.modes[trainer] = info["mode"]
         if info["kind"] == "broadcast":
             pg = self.group.subgroup([trainer, *self.rollout_ranks])
             return BroadcastReceiver(
@@ -181,6 +183,13 @@ class WeightSubscriber:
         nothing) when a trainer cannot serve it: ``direct`` mode, nothing published yet, or a
         newer version being snapshotted, which :meth:`receive` then delivers.
         """
+        direct = [t for t, mode in self.modes.items() if mode != "cached"]
+        if direct:
+            raise SyncError(
+                f"rollout rank {self.rank} cannot refetch: trainer rank(s) {direct} publish in "
+                "direct mode and keep no copy to serve again (use mode='cached', or receive() "
+                "the next publish)"
+            )
         started = time.perf_counter()
         received_before = self.bytes_received
         sink = make_target(target, name_map, self._assembly)
