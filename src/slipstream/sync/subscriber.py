@@ -195,23 +195,8 @@ class WeightSubscriber:
         sink = make_target(target, name_map, self._assembly)
         key = f"again/{self.rank}/{self._asked_again}"
         self._asked_again += 1
-        self.group.set_json(key, {})
-        self.group.count(ASK_AGAIN_COUNT, 1)
-        offers = {
-            t: self.group.get_json(
-                f"{key}/from/{t}", t, f"trainer rank {t} to answer a refetch", self.timeout
-            )
-            for t in self.trainer_ranks
-        }
-        problems = [f"trainer rank {t}: {o['error']}" for t, o in offers.items() if "error" in o]
-        versions = {t: (o["version"], o["plan"]) for t, o in offers.items() if "error" not in o}
-        if not problems and len(set(versions.values())) > 1:
-            held = {t: v for t, (v, _) in versions.items()}
-            problems.append(f"the trainers' caches differ ({held}): receive() the new version")
-        if problems:
-            self.group.set_json(f"{key}/go", {"go": False})
-            raise SyncError(f"rollout rank {self.rank} cannot refetch: " + "; ".join(problems))
-        version, plan_id = next(iter(versions.values()))
+        offers = self._ask_again(key)
+        version, plan_id = next((o["version"], o["plan"]) for o in offers.values())
         problems = [f"plan {plan_id} could not be read"]
         try:
             plan = self._plan(plan_id, self.trainer_ranks[0])
@@ -244,6 +229,28 @@ class WeightSubscriber:
         self._ack(f"{key}/ack", {"holds": version})
         self._log("refetched", version, received_before, started)
         return version
+
+    def _ask_again(self, key: str) -> dict[int, dict]:
+        """Ask every trainer to serve its cache again under ``key``; return their offers,
+        which name one version and plan. When a trainer cannot serve, or the caches hold
+        different versions, tell the trainers not to send and raise."""
+        self.group.set_json(key, {})
+        self.group.count(ASK_AGAIN_COUNT, 1)
+        offers = {
+            t: self.group.get_json(
+                f"{key}/from/{t}", t, f"trainer rank {t} to answer a refetch", self.timeout
+            )
+            for t in self.trainer_ranks
+        }
+        problems = [f"trainer rank {t}: {o['error']}" for t, o in offers.items() if "error" in o]
+        versions = {t: (o["version"], o["plan"]) for t, o in offers.items() if "error" not in o}
+        if not problems and len(set(versions.values())) > 1:
+            held = {t: v for t, (v, _) in versions.items()}
+            problems.append(f"the trainers' caches differ ({held}): receive() the new version")
+        if problems:
+            self.group.set_json(f"{key}/go", {"go": False})
+            raise SyncError(f"rollout rank {self.rank} cannot refetch: " + "; ".join(problems))
+        return offers
 
     def _problems(self, plan: BucketPlan, sink: ModuleTarget | CallableTarget, version: int):
         """Why ``version`` (laid out by ``plan``) cannot be applied to ``sink``, if at all."""
