@@ -37,7 +37,7 @@ import platform
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -481,7 +481,12 @@ class WeightPublisher:
         self._remember(version, sums)
         return self._finish_round(k, version)
 
-    def _send_from_cache(self, sender: Sender, plan: BucketPlan, unchanged=None) -> dict[int, int]:
+    def _send_from_cache(
+        self,
+        sender: Sender,
+        plan: BucketPlan,
+        unchanged: Callable[[int, int | None], bool] | None = None,
+    ) -> dict[int, int]:
         """Send this rank's buckets of the cache through ``sender``, leaving out the slices
         ``unchanged`` names; returns every slice's checksum. Without ``unchanged`` every byte
         is sent and nothing is hashed."""
@@ -552,6 +557,9 @@ class WeightPublisher:
             logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
 
     def _serve_again(self, r: int, key: str) -> None:
+        """Answer rollout ``r``'s request ``key`` with this rank's offer and, once the rollout
+        accepts, send every byte of this rank's buckets from the cache, which stays locked
+        until the sends have left."""
         if not self._cache_lock.acquire(blocking=False):
             why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
             self.group.set_json(f"{key}/from/{self.rank}", {"error": why})
