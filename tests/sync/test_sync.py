@@ -469,6 +469,32 @@ def _mismatch(group, rank):
 
 
 # --------------------------------------------------------------------------- failure
+def _dies_mid_transfer(group, sub, transfer: str) -> int:
+    """On a rollout: receive version 1 whole, then run ``sub.<transfer>`` (``receive`` or
+    ``refetch``) into a callable that has the trainer killed once three batches landed. The
+    transfer must raise within the group's 8 s timeout and leave no complete version.
+    Returns how many batches landed."""
+    calls = []
+    armed = []
+
+    def load_weights(batch):
+        calls.append(batch[0][0])
+        if armed and len(calls) == 3:  # the transfer is under way: kill the trainer
+            group.store.set("die", "1")
+            time.sleep(0.5)
+
+    assert sub.receive(load_weights) == 1
+    calls.clear()
+    armed.append(True)
+    start = time.monotonic()
+    with pytest.raises((SyncError, PeerTimeoutError), match="rank 0|trainer") as err:
+        getattr(sub, transfer)(load_weights)
+    assert time.monotonic() - start < 8 + 5
+    assert sub.version is None and not sub.complete, (str(err.value), len(calls))
+    group.close()
+    return len(calls)
+
+
 def _killed_run(rank, port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=8)
     named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
@@ -494,25 +520,7 @@ def _killed_run(rank, port, transport):
         return None
     sub = ss.WeightSubscriber(group, [0], [1, 2])
     if rank == 1:
-        calls = []
-        armed = []
-
-        def load_weights(batch):
-            calls.append(batch[0][0])
-            if armed and len(calls) == 3:  # v2 is under way: kill the trainer, let it die
-                group.store.set("die", "1")
-                time.sleep(0.5)
-
-        assert sub.receive(load_weights) == 1
-        calls.clear()
-        armed.append(True)
-        start = time.monotonic()
-        with pytest.raises((SyncError, PeerTimeoutError), match="rank 0|trainer") as err:
-            sub.receive(load_weights)
-        assert time.monotonic() - start < 8 + 5
-        assert sub.version is None and not sub.complete, (str(err.value), len(calls))
-        group.close()
-        return len(calls)
+        return _dies_mid_transfer(group, sub, "receive")
     target = nn.Module()
     for n, t in named.items():
         target.register_buffer(n, torch.zeros_like(t))
@@ -541,26 +549,7 @@ def _killed_refetch_run(rank, port):
         while not group.store.check(["die"]):  # the worker thread serves the refetch meanwhile
             time.sleep(0.02)
         os._exit(3)
-    sub = ss.WeightSubscriber(group, [0], [1])
-    calls = []
-    armed = []
-
-    def load_weights(batch):
-        calls.append(batch[0][0])
-        if armed and len(calls) == 3:  # the refetch is under way: kill the trainer
-            group.store.set("die", "1")
-            time.sleep(0.5)
-
-    assert sub.receive(load_weights) == 1
-    calls.clear()
-    armed.append(True)
-    start = time.monotonic()
-    with pytest.raises((SyncError, PeerTimeoutError), match="rank 0|trainer") as err:
-        sub.refetch(load_weights)
-    assert time.monotonic() - start < 8 + 5
-    assert sub.version is None and not sub.complete, (str(err.value), len(calls))
-    group.close()
-    return len(calls)
+    return _dies_mid_transfer(group, ss.WeightSubscriber(group, [0], [1]), "refetch")
 
 
 def test_trainer_killed_mid_refetch_raises_and_leaves_no_complete_version():
