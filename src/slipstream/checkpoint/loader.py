@@ -43,6 +43,7 @@ from .files import pread_bytes, pread_into
 from .layout import is_stateful, resolve_stateful
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
+from .shards import local_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ def _target_chunks(
 ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
     if isinstance(value, DTensor):
         local = value.to_local().detach()
-        return [(local, tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
+        return [(local, offsets, sizes) for offsets, sizes in local_chunks(value)]
     return [(value.detach(), (0,) * value.dim(), tuple(value.shape))]
 
 
