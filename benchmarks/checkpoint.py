@@ -993,8 +993,8 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
         "The two memcpy floors (staged, warm load) are medians of per-round ratios: a warm "
         "memcpy runs as a peer in the same interleaved rounds as the saves and the warm "
         "loads, so a host that copies faster or slower in one phase moves both sides of "
-        "the ratio. The reference rows of the tables are the separate references phase; "
-        "its memcpy has measured from 0.097 to 0.177 s between runs on this host.",
+        "the ratio. The reference rows of the tables are the separate references phase, whose "
+        "memcpy can differ from the one beside the saves and loads.",
     ]
     for label, detail in extra.get("train_detail", {}).items():
         none, ss_ = detail["none"], detail["ss.async_save"]
@@ -1011,8 +1011,9 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
             f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}, the setting docs/checkpoint.md "
             "recommends and the demo uses. glibc's memmove then writes copies of 4 MiB and up "
             "with non-temporal stores, so the staging copy no longer reads every line it "
-            "writes into the cache it shares with the training thread. DCP's staging copies "
-            "with Tensor.copy_, which the setting does not change."
+            "writes into the cache it shares with the training thread. DCP stages through "
+            "Tensor.copy_'s vectorized loops rather than memmove, so the setting leaves its "
+            "copy as it was."
         )
     return notes
 

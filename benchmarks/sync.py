@@ -51,7 +51,8 @@ SLIPSTREAM = [
     ("slipstream direct shm", "direct", "shm"),
     ("slipstream cached shm", "cached", "shm"),
 ]
-CACHED = 1  # index in SLIPSTREAM of the publisher that serves refetches
+#: index in SLIPSTREAM of the publisher that serves refetches
+CACHED = [(mode, transport) for _, mode, transport in SLIPSTREAM].index(("cached", "broadcast"))
 REFETCH = "slipstream cached: refetch by rollout 1"
 RAW_PAIR = "raw broadcast to rollout 1 alone"
 
@@ -287,7 +288,6 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
         def body():
             if rank in (0, 1):
                 dist.broadcast(flat, 0, group=pair)
-            return None if rank == 1 else 0.0
 
         return timed_run(body, total)
 

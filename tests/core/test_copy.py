@@ -53,7 +53,7 @@ def test_shape_mismatch_is_refused():
 def test_non_temporal_setting_extends_glibc_tunables_once_and_only_on_x86_linux(monkeypatch):
     setting = f"{copy_mod.NON_TEMPORAL_TUNABLE}=0x400000"
     monkeypatch.setattr(copy_mod.sys, "platform", "linux")
-    monkeypatch.setattr(copy_mod.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(copy_mod, "X86_CPU", True)
     assert copy_mod.with_non_temporal_copies({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": setting}
     other = "glibc.malloc.arena_max=2"
     got = copy_mod.with_non_temporal_copies({"GLIBC_TUNABLES": other})
@@ -62,5 +62,5 @@ def test_non_temporal_setting_extends_glibc_tunables_once_and_only_on_x86_linux(
     mine = {"GLIBC_TUNABLES": f"{copy_mod.NON_TEMPORAL_TUNABLE}=0x100000"}
     assert copy_mod.with_non_temporal_copies(mine) == mine
     assert copy_mod.with_non_temporal_copies(got) == got
-    monkeypatch.setattr(copy_mod.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(copy_mod, "X86_CPU", False)  # e.g. an ARM host
     assert copy_mod.with_non_temporal_copies({"A": "1"}) == {"A": "1"}

@@ -244,7 +244,8 @@ def _target_chunks(
 ) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
     if isinstance(value, DTensor):
         local = value.to_local().detach()
-        return [(local, offsets, sizes) for offsets, sizes in local_chunks(value)]
+        chunks = local_chunks(value, tuple(local.shape))
+        return [(local, offsets, sizes) for offsets, sizes in chunks]
     return [(value.detach(), (0,) * value.dim(), tuple(value.shape))]
 
 

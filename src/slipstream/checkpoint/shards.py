@@ -1,8 +1,8 @@
 """Where this rank's shard of a DTensor sits in the global tensor.
 
-``DTensor.__create_chunk_list__`` answers that through DTensor's symbolic-shape helpers, at
-about half a millisecond per tensor: on a resharding load of a few hundred tensors that was
-half of each rank's load time. For the placements nearly every model uses (``Shard`` and
+``DTensor.__create_chunk_list__`` answers that through DTensor's symbolic-shape helpers,
+which on a resharding load of a few hundred tensors took about half of each rank's load
+time. For the placements nearly every model uses (``Shard`` and
 ``Replicate``, each tensor dimension sharded by at most one mesh dimension),
 :func:`local_chunks` applies the same rule directly: along a sharded dimension of size ``n``
 over ``k`` ranks, rank ``c`` holds ``torch.chunk``'s piece ``c``, which starts at
@@ -27,16 +27,21 @@ def shard_span(size: int, chunks: int, index: int) -> tuple[int, int]:
     return start, end - start
 
 
-def local_chunks(value: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``(offsets, sizes)`` of this rank's shard of ``value`` in the global tensor (one
-    entry, or DTensor's own list for placements this module does not compute)."""
-    simple = _simple_chunk(value)
+def local_chunks(
+    value: DTensor, local_shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offsets, sizes)`` of this rank's shard of ``value`` (whose local tensor has
+    ``local_shape``) in the global tensor: one entry, or DTensor's own list for placements
+    this module does not compute."""
+    simple = _simple_chunk(value, local_shape)
     if simple is not None:
         return [simple]
     return [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
 
 
-def _simple_chunk(value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _simple_chunk(
+    value: DTensor, local_shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
@@ -54,6 +59,6 @@ def _simple_chunk(value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]] | N
             return None
         sharded.add(dim)
         offsets[dim], sizes[dim] = shard_span(sizes[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
-    if tuple(value.to_local().shape) != tuple(sizes):
+    if tuple(local_shape) != tuple(sizes):
         return None
     return tuple(offsets), tuple(sizes)

@@ -12,11 +12,12 @@ included, and stall behind whichever core is busy. Any other pair goes through
 from __future__ import annotations
 
 import ctypes
-import platform
 import sys
 from collections.abc import Mapping
 
 import torch
+
+from .threads import X86_CPU
 
 SLICE_BYTES = 32 * 1024 * 1024
 
@@ -35,9 +36,8 @@ def with_non_temporal_copies(env: Mapping[str, str]) -> dict[str, str]:
     ``NON_TEMPORAL_THRESHOLD`` bytes and up uses non-temporal stores, for a process started
     with it. Unchanged off x86 Linux, or where the threshold is set already."""
     out = dict(env)
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
     current = out.get("GLIBC_TUNABLES", "")
-    if not (sys.platform.startswith("linux") and x86) or NON_TEMPORAL_TUNABLE in current:
+    if not (sys.platform.startswith("linux") and X86_CPU) or NON_TEMPORAL_TUNABLE in current:
         return out
     setting = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}"
     out["GLIBC_TUNABLES"] = f"{current}:{setting}" if current else setting

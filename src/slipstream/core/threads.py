@@ -12,10 +12,16 @@ way to training when there is not.
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import threading
 
 MAX_NICE = 19
+
+
+#: Whether this host's CPU is x86: stores become visible to other cores in program order
+#: (TSO), and glibc's x86 tunables apply.
+X86_CPU = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def usable_cores() -> int:

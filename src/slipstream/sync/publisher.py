@@ -62,6 +62,8 @@ HEADER_CAP = 64 * 1024
 #: (a look is one store request; a refetch waits at most this long to be noticed).
 ASK_AGAIN_POLL = 0.05
 ASK_AGAIN_COUNT = "again/requests"
+#: Buffers per side of a refetch's transfer (allocated for its duration).
+REFETCH_SLOTS = 2
 
 
 @dataclass
@@ -214,24 +216,11 @@ class WeightPublisher:
         info = {
             "kind": self.transport,
             "mode": self.mode,
-            "bucket_bytes": self.bucket_bytes,
-            "num_slots": num_slots,
-            "header_cap": HEADER_CAP,
+            **self._receiver_shape(self.bucket_bytes, num_slots),
         }
         if self.transport == "broadcast":
-            info["separate_min"] = self.separate_min_bytes
             self.group.set_json(f"transport/{self.rank}", info)
-            pg = self.group.subgroup([self.rank, *self.rollout_ranks])
-            return BroadcastSender(
-                pg,
-                self.rank,
-                self.bucket_bytes,
-                HEADER_CAP,
-                num_slots,
-                self.timeout,
-                self.group.device,
-                self.separate_min_bytes,
-            )
+            return self._broadcast_sender(self.rollout_ranks, self.bucket_bytes, num_slots)
         path = new_ring_path(self.rank)
         sender = ShmSender(
             path,
@@ -254,6 +243,31 @@ class WeightPublisher:
         finally:
             sender.unlink()
         return sender
+
+    def _receiver_shape(self, bucket_bytes: int, num_slots: int) -> dict:
+        """What a rollout needs to build the receiver that matches this rank's sender."""
+        return {
+            "bucket_bytes": bucket_bytes,
+            "num_slots": num_slots,
+            "header_cap": HEADER_CAP,
+            "separate_min": self.separate_min_bytes,
+        }
+
+    def _broadcast_sender(
+        self, rollouts: Sequence[int], bucket_bytes: int, num_slots: int
+    ) -> BroadcastSender:
+        """A sender over the group of this rank and ``rollouts`` (the rollouts build the
+        matching receivers from :meth:`_receiver_shape` of the same arguments)."""
+        return BroadcastSender(
+            self.group.subgroup([self.rank, *rollouts]),
+            self.rank,
+            bucket_bytes,
+            HEADER_CAP,
+            num_slots,
+            self.timeout,
+            self.group.device,
+            self.separate_min_bytes,
+        )
 
     # ----------------------------------------------------------------------------- publish
     def publish(self, named_tensors: Mapping | Iterable, version: int) -> PublishHandle:
@@ -574,16 +588,7 @@ class WeightPublisher:
                 return
             plan = self._cache_plan
             assert plan is not None
-            sender = BroadcastSender(
-                self.group.subgroup([self.rank, r]),
-                self.rank,
-                plan.bucket_bytes,
-                HEADER_CAP,
-                2,
-                self.timeout,
-                self.group.device,
-                self.separate_min_bytes,
-            )
+            sender = self._broadcast_sender([r], plan.bucket_bytes, REFETCH_SLOTS)
             try:
                 self._send_from_cache(sender, plan)
                 sender.flush()
@@ -607,8 +612,7 @@ class WeightPublisher:
         return {
             "version": self._cache_version,
             "plan": self._cache_plan.plan_id,
-            "separate_min": self.separate_min_bytes,
-            "header_cap": HEADER_CAP,
+            **self._receiver_shape(self._cache_plan.bucket_bytes, REFETCH_SLOTS),
         }
 
     def _finish_round(self, k: int, version: int) -> int:

@@ -14,7 +14,7 @@ either side dies. Waits poll with short sleeps, check that the peer process is a
 time out naming the peer rank. Stores are ordered on x86 (TSO), so a reader that sees
 ``ready`` also sees the bytes written before it; on other CPUs (ARM reorders stores) the
 handshake would need fences Python cannot issue, so the ring is offered on x86 only
-(:data:`ORDERED_STORES`).
+(:data:`ORDERED_STORES`, :data:`..core.threads.X86_CPU`).
 
 Invariant: a slot is never rewritten while a reader may still be reading it, and a reader
 never reads a slot before the trainer published it.
@@ -24,20 +24,20 @@ from __future__ import annotations
 
 import mmap
 import os
-import platform
 import time
 import uuid
 from collections.abc import Sequence
 
 import torch
 
+from ..core.threads import X86_CPU
 from ..errors import PeerTimeoutError, SyncError
 from .transport import Pending, Place
 
 PAGE = 4096
-#: Whether this CPU makes stores visible to other cores in program order (x86's TSO), which
-#: the handshake relies on.
-ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: Whether this CPU makes stores visible to other cores in program order, which the
+#: handshake relies on.
+ORDERED_STORES = X86_CPU
 CTRL_PER_SLOT_FIXED = 1
 
 

@@ -84,17 +84,7 @@ class WeightSubscriber:
         self.transports[trainer] = info["kind"]
         self.modes[trainer] = info["mode"]
         if info["kind"] == "broadcast":
-            pg = self.group.subgroup([trainer, *self.rollout_ranks])
-            return BroadcastReceiver(
-                pg,
-                trainer,
-                info["bucket_bytes"],
-                info["header_cap"],
-                info["num_slots"],
-                self.timeout,
-                self.group.device,
-                info.get("separate_min"),
-            )
+            return self._broadcast_receiver(trainer, self.rollout_ranks, info)
         receiver = ShmReceiver(
             info["path"],
             self.rollout_ranks.index(self.rank),
@@ -108,6 +98,22 @@ class WeightSubscriber:
         )
         self.group.set_json(f"transport/{trainer}/opened/{self.rank}", True)
         return receiver
+
+    def _broadcast_receiver(
+        self, trainer: int, rollouts: Sequence[int], shape: dict
+    ) -> BroadcastReceiver:
+        """A receiver of ``trainer``'s broadcasts over the group of ``trainer`` and
+        ``rollouts``, with the buffers ``shape`` (the trainer's announcement) names."""
+        return BroadcastReceiver(
+            self.group.subgroup([trainer, *rollouts]),
+            trainer,
+            shape["bucket_bytes"],
+            shape["header_cap"],
+            shape["num_slots"],
+            self.timeout,
+            self.group.device,
+            shape["separate_min"],
+        )
 
     @property
     def version(self) -> int | None:
@@ -204,19 +210,7 @@ class WeightSubscriber:
         finally:
             self.group.set_json(f"{key}/go", {"go": not problems})
         raise_problems(problems, version, self.rank)
-        receivers = {
-            t: BroadcastReceiver(
-                self.group.subgroup([t, self.rank]),
-                t,
-                plan.bucket_bytes,
-                o["header_cap"],
-                2,
-                self.timeout,
-                self.group.device,
-                o["separate_min"],
-            )
-            for t, o in offers.items()
-        }
+        receivers = {t: self._broadcast_receiver(t, [self.rank], o) for t, o in offers.items()}
         try:
             self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
         except BaseException as exc:
