@@ -51,3 +51,18 @@ def spawn(fn, world_size: int, *args, timeout: float = 60.0, may_die: tuple[int,
     if missing:
         raise AssertionError(f"ranks {missing} exited without a result")
     return out
+
+
+def remote_reads_allowed() -> bool:
+    """Whether the kernel lets a process read a same-user sibling's memory, judged from the
+    host's settings rather than by trying: Yama's ptrace_scope absent or 0, or the
+    CAP_SYS_PTRACE capability (bit 19) in this process's effective set."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            if f.read().strip() == "0":
+                return True
+    except FileNotFoundError:
+        return True
+    with open("/proc/self/status") as f:
+        caps = next(line for line in f if line.startswith("CapEff:"))
+    return bool(int(caps.split()[1], 16) >> 19 & 1)

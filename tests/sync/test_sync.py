@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from sync_procs import spawn
+from sync_procs import remote_reads_allowed, spawn
 from torch import nn
 
 import slipstream as ss
@@ -25,6 +25,8 @@ SEPARATE = 4096
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.uint8]
 # sizes in elements: empty, scalar-like, odd, around and well above a 64 KiB bucket
 SIZES = [0, 1, 7, 1000, 16 * 1024, 40_000, 100_003]
+# whether rollouts may read a trainer's memory here (transport "cma")
+REMOTE_READS = remote_reads_allowed()
 
 
 def weights(version: int, changed_every: int = 1) -> dict[str, torch.Tensor]:
@@ -151,17 +153,19 @@ def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
 
     colocated_host = SimpleNamespace(colocated=lambda ranks: True, device=torch.device("cpu"))
     pub = SimpleNamespace(group=colocated_host, rank=0, rollout_ranks=[1])
-    choose = publisher.WeightPublisher._choose_transport
+    choose = publisher.WeightPublisher._transport_candidates
     monkeypatch.setattr(publisher, "ORDERED_STORES", True)
-    assert choose(pub, "auto") == "shm"
+    assert choose(pub, "auto") == ["cma", "shm"]
     monkeypatch.setattr(publisher, "ORDERED_STORES", False)  # e.g. an ARM host
-    assert choose(pub, "auto") == "broadcast"
-    with pytest.raises(ValueError, match="needs an x86 CPU"):
-        choose(pub, "shm")
+    assert choose(pub, "auto") == ["broadcast"]
+    for transport in ("shm", "cma"):
+        with pytest.raises(ValueError, match="needs an x86 CPU"):
+            choose(pub, transport)
 
 
 # --------------------------------------------------------------------------- delivery
-CONFIGS = [("direct", "broadcast"), ("cached", "broadcast"), ("direct", "shm"), ("cached", "shm")]
+TRANSPORTS = ["broadcast", "shm", *(["cma"] if REMOTE_READS else [])]
+CONFIGS = [(mode, transport) for transport in TRANSPORTS for mode in ("direct", "cached")]
 
 
 def _delivery(rank, port):
@@ -327,7 +331,7 @@ def _dtensor_run(rank, port, mesh_port):
     }
     base["bias"] = torch.arange(10, dtype=torch.float32)
     out = {}
-    for mode, transport in (("direct", "broadcast"), ("cached", "shm")):
+    for mode, transport in (("direct", "broadcast"), ("cached", TRANSPORTS[-1])):
         channel = f"two-{mode}"
         if rank in (0, 1):
             if not torch.distributed.is_initialized():
@@ -534,7 +538,7 @@ def _killed_run(rank, port, transport):
     return None
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_trainer_killed_mid_publish_raises_and_never_reports_a_partial_version(transport):
     out = spawn(_killed_run, 3, transport, timeout=60, may_die=(0,))
     assert out[1] >= 3  # the trainer died after v2 had started landing
@@ -555,3 +559,42 @@ def _killed_refetch_run(rank, port):
 def test_trainer_killed_mid_refetch_raises_and_leaves_no_complete_version():
     out = spawn(_killed_refetch_run, 2, timeout=60, may_die=(0,))
     assert out[1] >= 3  # the trainer died after the refetch had started landing
+
+
+# ------------------------------------------------------------------ cross-memory reads
+def _local_transport_run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=10)
+    named = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(5)}
+    chosen = {}
+    for transport in ("auto", "cma"):
+        channel = f"local-{transport}"
+        if rank == 0:
+            try:
+                with ss.WeightPublisher(
+                    group, [0], [1], transport=transport, channel=channel
+                ) as pub:
+                    pub.publish(named, version=1).delivered.result(timeout=10)
+                    chosen[transport] = pub.transport
+            except SyncError as exc:
+                chosen[transport] = str(exc)
+        else:
+            try:
+                with ss.WeightSubscriber(group, [0], [1], channel=channel) as sub:
+                    got = {}
+                    sub.receive(lambda batch, got=got: got.update((n, t.clone()) for n, t in batch))
+                    assert all(torch.equal(got[n], t) for n, t in named.items())
+            except SyncError as exc:
+                chosen[transport] = str(exc)
+    group.close()
+    return chosen
+
+
+def test_colocated_rollouts_read_the_trainers_memory_where_the_kernel_allows_it():
+    out = spawn(_local_transport_run, 2, timeout=60)
+    if REMOTE_READS:
+        assert out[0] == {"auto": "cma", "cma": "cma"}
+        assert out[1] == {}
+    else:  # auto falls back to the copying ring; asking for cma fails on both sides, clearly
+        assert out[0]["auto"] == "shm"
+        assert "cannot read trainer rank 0's memory" in out[0]["cma"]
+        assert "ptrace" in out[1]["cma"]

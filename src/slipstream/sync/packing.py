@@ -91,8 +91,17 @@ def slice_checksum(data: torch.Tensor) -> int | None:
     return checksum(byte_view(data))
 
 
+#: The packing buffer of a bucket that packs nothing.
+NO_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
 def sent_separately(s: Slice, separate_min: int | None) -> bool:
     return separate_min is not None and s.nbytes >= separate_min
+
+
+def packs_any(slices: Sequence[Slice], separate_min: int | None) -> bool:
+    """Whether any of ``slices`` has bytes to pack (is not sent on its own)."""
+    return any(s.nbytes and not sent_separately(s, separate_min) for s in slices)
 
 
 def pack_slices(

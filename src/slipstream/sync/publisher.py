@@ -47,8 +47,17 @@ from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..core.handles import fail_unfinished
 from ..errors import PeerTimeoutError, SyncError
+from .cma import CmaSender
 from .group import SyncGroup
-from .packing import BucketSources, pack_slices, payload_segments, segment_parts, slice_checksum
+from .packing import (
+    NO_BYTES,
+    BucketSources,
+    pack_slices,
+    packs_any,
+    payload_segments,
+    segment_parts,
+    slice_checksum,
+)
 from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
 from .shm import ORDERED_STORES, ShmSender, new_ring_path
 from .transport import SEPARATE_MIN_BYTES, BroadcastSender, Sender
@@ -56,7 +65,10 @@ from .transport import SEPARATE_MIN_BYTES, BroadcastSender, Sender
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "cached")
-TRANSPORTS = ("auto", "broadcast", "shm")
+TRANSPORTS = ("auto", "broadcast", "shm", "cma")
+#: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
+#: the trainer's memory).
+LOCAL_TRANSPORTS = ("cma", "shm")
 HEADER_CAP = 64 * 1024
 #: How often a ``cached`` publisher's worker looks for rollouts that ask again, in seconds
 #: (a look is one store request; a refetch waits at most this long to be noticed).
@@ -188,31 +200,51 @@ class WeightPublisher:
         self._last_round: Future | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
-        self.transport = self._choose_transport(transport)
-        self._sender = self._make_sender(num_slots)
+        self.transport = transport
+        self._sender = self._make_sender(self._transport_candidates(transport), num_slots)
         self._thread = threading.Thread(
             target=self._work, name="slipstream-sync-publisher", daemon=True
         )
         self._thread.start()
 
-    def _choose_transport(self, transport: str) -> str:
+    def _transport_candidates(self, transport: str) -> list[str]:
+        """The transports to try, best first: ``auto`` picks a colocated one when every
+        rollout shares this host (and the weights are in host memory), else broadcast."""
         local = self.group.colocated(self.rollout_ranks) and self.group.device.type == "cpu"
-        if transport == "shm" and not local:
+        if transport in LOCAL_TRANSPORTS and not local:
             raise ValueError(
-                f"transport='shm' needs every rollout on trainer rank {self.rank}'s host "
-                "and host buffers"
+                f"transport={transport!r} needs every rollout on trainer rank {self.rank}'s "
+                "host and host buffers"
             )
-        if transport == "shm" and not ORDERED_STORES:
+        if transport in LOCAL_TRANSPORTS and not ORDERED_STORES:
             raise ValueError(
-                f"transport='shm' needs an x86 CPU: its handshake relies on ordered stores, "
-                f"which {platform.machine()} does not guarantee; use 'broadcast'"
+                f"transport={transport!r} needs an x86 CPU: its handshake relies on ordered "
+                f"stores, which {platform.machine()} does not guarantee; use 'broadcast'"
             )
-        local = local and ORDERED_STORES
         if transport == "auto":
-            return "shm" if local else "broadcast"
-        return transport
+            return list(LOCAL_TRANSPORTS) if local and ORDERED_STORES else ["broadcast"]
+        return [transport]
 
-    def _make_sender(self, num_slots: int) -> Sender:
+    def _make_sender(self, candidates: list[str], num_slots: int) -> Sender:
+        """Agree with the rollouts on the first of ``candidates`` they can all use, build
+        this rank's sender for it and tell them (``transport/{rank}``)."""
+        if "cma" in candidates:
+            refused = self._probe_remote_reads()
+        else:
+            refused = {}
+            self.group.set_json(f"transport/{self.rank}/probe", None)
+        if refused:
+            why = "; ".join(f"rollout rank {r}: {e}" for r, e in refused.items())
+            if candidates == ["cma"]:
+                error = (
+                    f"transport='cma': rollouts cannot read trainer rank {self.rank}'s memory "
+                    f"({why}); they need ptrace access to it (docs/sync.md), else use 'shm'"
+                )
+                self.group.set_json(f"transport/{self.rank}", {"error": error})
+                raise SyncError(error)
+            logger.info("trainer rank %d: no cross-memory reads (%s); using 'shm'", self.rank, why)
+            candidates = [c for c in candidates if c != "cma"]
+        self.transport = candidates[0]
         info = {
             "kind": self.transport,
             "mode": self.mode,
@@ -222,7 +254,8 @@ class WeightPublisher:
             self.group.set_json(f"transport/{self.rank}", info)
             return self._broadcast_sender(self.rollout_ranks, self.bucket_bytes, num_slots)
         path = new_ring_path(self.rank)
-        sender = ShmSender(
+        ring_sender = CmaSender if self.transport == "cma" else ShmSender
+        sender = ring_sender(
             path,
             self.rank,
             self.bucket_bytes,
@@ -243,6 +276,25 @@ class WeightPublisher:
         finally:
             sender.unlink()
         return sender
+
+    def _probe_remote_reads(self) -> dict[int, str]:
+        """Ask every rollout to read a few random bytes from this process; return why each
+        one that could not failed (empty when all could)."""
+        probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
+        self.group.set_json(
+            f"transport/{self.rank}/probe",
+            {"pid": self.group.pids[self.rank], "addr": probe.data_ptr(), "bytes": probe.tolist()},
+        )
+        replies = {r: f"transport/{self.rank}/probed/{r}" for r in self.rollout_ranks}
+        self.group.wait_keys(
+            replies, f"rollouts to try reading trainer rank {self.rank}'s memory", self.timeout
+        )
+        refused = {}
+        for r, key in replies.items():
+            error = self.group.get_json(key, r, "a memory-read probe")["error"]
+            if error:
+                refused[r] = error
+        return refused
 
     def _receiver_shape(self, bucket_bytes: int, num_slots: int) -> dict:
         """What a rollout needs to build the receiver that matches this rank's sender."""
@@ -401,8 +453,8 @@ class WeightPublisher:
             g = bucket.index
             sources.enter(g)
             if bucket.owner == self.rank:
-                out = self._sender.next_buffer()
                 slices = plan.bucket_slices(g)
+                out = self._sender.next_buffer() if packs_any(slices, separate_min) else NO_BYTES
                 mask, nbytes, bucket_sums, separate = pack_slices(
                     slices, sources.slice_bytes, out, unchanged, bucket.first_slice, separate_min
                 )

@@ -39,9 +39,12 @@ PAGE = 4096
 #: handshake relies on.
 ORDERED_STORES = X86_CPU
 CTRL_PER_SLOT_FIXED = 1
+#: A ring without payloads carries a count, then each part's address and length (two
+#: int64), with room for as many parts as a header can name slices (``header_cap``).
+PART_ADDRESS_BYTES = 16
 
 
-def _round_up(n: int, to: int = PAGE) -> int:
+def round_up(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
@@ -60,10 +63,10 @@ class _Ring:
         self.path = path
         self.num_slots = num_slots
         self.num_readers = num_readers
-        self.header_cap = _round_up(header_cap, 64)
+        self.header_cap = round_up(header_cap, 64)
         words = num_slots * (CTRL_PER_SLOT_FIXED + num_readers)
-        self.ctrl_bytes = _round_up(words * 8)
-        self.slot_stride = _round_up(self.header_cap + bucket_bytes)
+        self.ctrl_bytes = round_up(words * 8)
+        self.slot_stride = round_up(self.header_cap + bucket_bytes)
         size = self.ctrl_bytes + num_slots * self.slot_stride
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -134,6 +137,15 @@ def new_ring_path(rank: int) -> str:
     return f"/dev/shm/slipstream-sync-{os.getpid()}-{rank}-{uuid.uuid4().hex[:8]}"
 
 
+def ring_shape(end: ShmSender | ShmReceiver, bucket_bytes: int, header_cap: int) -> tuple[int, int]:
+    """``(payload bytes, header bytes)`` of each slot of the ring ``end`` maps: a ring that
+    carries payloads holds ``bucket_bytes`` of it; one that carries only addresses
+    (``end.payload_in_ring`` false) holds them after the header."""
+    if end.payload_in_ring:
+        return bucket_bytes, header_cap
+    return 0, header_cap + 8 + PART_ADDRESS_BYTES * header_cap
+
+
 class ShmSender:
     """The trainer's end of a ring: writes each message once for every colocated reader.
 
@@ -142,6 +154,7 @@ class ShmSender:
     """
 
     separate_min = None
+    payload_in_ring = True
 
     def __init__(
         self,
@@ -158,10 +171,17 @@ class ShmSender:
         self.reader_ranks = reader_ranks
         self.reader_pids = reader_pids
         self.timeout = timeout
-        self.ring = _Ring(path, num_slots, len(reader_ranks), bucket_bytes, header_cap, True)
+        self.header_cap = header_cap
+        self.ring = _Ring(
+            path, num_slots, len(reader_ranks), *ring_shape(self, bucket_bytes, header_cap), True
+        )
         self._count = 0
         self.bytes_sent = 0
-        self.buffer_bytes = self.ring.buf.numel()  # shared with the readers, counted here
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The ring: shared with the readers, counted on this side."""
+        return self.ring.buf.numel()
 
     def _wait_free(self, slot: int, message: int) -> None:
         previous = message - self.ring.num_slots
@@ -184,25 +204,30 @@ class ShmSender:
         return self.ring.payload(slot)
 
     def submit(self, header: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
-        if len(parts) > 1:
-            raise SyncError(f"a shared-memory message is one segment, got {len(parts)}")
-        payload = parts[0] if parts else torch.empty(0, dtype=torch.uint8)
         message = self._count + 1
         slot = self._count % self.ring.num_slots
         self._wait_free(slot, message)
-        if header.numel() > self.ring.header_cap:
+        if header.numel() > self.header_cap:
             raise SyncError(
                 f"bucket header of {header.numel()} bytes exceeds the shared-memory slot's "
-                f"{self.ring.header_cap}; use a smaller bucket_bytes"
+                f"{self.header_cap}; use a smaller bucket_bytes"
             )
         self.ring.header(slot)[: header.numel()].copy_(header)
+        self.bytes_sent += self._put_payload(slot, parts)
+        self.ring.ctrl[self.ring.ready_word(slot)] = message
+        self._count = message
+
+    def _put_payload(self, slot: int, parts: Sequence[torch.Tensor]) -> int:
+        """Make ``parts`` readable from ``slot``; return their bytes. Here: copy the one
+        segment into the slot's payload, unless it was packed there."""
+        if len(parts) > 1:
+            raise SyncError(f"a shared-memory message is one segment, got {len(parts)}")
+        payload = parts[0] if parts else torch.empty(0, dtype=torch.uint8)
         target = self.ring.payload(slot)
         n = payload.numel()
         if n and payload.data_ptr() != target.data_ptr():
             target[:n].copy_(payload)
-        self.bytes_sent += n
-        self.ring.ctrl[self.ring.ready_word(slot)] = message
-        self._count = message
+        return n
 
     def flush(self) -> None:
         """Wait until every reader consumed every message (the slots are free again)."""
@@ -231,6 +256,7 @@ class ShmReceiver:
     """
 
     separate_min = None
+    payload_in_ring = True
 
     def __init__(
         self,
@@ -244,16 +270,24 @@ class ShmReceiver:
         num_slots: int,
         timeout: float,
     ) -> None:
-        self.ring = _Ring(path, num_slots, num_readers, bucket_bytes, header_cap, False)
+        self.ring = _Ring(
+            path, num_slots, num_readers, *ring_shape(self, bucket_bytes, header_cap), False
+        )
+        self.header_cap = header_cap
+        self.bucket_bytes = bucket_bytes
         self.reader = reader
         self.root_rank = root_rank
         self.root_pid = root_pid
         self.timeout = timeout
         self._count = 0
-        self.buffer_bytes = 0  # the trainer's mapping, counted on its side
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Nothing of its own: the ring is the trainer's mapping, counted on its side."""
+        return 0
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
-        """The next message; ``place`` is not needed (the payload stays in the ring)."""
+        """The next message; its payload is taken once the trainer published it."""
         message = self._count + 1
         slot = self._count % self.ring.num_slots
         self._count = message
@@ -270,12 +304,18 @@ class ShmReceiver:
             )
             header = self.ring.header(slot)[:header_bytes].clone()
             payload_bytes = int(header[:8].view(torch.int64).item())
-            return header, self.ring.payload(slot)[:payload_bytes]
+            return header, self._take_payload(slot, header, payload_bytes, place)
 
         def release() -> None:
             ctrl[self.ring.ack_word(slot, self.reader)] = message
 
         return Pending(finish, release)
+
+    def _take_payload(
+        self, slot: int, header: torch.Tensor, payload_bytes: int, place: Place
+    ) -> torch.Tensor:
+        """The message's payload; here it is read where it lies, in the ring."""
+        return self.ring.payload(slot)[:payload_bytes]
 
     def close(self) -> None:
         self.ring.close()

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..core import process_memory
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
+from .cma import CmaReceiver
 from .group import SyncGroup
 from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
@@ -78,14 +80,20 @@ class WeightSubscriber:
         self._receivers: dict[int, Receiver] = {t: self._connect(t) for t in self.trainer_ranks}
 
     def _connect(self, trainer: int) -> Receiver:
-        info = self.group.get_json(
-            f"transport/{trainer}", trainer, f"trainer rank {trainer}'s publisher", self.timeout
-        )
+        what = f"trainer rank {trainer}'s publisher"
+        probe = self.group.get_json(f"transport/{trainer}/probe", trainer, what, self.timeout)
+        if probe is not None:
+            error = process_memory.probe(probe["pid"], probe["addr"], bytes(probe["bytes"]))
+            self.group.set_json(f"transport/{trainer}/probed/{self.rank}", {"error": error})
+        info = self.group.get_json(f"transport/{trainer}", trainer, what, self.timeout)
+        if "error" in info:
+            raise SyncError(f"rollout rank {self.rank}: {info['error']}")
         self.transports[trainer] = info["kind"]
         self.modes[trainer] = info["mode"]
         if info["kind"] == "broadcast":
             return self._broadcast_receiver(trainer, self.rollout_ranks, info)
-        receiver = ShmReceiver(
+        ring_receiver = CmaReceiver if info["kind"] == "cma" else ShmReceiver
+        receiver = ring_receiver(
             info["path"],
             self.rollout_ranks.index(self.rank),
             len(self.rollout_ranks),
