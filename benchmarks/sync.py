@@ -7,9 +7,9 @@ Peers (run interleaved, median of ``--repeats`` after one warm-up):
 - ``verl-style``: copy every tensor into a host cache, then per bucket copy the cache into a
   bucket buffer and broadcast it; rollouts copy each bucket out (one buffer, no overlap);
 - ``slipstream direct`` / ``cached`` over the network (broadcast), and ``direct`` / ``cached``
-  over the colocated shared-memory transport;
-- ``refetch``: one rollout asks the ``cached`` publisher for its cached version again (no
-  publish), beside a raw broadcast of the same bytes to that rollout alone.
+  over each colocated transport (the copying shared-memory ring, and cross-memory reads);
+- ``refetch``: one rollout asks a ``cached`` publisher (broadcast, cma) for its cached
+  version again (no publish), beside a raw broadcast of the same bytes to that rollout alone.
 
 A second part runs ``direct`` on transformer-shaped weights (a few dozen matrices of 8 to
 125 MiB) with every slice packed and with big slices sent on their own (the default),
@@ -53,9 +53,13 @@ SLIPSTREAM = [
     ("slipstream direct cma", "direct", "cma"),
     ("slipstream cached cma", "cached", "cma"),
 ]
-#: index in SLIPSTREAM of the publisher that serves refetches
-CACHED = [(mode, transport) for _, mode, transport in SLIPSTREAM].index(("cached", "broadcast"))
-REFETCH = "slipstream cached: refetch by rollout 1"
+#: refetch peers: name -> index in SLIPSTREAM of the ``cached`` publisher that serves it
+REFETCHES = {
+    f"slipstream cached {transport}: refetch by rollout 1": [
+        (mode, tr) for _, mode, tr in SLIPSTREAM
+    ].index(("cached", transport))
+    for transport in ("broadcast", "cma")
+}
 RAW_PAIR = "raw broadcast to rollout 1 alone"
 
 
@@ -293,17 +297,20 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
 
         return timed_run(body, total)
 
-    def refetch(_: int) -> dict[str, float]:
-        def body():
-            if rank == 1:
-                before = ends[CACHED].bytes_received
-                ends[CACHED].refetch(dest)
-                if ends[CACHED].bytes_received - before < total:
-                    raise RuntimeError("a refetch received less than every byte")
-                return None
-            return 0.0  # the trainer's thread takes no part: its publisher's worker serves
+    def refetch_runner(k: int):
+        def refetch(_: int) -> dict[str, float]:
+            def body():
+                if rank == 1:
+                    before = ends[k].bytes_received
+                    ends[k].refetch(dest)
+                    if ends[k].bytes_received - before < total:
+                        raise RuntimeError("a refetch received less than every byte")
+                    return None
+                return 0.0  # the trainer's thread takes no part: its publisher's worker serves
 
-        return timed_run(body, 0)
+            return timed_run(body, 0)
+
+        return refetch
 
     counter = iter(range(1, 10**9))
 
@@ -324,7 +331,7 @@ def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
         "verl-style": verl,
         **{name: slipstream_runner(k) for k, (name, _, _) in enumerate(SLIPSTREAM)},
         RAW_PAIR: raw_pair,
-        REFETCH: refetch,
+        **{name: refetch_runner(k) for name, k in REFETCHES.items()},
         "warm memcpy": memcpy,
     }
     kept = interleave(runners, args.repeats, warmup=1)
@@ -387,7 +394,7 @@ def main() -> None:
     raw_s = median(trainer["raw broadcast"]["seconds"])
     rows = []
     stats = {}
-    for name in [n for n in trainer if n not in ("warm memcpy", RAW_PAIR, REFETCH)]:
+    for name in [n for n in trainer if n not in ("warm memcpy", RAW_PAIR, *REFETCHES)]:
         secs = median(trainer[name]["seconds"])
         blocked = median(trainer[name]["blocked"])
         rollout_buffers = median(by_rank[1][0][name]["buffers"])
@@ -405,7 +412,7 @@ def main() -> None:
         )
     memcpy_s = median(trainer["warm memcpy"]["seconds"])
     pair_rows = []
-    for name in (RAW_PAIR, REFETCH):
+    for name in (RAW_PAIR, *REFETCHES):
         secs = median(trainer[name]["seconds"])
         pairs = zip(trainer[RAW_PAIR]["seconds"], trainer[name]["seconds"], strict=True)
         vs_pair = median([a / b for a, b in pairs])
@@ -428,9 +435,9 @@ def main() -> None:
     result.tables.append(
         Table(
             "One rollout asks again (refetch) for the cached version while the trainer trains "
-            "and the other rollout idles: every byte, from the publisher's cache over a "
-            "trainer-rollout pair group; x raw = median of per-round ratios to the raw "
-            "broadcast to that rollout alone",
+            "and the other rollout idles: every byte, from the publisher's cache (over a "
+            "trainer-rollout pair group, or read by the rollout itself for cma); x raw = "
+            "median of per-round ratios to the raw broadcast to that rollout alone",
             ["peer", "time s", "GiB/s", "x raw"],
             pair_rows,
         )

@@ -250,7 +250,7 @@ def test_bit_exact_delivery_in_both_modes_and_transports_with_unchanged_tensors_
 def _refetch_run(rank, port):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=30)
     total = sum(t.numel() * t.element_size() for t in weights(1).values())
-    for transport in ("broadcast", "shm"):
+    for transport in TRANSPORTS:
         channel = f"again-{transport}"
         atomic = transport == "shm"
         if rank == 0:
@@ -544,11 +544,13 @@ def test_trainer_killed_mid_publish_raises_and_never_reports_a_partial_version(t
     assert out[1] >= 3  # the trainer died after v2 had started landing
 
 
-def _killed_refetch_run(rank, port):
+def _killed_refetch_run(rank, port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=8)
     named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
     if rank == 0:
-        pub = ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, mode="cached")
+        pub = ss.WeightPublisher(
+            group, [0], [1], bucket_bytes=BUCKET, mode="cached", transport=transport
+        )
         pub.publish(named, version=1).delivered.result(timeout=20)
         while not group.store.check(["die"]):  # the worker thread serves the refetch meanwhile
             time.sleep(0.02)
@@ -556,8 +558,9 @@ def _killed_refetch_run(rank, port):
     return _dies_mid_transfer(group, ss.WeightSubscriber(group, [0], [1]), "refetch")
 
 
-def test_trainer_killed_mid_refetch_raises_and_leaves_no_complete_version():
-    out = spawn(_killed_refetch_run, 2, timeout=60, may_die=(0,))
+@pytest.mark.parametrize("transport", ["broadcast", TRANSPORTS[-1]])
+def test_trainer_killed_mid_refetch_raises_and_leaves_no_complete_version(transport):
+    out = spawn(_killed_refetch_run, 2, transport, timeout=60, may_die=(0,))
     assert out[1] >= 3  # the trainer died after the refetch had started landing
 
 

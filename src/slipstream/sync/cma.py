@@ -28,13 +28,27 @@ import torch
 from ..core.buffers import allocate_host
 from ..core.process_memory import RemoteReadError, read_into
 from ..errors import SyncError
+from .packing import payload_segments
+from .plan import BucketPlan, encode_header
 from .shm import ShmReceiver, ShmSender, round_up
-from .transport import Place
+from .transport import Pending, Place
 
 
 def _addresses(ring_header: torch.Tensor, header_cap: int) -> torch.Tensor:
     """The int64 words after a slot's bucket header: a count, then (address, length) pairs."""
     return ring_header[round_up(header_cap, 8) :].view(torch.int64)
+
+
+def read_parts(
+    trainer: int, pid: int, dests: Sequence[torch.Tensor], addresses: Sequence[int]
+) -> None:
+    """Fill each of ``dests`` from the matching address in trainer rank ``trainer``'s memory."""
+    try:
+        read_into(pid, list(zip(dests, addresses, strict=True)))
+    except RemoteReadError as exc:
+        raise SyncError(
+            f"reading trainer rank {trainer}'s memory (pid {pid}) failed: {exc}"
+        ) from exc
 
 
 class CmaSender(ShmSender):
@@ -153,15 +167,54 @@ class CmaReceiver(ShmReceiver):
                 f"trainer rank {self.root_rank} sent parts of {table[1::2][:8]} bytes, the plan "
                 f"expects {lengths[:8]} (first 8 shown)"
             )
-        try:
-            read_into(self.root_pid, list(zip(dests, table[0::2], strict=True)))
-        except RemoteReadError as exc:
-            raise SyncError(
-                f"reading trainer rank {self.root_rank}'s memory (pid {self.root_pid}) failed: "
-                f"{exc}"
-            ) from exc
+        read_parts(self.root_rank, self.root_pid, dests, table[0::2])
         return payload
 
     def close(self) -> None:
         super().close()
+        self._bucket = None
+
+
+class CacheReader:
+    """A rollout's end of a refetch from a colocated trainer's host cache: no ring, no
+    sender. The trainer holds its cache locked and unchanged until the rollout acknowledges;
+    each :meth:`start` reads the trainer's next bucket (in plan order) out of it.
+
+    ``cache`` is the cache's address in process ``pid``; ``offsets[g]`` where bucket ``g``
+    starts in it, laid out as the plan lays out a bucket with every slice included.
+    """
+
+    separate_min = 0
+    buffer_bytes = 0
+
+    def __init__(
+        self, trainer: int, pid: int, plan: BucketPlan, cache: int, offsets: dict[int, int]
+    ) -> None:
+        self.trainer = trainer
+        self.pid = pid
+        self.plan = plan
+        self.cache = cache
+        self.offsets = offsets
+        self._buckets = iter(plan.owned(trainer))
+        self._bucket: torch.Tensor | None = None
+
+    def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
+        g = next(self._buckets)
+        bucket = self.plan.buckets[g]
+        slices = self.plan.bucket_slices(g)
+        mask = [1] * len(slices)
+        header = encode_header(torch.empty(header_bytes, dtype=torch.uint8), bucket.nbytes, mask)
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            if self._bucket is None:  # pages appear only where a slice does not land in place
+                self._bucket = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8)
+            payload = self._bucket[: bucket.nbytes]
+            base = self.cache + self.offsets[g]
+            starts = [seg.start for seg in payload_segments(slices, mask, self.separate_min)]
+            read_parts(self.trainer, self.pid, place(header, payload), [base + a for a in starts])
+            return header, payload
+
+        return Pending(finish, lambda: None)
+
+    def close(self) -> None:
         self._bucket = None

@@ -640,15 +640,19 @@ class WeightPublisher:
                 return
             plan = self._cache_plan
             assert plan is not None
-            sender = self._broadcast_sender([r], plan.bucket_bytes, REFETCH_SLOTS)
-            try:
-                self._send_from_cache(sender, plan)
-                sender.flush()
-            finally:
-                sender.close()
+            if self.transport == "cma":  # the rollout reads the cache itself, then acknowledges
+                ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
+            else:
+                sender = self._broadcast_sender([r], plan.bucket_bytes, REFETCH_SLOTS)
+                try:
+                    self._send_from_cache(sender, plan)
+                    sender.flush()
+                finally:
+                    sender.close()
         finally:
             self._cache_lock.release()
-        ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
+        if self.transport != "cma":
+            ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
         self.rollout_versions[r] = ack.get("holds")
         logger.info(
             "trainer rank %d served version %s again to rollout rank %d from its cache",
@@ -661,11 +665,18 @@ class WeightPublisher:
         """What this rank can serve again: its cache's version and plan, or why not."""
         if self._cache_version is None or self._cache_plan is None:
             return {"error": f"trainer rank {self.rank} holds no complete version yet"}
-        return {
+        offer = {
             "version": self._cache_version,
             "plan": self._cache_plan.plan_id,
             **self._receiver_shape(self._cache_plan.bucket_bytes, REFETCH_SLOTS),
         }
+        if self.transport == "cma" and self._cache is not None:
+            offer["cache"] = {
+                "pid": self.group.pids[self.rank],
+                "address": self._cache.data_ptr(),
+                "offsets": {str(g): off for g, off in self._cache_offsets.items()},
+            }
+        return offer
 
     def _finish_round(self, k: int, version: int) -> int:
         """Wait until every send left and every rollout acknowledged round ``k``."""

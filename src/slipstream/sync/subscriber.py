@@ -32,7 +32,7 @@ from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
-from .cma import CmaReceiver
+from .cma import CacheReader, CmaReceiver
 from .group import SyncGroup
 from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
@@ -218,7 +218,7 @@ class WeightSubscriber:
         finally:
             self.group.set_json(f"{key}/go", {"go": not problems})
         raise_problems(problems, version, self.rank)
-        receivers = {t: self._broadcast_receiver(t, [self.rank], o) for t, o in offers.items()}
+        receivers = {t: self._refetch_receiver(t, plan, o) for t, o in offers.items()}
         try:
             self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
         except BaseException as exc:
@@ -231,6 +231,15 @@ class WeightSubscriber:
         self._ack(f"{key}/ack", {"holds": version})
         self._log("refetched", version, received_before, started)
         return version
+
+    def _refetch_receiver(self, trainer: int, plan: BucketPlan, offer: dict) -> Receiver:
+        """Read a colocated trainer's cache directly where it offers that, else receive its
+        broadcasts over a group of the two of us."""
+        cache = offer.get("cache")
+        if cache is None:
+            return self._broadcast_receiver(trainer, [self.rank], offer)
+        offsets = {int(g): off for g, off in cache["offsets"].items()}
+        return CacheReader(trainer, cache["pid"], plan, cache["address"], offsets)
 
     def _ask_again(self, key: str) -> dict[int, dict]:
         """Ask every trainer to serve its cache again under ``key``; return their offers,
