@@ -525,7 +525,8 @@ def main() -> None:
     result.notes.append(
         "All peers run in the same three processes, so peak RSS is per side for the whole "
         "run; the per-peer memory is the buffers column (for shm, the ring is shared memory "
-        "counted on the trainer's side)."
+        "counted on the trainer's side; for cma, the rollout's bucket is reserved but its "
+        "pages are touched only by tensors that cannot land in their parameter, none here)."
     )
     result.notes.append(
         "The verl-style baseline is written here after verl's checkpoint engine: host cache, "
