@@ -84,7 +84,8 @@ def _train_and_publish(rank: int, group, phase: RlPhase) -> None:
             generated[step] = tokens[0, len(PROMPT[0]) :].tolist()
             if rank == 0:
                 print(
-                    f"[rl] trainer published version {step}: blocked {blocked * 1e3:.0f} ms, "
+                    f"[rl] trainer published version {step} over {pub.transport}: blocked "
+                    f"{blocked * 1e3:.0f} ms, "
                     f"every rollout held it {sync_seconds.result(SYNC_TIMEOUT_S) * 1e3:.0f} ms "
                     f"after the publish; generates {generated[step]}",
                     flush=True,
