@@ -57,23 +57,11 @@ class CmaSender(ShmSender):
     separate_min = 0
     payload_in_ring = False
 
-    def __init__(
-        self,
-        path: str,
-        rank: int,
-        bucket_bytes: int,
-        header_cap: int,
-        num_slots: int,
-        reader_ranks: list[int],
-        reader_pids: list[int],
-        timeout: float,
-    ) -> None:
-        super().__init__(
-            path, rank, bucket_bytes, header_cap, num_slots, reader_ranks, reader_pids, timeout
-        )
-        self.bucket_bytes = bucket_bytes
+    def __init__(self, *args, **kwargs) -> None:
+        """As :class:`.shm.ShmSender`."""
+        super().__init__(*args, **kwargs)
         self._slots: dict[int, torch.Tensor] = {}
-        self._holding: list[Sequence[torch.Tensor]] = [() for _ in range(num_slots)]
+        self._holding: list[Sequence[torch.Tensor]] = [() for _ in range(self.ring.num_slots)]
 
     @property
     def buffer_bytes(self) -> int:
@@ -122,29 +110,9 @@ class CmaReceiver(ShmReceiver):
     separate_min = 0
     payload_in_ring = False
 
-    def __init__(
-        self,
-        path: str,
-        reader: int,
-        num_readers: int,
-        root_rank: int,
-        root_pid: int,
-        bucket_bytes: int,
-        header_cap: int,
-        num_slots: int,
-        timeout: float,
-    ) -> None:
-        super().__init__(
-            path,
-            reader,
-            num_readers,
-            root_rank,
-            root_pid,
-            bucket_bytes,
-            header_cap,
-            num_slots,
-            timeout,
-        )
+    def __init__(self, *args, **kwargs) -> None:
+        """As :class:`.shm.ShmReceiver`."""
+        super().__init__(*args, **kwargs)
         self._bucket: torch.Tensor | None = None
 
     @property

@@ -172,6 +172,7 @@ class ShmSender:
         self.reader_pids = reader_pids
         self.timeout = timeout
         self.header_cap = header_cap
+        self.bucket_bytes = bucket_bytes
         self.ring = _Ring(
             path, num_slots, len(reader_ranks), *ring_shape(self, bucket_bytes, header_cap), True
         )
