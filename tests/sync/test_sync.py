@@ -7,6 +7,7 @@ process group, except the trainers of the DTensor test, which need one for their
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -542,6 +543,45 @@ def _killed_run(rank, port, transport):
 def test_trainer_killed_mid_publish_raises_and_never_reports_a_partial_version(transport):
     out = spawn(_killed_run, 3, transport, timeout=60, may_die=(0,))
     assert out[1] >= 3  # the trainer died after v2 had started landing
+
+
+def _rollout_killed_run(rank, port, transport):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=8)
+    named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
+    if rank == 0:
+        pub = ss.WeightPublisher(
+            group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport, mode="direct"
+        )
+        pub.publish(named, version=1).delivered.result(timeout=20)
+        start = time.monotonic()
+        with pytest.raises((SyncError, PeerTimeoutError)) as err:
+            pub.publish({n: t + 1 for n, t in named.items()}, version=2).delivered.result(20)
+        assert time.monotonic() - start < 8 + 5
+        named_dead = r"rollout rank(\(s\) \[2\] exited| 2 \(pid \d+\) died)"
+        assert re.search(named_dead, str(err.value)), str(err.value)
+        return str(err.value)
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    target = nn.Module()
+    for n, t in named.items():
+        target.register_buffer(n, torch.zeros_like(t))
+    assert sub.receive(target) == 1
+    if rank == 2:
+
+        def load_weights(batch):  # dies once the transfer of version 2 is under way
+            os._exit(3)
+
+        sub.receive(load_weights)
+    with pytest.raises((SyncError, PeerTimeoutError)):
+        sub.receive(target)
+    assert sub.version is None
+    group.close()
+    return None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_rollout_killed_mid_publish_fails_the_publish_naming_it(transport):
+    out = spawn(_rollout_killed_run, 3, transport, timeout=60, may_die=(2,))
+    assert out[0]
 
 
 def _killed_refetch_run(rank, port, transport):

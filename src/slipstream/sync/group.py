@@ -171,6 +171,10 @@ class SyncGroup:
         """True when every rank in ``ranks`` shares this rank's host."""
         return all(self.hosts[r] == self.hosts[self.rank] for r in ranks)
 
+    def exited(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` on this host whose process is gone (others cannot be told)."""
+        return [r for r in ranks if self.colocated([r]) and not process_alive(self.pids[r])]
+
     def close(self, timeout: float | None = None) -> None:
         """Leave the group: shut our subgroups down, then say goodbye on the store.
 
@@ -200,6 +204,17 @@ class SyncGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still exists (possibly another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def init_group(

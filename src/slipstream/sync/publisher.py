@@ -319,6 +319,8 @@ class WeightPublisher:
             self.timeout,
             self.group.device,
             self.separate_min_bytes,
+            rollouts,
+            functools.partial(self.group.exited, rollouts),
         )
 
     # ----------------------------------------------------------------------------- publish

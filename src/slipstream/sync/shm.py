@@ -32,6 +32,7 @@ import torch
 
 from ..core.threads import X86_CPU
 from ..errors import PeerTimeoutError, SyncError
+from .group import process_alive
 from .transport import Pending, Place
 
 PAGE = 4096
@@ -104,16 +105,6 @@ class _Ring:
             pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _poll(cond, timeout: float, peer: str, peer_pid: int | None, what: str) -> None:
     """Wait for ``cond()`` with short sleeps; fail fast if the peer died, else on timeout."""
     if cond():
@@ -125,7 +116,7 @@ def _poll(cond, timeout: float, peer: str, peer_pid: int | None, what: str) -> N
         now = time.monotonic()
         if now - last_check > 0.05:
             last_check = now
-            if peer_pid is not None and not _alive(peer_pid):
+            if peer_pid is not None and not process_alive(peer_pid):
                 raise SyncError(f"{peer} (pid {peer_pid}) died while {what}")
             if now - start > timeout:
                 raise PeerTimeoutError(f"{peer} did not answer within {timeout:.1f} s while {what}")

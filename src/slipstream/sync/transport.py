@@ -122,9 +122,13 @@ class BroadcastSender:
         timeout: float,
         device: torch.device,
         separate_min: int | None = SEPARATE_MIN_BYTES,
+        peers: Sequence[int] = (),
+        exited: Callable[[], list[int]] = list,
     ) -> None:
         self.pg = pg
         self.rank = rank
+        self.peers = list(peers)
+        self.exited = exited
         self.timeout = timeout
         self.num_slots = num_slots
         self.separate_min = separate_min
@@ -146,7 +150,15 @@ class BroadcastSender:
 
     def _drain(self, slot: int) -> None:
         for work in self._works[slot]:
-            _wait(work, self.timeout, f"trainer rank {self.rank} broadcasting a bucket")
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as exc:
+                gone = self.exited()
+                why = f"rollout rank(s) {gone} exited" if gone else "no rollout here exited"
+                raise SyncError(
+                    f"trainer rank {self.rank} broadcasting a bucket to rollout rank(s) "
+                    f"{self.peers} failed or timed out after {self.timeout:.1f} s ({why}): {exc}"
+                ) from exc
         self._works[slot] = []
         self._sending[slot] = ()
 
