@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -162,6 +164,25 @@ def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
     for transport in ("shm", "cma"):
         with pytest.raises(ValueError, match="needs an x86 CPU"):
             choose(pub, transport)
+
+
+def test_a_process_that_exited_counts_as_gone_even_before_it_is_reaped():
+    from slipstream.sync.group import process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert process_alive(child.pid)
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 5
+    while process_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not process_alive(child.pid)  # a zombie: killed, not yet reaped
+    with open(f"/proc/{child.pid}/stat") as f:
+        assert f.read().rpartition(")")[2].split()[0] == "Z"
+    child.wait()
+    assert not process_alive(child.pid)
+    assert process_alive(os.getpid())
 
 
 # --------------------------------------------------------------------------- delivery

@@ -171,9 +171,17 @@ class SyncGroup:
         """True when every rank in ``ranks`` shares this rank's host."""
         return all(self.hosts[r] == self.hosts[self.rank] for r in ranks)
 
-    def exited(self, ranks: Iterable[int]) -> list[int]:
-        """Those of ``ranks`` on this host whose process is gone (others cannot be told)."""
-        return [r for r in ranks if self.colocated([r]) and not process_alive(self.pids[r])]
+    def exited(self, ranks: Iterable[int], grace: float = 1.0) -> list[int]:
+        """Those of ``ranks`` on this host whose process is gone (others cannot be told),
+        looking for up to ``grace`` seconds: a peer's sockets close while it exits, a moment
+        before its process is gone."""
+        local = [r for r in ranks if self.colocated([r])]
+        deadline = time.monotonic() + grace
+        while True:
+            gone = [r for r in local if not process_alive(self.pids[r])]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.02)
 
     def close(self, timeout: float | None = None) -> None:
         """Leave the group: shut our subgroups down, then say goodbye on the store.
@@ -207,14 +215,20 @@ class SyncGroup:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still exists (possibly another user's)."""
+    """Whether process ``pid`` of this host still runs (possibly another user's); one that
+    exited but was not yet reaped by its parent (a zombie) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
         return True
-    return True
+    return state not in ("Z", "X")
 
 
 def init_group(
