@@ -3,7 +3,8 @@
 - :mod:`.group`: the sync group (own store and process groups, never the default group);
 - :mod:`.plan`: the bucket plan every rank derives from the same layout;
 - :mod:`.packing`: reading tensors bucket by bucket (DTensor gathers) and packing payloads;
-- :mod:`.transport`, :mod:`.shm`: broadcast over the network, or a shared-memory ring;
+- :mod:`.transport`, :mod:`.shm`, :mod:`.cma`: broadcast over the network, a shared-memory
+  ring, or the rollouts reading the trainer's memory (colocated);
 - :mod:`.publisher`, :mod:`.subscriber`, :mod:`.apply`: the two sides and their targets.
 """
 

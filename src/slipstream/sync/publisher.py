@@ -135,14 +135,17 @@ class WeightPublisher:
     with the same names, shapes, dtypes and version. Construction sets up the transport
     and waits (up to the group's timeout) for the rollouts to construct their subscribers.
 
-    Over broadcast, a slice of at least ``separate_min_bytes`` (default 16 MiB) travels as a
-    message of its own, straight from the trainer's tensor into the rollout's, skipping
-    the bucket copy on both sides; smaller slices are packed into buckets. ``None`` packs
-    everything.
+    ``transport``: ``"auto"`` picks ``"cma"`` (rollouts copy straight out of this process's
+    memory) when every rollout shares this host and the kernel lets them read it, else
+    ``"shm"`` (a shared-memory ring) on one host, else ``"broadcast"``; :attr:`transport`
+    holds the choice. Over broadcast, a slice of at least ``separate_min_bytes`` (default
+    16 MiB) travels as a message of its own, straight from the trainer's tensor into the
+    rollout's, skipping the bucket copy on both sides; smaller slices are packed into
+    buckets. ``None`` packs everything.
 
     Invariants: versions strictly increase; a round starts only once every rollout asked
     for it; ``staged`` resolves only after the last byte this rank reads from the caller's
-    tensors has been copied or sent.
+    tensors has been copied, sent or read by every rollout.
     """
 
     def __init__(

@@ -1,11 +1,13 @@
 """Moving one bucket (header + payload) from its owning trainer to every rollout rank.
 
-Two transports share one interface:
+Three transports share one interface:
 
 - :class:`BroadcastSender` / :class:`BroadcastReceiver`: broadcasts over a process group of
   the owning trainer and the rollout ranks (built from the sync group's store, so no other
   trainer ever receives another's bucket);
-- :mod:`.shm`: a ring of bucket slots in a shared-memory file, for colocated ranks.
+- :mod:`.shm`: a ring of bucket slots in a shared-memory file, for colocated ranks;
+- :mod:`.cma`: the same ring carrying addresses, the rollouts copying the bytes straight out
+  of the trainer's memory.
 
 A sender keeps ``num_slots`` reused buffers and hands out the next one with
 :meth:`next_buffer` (waiting until its previous message has left); :meth:`submit` queues a
