@@ -629,8 +629,8 @@ class WeightPublisher:
 
     def _serve_again(self, r: int, key: str) -> None:
         """Answer rollout ``r``'s request ``key`` with this rank's offer and, once the rollout
-        accepts, send every byte of this rank's buckets from the cache, which stays locked
-        until the sends have left."""
+        accepts, send every byte of this rank's buckets from the cache (over ``cma`` the
+        rollout reads them itself). The cache stays locked until the rollout acknowledged."""
         if not self._cache_lock.acquire(blocking=False):
             why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
             self.group.set_json(f"{key}/from/{self.rank}", {"error": why})
@@ -645,19 +645,16 @@ class WeightPublisher:
                 return
             plan = self._cache_plan
             assert plan is not None
-            if self.transport == "cma":  # the rollout reads the cache itself, then acknowledges
-                ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
-            else:
+            if self.transport != "cma":
                 sender = self._broadcast_sender([r], plan.bucket_bytes, REFETCH_SLOTS)
                 try:
                     self._send_from_cache(sender, plan)
                     sender.flush()
                 finally:
                     sender.close()
+            ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
         finally:
             self._cache_lock.release()
-        if self.transport != "cma":
-            ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
         self.rollout_versions[r] = ack.get("holds")
         logger.info(
             "trainer rank %d served version %s again to rollout rank %d from its cache",
