@@ -16,6 +16,9 @@ time out naming the peer rank. Stores are ordered on x86 (TSO), so a reader that
 handshake would need fences Python cannot issue, so the ring is offered on x86 only
 (:data:`ORDERED_STORES`, :data:`..core.threads.X86_CPU`).
 
+:mod:`.cma` reuses the ring and its handshake with slots that carry the parts' addresses
+in place of their bytes (``payload_in_ring`` false).
+
 Invariant: a slot is never rewritten while a reader may still be reading it, and a reader
 never reads a slot before the trainer published it.
 """
