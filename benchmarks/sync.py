@@ -411,11 +411,17 @@ def main() -> None:
             ]
         )
     memcpy_s = median(trainer["warm memcpy"]["seconds"])
+
+    def paired(slow: str, fast: str, metric: str = "seconds") -> float:
+        """Median over rounds of ``slow``'s ``metric`` over ``fast``'s time, both measured in
+        the same round (so the host's drift between rounds cancels)."""
+        pairs = zip(trainer[slow][metric], trainer[fast]["seconds"], strict=True)
+        return median([a / b for a, b in pairs])
+
     pair_rows = []
     for name in (RAW_PAIR, *REFETCHES):
         secs = median(trainer[name]["seconds"])
-        pairs = zip(trainer[RAW_PAIR]["seconds"], trainer[name]["seconds"], strict=True)
-        vs_pair = median([a / b for a, b in pairs])
+        vs_pair = paired(RAW_PAIR, name)
         pair_rows.append([name, round(secs, 3), round(gib / secs, 3), round(vs_pair, 2)])
     result.tables.append(
         Table(
@@ -453,12 +459,6 @@ def main() -> None:
             ],
         )
     )
-
-    def paired(slow: str, fast: str, metric: str = "seconds") -> float:
-        """Median over rounds of ``slow``'s ``metric`` over ``fast``'s time, both measured in
-        the same round (so the host's drift between rounds cancels)."""
-        pairs = zip(trainer[slow][metric], trainer[fast]["seconds"], strict=True)
-        return median([a / b for a, b in pairs])
 
     vs_raw = paired("raw broadcast", "slipstream direct")
     result.floor("direct >= 0.85x raw-broadcast throughput", vs_raw, ">= 0.85", vs_raw >= 0.85)

@@ -303,6 +303,10 @@ def _refetch_run(rank, port):
             target = Holder(weights(1))
             assert sub.receive(target, name_map=module_name) == 1
             if rank == 1:
+                held: dict[str, torch.Tensor] = {}  # whole tensors handed over, not in place
+                sub.refetch(lambda batch, held=held: held.update((n, t.clone()) for n, t in batch))
+                for name, t in weights(1).items():
+                    assert same_bytes(held[name], t), (channel, name)
                 for b in target.buffers():
                     b.zero_()  # the engine lost its weights
                 assert sub.refetch(target, name_map=module_name, atomic=atomic) == 1

@@ -39,16 +39,51 @@ def _addresses(ring_header: torch.Tensor, header_cap: int) -> torch.Tensor:
     return ring_header[round_up(header_cap, 8) :].view(torch.int64)
 
 
-def read_parts(
-    trainer: int, pid: int, dests: Sequence[torch.Tensor], addresses: Sequence[int]
-) -> None:
-    """Fill each of ``dests`` from the matching address in trainer rank ``trainer``'s memory."""
-    try:
-        read_into(pid, list(zip(dests, addresses, strict=True)))
-    except RemoteReadError as exc:
-        raise SyncError(
-            f"reading trainer rank {trainer}'s memory (pid {pid}) failed: {exc}"
-        ) from exc
+class _Landing:
+    """A rollout's bucket for the parts that cannot land in their final place (a callable
+    target, a dtype or device mismatch, a drained round). It is allocated on first use and
+    never touched as a whole, so memory appears only where a part lands in it."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self._bucket: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._bucket is None else self._bucket.numel()
+
+    def read(
+        self,
+        trainer: int,
+        pid: int,
+        header: torch.Tensor,
+        payload_bytes: int,
+        place: Place,
+        addresses: Sequence[int],
+        lengths: Sequence[int],
+    ) -> torch.Tensor:
+        """Copy the parts at ``addresses`` (of ``lengths`` bytes) in trainer rank ``trainer``'s
+        process ``pid`` to where ``place`` puts them; return the payload (this bucket)."""
+        if self._bucket is None:
+            self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8)
+        payload = self._bucket[:payload_bytes]
+        dests = place(header, payload)
+        expected = [d.numel() * d.element_size() for d in dests]
+        if expected != list(lengths):
+            raise SyncError(
+                f"trainer rank {trainer} sent parts of {list(lengths)[:8]} bytes, the plan "
+                f"expects {expected[:8]} (first 8 shown)"
+            )
+        try:
+            read_into(pid, list(zip(dests, addresses, strict=True)))
+        except RemoteReadError as exc:
+            raise SyncError(
+                f"reading trainer rank {trainer}'s memory (pid {pid}) failed: {exc}"
+            ) from exc
+        return payload
+
+    def close(self) -> None:
+        self._bucket = None
 
 
 class CmaSender(ShmSender):
@@ -113,34 +148,24 @@ class CmaReceiver(ShmReceiver):
     def __init__(self, *args, **kwargs) -> None:
         """As :class:`.shm.ShmReceiver`."""
         super().__init__(*args, **kwargs)
-        self._bucket: torch.Tensor | None = None
+        self._landing = _Landing(self.bucket_bytes)
 
     @property
     def buffer_bytes(self) -> int:
-        return 0 if self._bucket is None else self._bucket.numel()
+        return self._landing.nbytes
 
     def _take_payload(
         self, slot: int, header: torch.Tensor, payload_bytes: int, place: Place
     ) -> torch.Tensor:
         words = _addresses(self.ring.header(slot), self.header_cap)
-        count = int(words[0])
-        table = words[1 : 1 + 2 * count].tolist()
-        if self._bucket is None:  # pages appear only where a part does not land in place
-            self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-        payload = self._bucket[:payload_bytes]
-        dests = place(header, payload)
-        lengths = [d.numel() * d.element_size() for d in dests]
-        if lengths != table[1::2]:
-            raise SyncError(
-                f"trainer rank {self.root_rank} sent parts of {table[1::2][:8]} bytes, the plan "
-                f"expects {lengths[:8]} (first 8 shown)"
-            )
-        read_parts(self.root_rank, self.root_pid, dests, table[0::2])
-        return payload
+        table = words[1 : 1 + 2 * int(words[0])].tolist()
+        return self._landing.read(
+            self.root_rank, self.root_pid, header, payload_bytes, place, table[0::2], table[1::2]
+        )
 
     def close(self) -> None:
         super().close()
-        self._bucket = None
+        self._landing.close()
 
 
 class CacheReader:
@@ -153,7 +178,6 @@ class CacheReader:
     """
 
     separate_min = 0
-    buffer_bytes = 0
 
     def __init__(
         self, trainer: int, pid: int, plan: BucketPlan, cache: int, offsets: dict[int, int]
@@ -164,7 +188,11 @@ class CacheReader:
         self.cache = cache
         self.offsets = offsets
         self._buckets = iter(plan.owned(trainer))
-        self._bucket: torch.Tensor | None = None
+        self._landing = _Landing(plan.bucket_bytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._landing.nbytes
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
         g = next(self._buckets)
@@ -172,17 +200,22 @@ class CacheReader:
         slices = self.plan.bucket_slices(g)
         mask = [1] * len(slices)
         header = encode_header(torch.empty(header_bytes, dtype=torch.uint8), bucket.nbytes, mask)
+        base = self.cache + self.offsets[g]
+        segments = payload_segments(slices, mask, self.separate_min)
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            if self._bucket is None:  # pages appear only where a slice does not land in place
-                self._bucket = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8)
-            payload = self._bucket[: bucket.nbytes]
-            base = self.cache + self.offsets[g]
-            starts = [seg.start for seg in payload_segments(slices, mask, self.separate_min)]
-            read_parts(self.trainer, self.pid, place(header, payload), [base + a for a in starts])
+            payload = self._landing.read(
+                self.trainer,
+                self.pid,
+                header,
+                bucket.nbytes,
+                place,
+                [base + seg.start for seg in segments],
+                [seg.nbytes for seg in segments],
+            )
             return header, payload
 
         return Pending(finish, lambda: None)
 
     def close(self) -> None:
-        self._bucket = None
+        self._landing.close()

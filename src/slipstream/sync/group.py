@@ -176,6 +176,8 @@ class SyncGroup:
         looking for up to ``grace`` seconds: a peer's sockets close while it exits, a moment
         before its process is gone."""
         local = [r for r in ranks if self.colocated([r])]
+        if not local:
+            return []
         deadline = time.monotonic() + grace
         while True:
             gone = [r for r in local if not process_alive(self.pids[r])]

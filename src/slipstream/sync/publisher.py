@@ -16,8 +16,9 @@ mode) without waiting for a publish: it writes ``again/{r}/{n}`` and bumps the c
 ``again/requests``. Each trainer answers ``again/{r}/{n}/from/{t}`` with the version in
 its cache (or why it cannot serve it); the rollout checks that every trainer offers the same
 version and that its plan fits the target, and writes ``again/{r}/{n}/go``; then each
-trainer sends its buckets from the cache over a process group of just the two of them, and
-the rollout acknowledges with ``again/{r}/{n}/ack``.
+trainer sends its buckets from the cache over a process group of just the two of them (over
+``cma`` the rollout reads them out of the cache itself), and the rollout acknowledges with
+``again/{r}/{n}/ack``.
 
 Threads: in ``direct`` mode the caller's thread packs (reading live tensors, gathering
 DTensors on the user's mesh) and issues asynchronous sends on the sync group; in ``cached``
@@ -672,7 +673,8 @@ class WeightPublisher:
             "plan": self._cache_plan.plan_id,
             **self._receiver_shape(self._cache_plan.bucket_bytes, REFETCH_SLOTS),
         }
-        if self.transport == "cma" and self._cache is not None:
+        if self.transport == "cma":
+            assert self._cache is not None  # a complete version is in it
             offer["cache"] = {
                 "pid": self.group.pids[self.rank],
                 "address": self._cache.data_ptr(),
