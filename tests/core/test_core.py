@@ -10,7 +10,7 @@ from slipstream.core.buffers import (
     reallocate_storage,
     release_storage,
 )
-from slipstream.core.checksum import block_checksums
+from slipstream.core.checksum import block_checksums, checksum
 from slipstream.core.flatten import flatten, unflatten
 from slipstream.core.handles import fail_unfinished
 
@@ -57,6 +57,14 @@ def test_block_checksums_change_with_one_byte():
     after = block_checksums(memoryview(data), block_bytes=1024)
     assert len(before) == 3
     assert before[0] == after[0] and before[2] == after[2] and before[1] != after[1]
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 240, 1024 * 1024 + 3])
+def test_checksum_is_xxh3_64(nbytes):
+    import xxhash
+
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    assert checksum(byte_view(data)) == xxhash.xxh3_64_intdigest(data.numpy().tobytes())
 
 
 def test_flatten_matches_dcp_rules():
