@@ -15,6 +15,7 @@ import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
 from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
 from slipstream.core.buffers import StagingBudgetError
+from slipstream.errors import CheckpointError
 
 GATE_TIMEOUT = 10.0
 
@@ -64,14 +65,17 @@ def _load_fresh(path) -> dict:
 
 
 def test_async_save_returns_before_any_tensor_data_is_copied(tmp_path, monkeypatch):
-    gate, copiers = _gate(monkeypatch, "copy_in_slices")
+    # "w" is contiguous (copied by address), "b" a transposed view (copied through a view)
+    gates = [_gate(monkeypatch, name) for name in ("copy_to_address", "copy_in_slices")]
     state = _big_state()
     response = ss.async_save(state, tmp_path / "ck")
     assert not response.staging_completion.done()
     assert not response.upload_completion.done()
-    gate.set()
+    for gate, _ in gates:
+        gate.set()
     response.upload_completion.result(60)
-    assert copiers, "staging never copied through copy_in_slices"
+    copiers = [ident for _, callers in gates for ident in callers]
+    assert all(callers for _, callers in gates), "a staging copy path was never taken"
     assert threading.get_ident() not in copiers
     assert torch.equal(_load_fresh(tmp_path / "ck")["w"], state["w"])
 
@@ -148,6 +152,32 @@ def test_saves_of_the_same_layout_reuse_one_staging_buffer(tmp_path, saver):
     state["extra"] = torch.ones(10)
     saver.save(state, tmp_path / "new_layout").upload_completion.result(60)
     assert saver._pool.allocations == 2
+
+
+def test_tensor_resized_before_staging_fails_the_save_naming_it(tmp_path, monkeypatch):
+    gate, entered = threading.Event(), threading.Event()
+    first: list[int] = []
+    real = saver_module.copy_to_address
+
+    def gated(address: int, src: torch.Tensor) -> bool:
+        if not first:
+            first.append(src.data_ptr())
+            entered.set()
+            assert gate.wait(GATE_TIMEOUT), "test gate never opened"
+        return real(address, src)
+
+    monkeypatch.setattr(saver_module, "copy_to_address", gated)
+    state = {"x": torch.ones(1000), "y": torch.ones(1000)}
+    response = ss.async_save(state, tmp_path / "ck")
+    assert entered.wait(GATE_TIMEOUT), "staging never started"
+    later = "y" if first[0] == state["x"].data_ptr() else "x"
+    state[later].resize_(10)  # against the rule: only after staging_completion
+    gate.set()
+    with pytest.raises(CheckpointError, match=f"'{later}' holds 40 bytes, its record .* 4000"):
+        response.staging_completion.result(60)
+    with pytest.raises(CheckpointError):
+        response.upload_completion.result(60)
+    assert not (tmp_path / "ck" / ".metadata").exists()
 
 
 def test_staging_budget_too_small_fails_clearly_and_commits_nothing(tmp_path):

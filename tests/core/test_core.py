@@ -102,3 +102,52 @@ def test_a_failure_fails_both_phases_but_keeps_a_finished_one():
     assert staged.result(0) is None
     with pytest.raises(ValueError):
         done.result(0)
+
+
+def test_watermark_wakes_waiter_at_its_mark_and_on_failure():
+    import threading
+
+    from slipstream.core.handles import Watermark
+    from slipstream.errors import PeerTimeoutError
+
+    mark = Watermark()
+    mark.advance(50)
+    with pytest.raises(PeerTimeoutError, match="the head"):
+        mark.wait_for(100, 0.05, "the head")
+    outcome: list[object] = []
+
+    def wait(level: int) -> None:
+        try:
+            mark.wait_for(level, 10.0, f"level {level}")
+            outcome.append(level)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, args=(100,))
+    waiter.start()
+    mark.advance(99)
+    mark.advance(100)  # exactly the mark
+    waiter.join(10.0)
+    assert outcome == [100]
+    failing = threading.Thread(target=wait, args=(1000,))
+    failing.start()
+    mark.advance(500)
+    boom = RuntimeError("staging failed")
+    mark.fail(boom)
+    failing.join(10.0)
+    assert outcome == [100, boom]
+
+
+def test_copy_to_address_copies_plain_tensors_only():
+    from slipstream.core.copy import copy_to_address
+
+    dest = torch.zeros(64, dtype=torch.uint8)
+    src = torch.arange(6, dtype=torch.float32)
+    assert copy_to_address(dest.data_ptr() + 8, src)
+    assert torch.equal(dest[8:32].view(torch.float32), src)
+    assert dest[:8].eq(0).all() and dest[32:].eq(0).all()
+    strided = torch.arange(12, dtype=torch.float32).view(3, 4).t()
+    assert not copy_to_address(dest.data_ptr(), strided)
+    lazy = torch.ones(2, dtype=torch.complex64).conj()
+    assert not copy_to_address(dest.data_ptr(), lazy)
+    assert dest[:8].eq(0).all()

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.flatten import Path, flatten
 from ..errors import CheckpointError
+from .shards import local_chunks
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if is_stateful(v) else v) for k, v in state_dict.items()}
 
 
+@torch.no_grad()  # DTensor.to_local then returns the local tensor without an autograd node
 def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
     flat, paths = flatten(resolve_stateful(state_dict))
     chunks: list[ChunkSpec] = []
@@ -127,13 +129,13 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
     for fqn, value in flat.items():
         if isinstance(value, DTensor):
             local = value.to_local()
-            for chunk in value.__create_chunk_list__():
+            for offsets, sizes in local_chunks(value, tuple(local.shape)):
                 spec = ChunkSpec(
                     fqn,
                     dtype_name(value.dtype),
                     tuple(value.shape),
-                    tuple(chunk.offsets),
-                    tuple(chunk.sizes),
+                    offsets,
+                    sizes,
                     replicated=False,
                 )
                 if tuple(local.shape) != spec.sizes:

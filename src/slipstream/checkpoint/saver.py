@@ -39,7 +39,7 @@ import torch
 from ..core import streams
 from ..core.buffers import PAGE_BYTES, StagingBudgetError, StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
-from ..core.copy import copy_in_slices
+from ..core.copy import copy_in_slices, copy_to_address
 from ..core.handles import Watermark, completed_future, fail_unfinished
 from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline, wait_future
@@ -341,15 +341,23 @@ class CheckpointSaver:
     def _copy_records(job: _Job, records: list, side, advance: bool) -> None:
         """Copy ``records`` into the staging buffer; with ``advance``, move the watermark
         past each one as it lands (only for a run that starts at the head of the file)."""
+        base = job.buffer.data_ptr()
         for rec in records:
             src = job.layout.tensors[rec.chunk.record_key]
-            dst = _data_view(job.buffer, rec.data_offset, rec.nbytes, rec.chunk)
-            if src.device.type == "cpu":
-                copy_in_slices(dst, src.detach())
-                if advance and side is None:
-                    job.progress.advance(rec.offset + rec.length)
-            else:
+            if src.numel() * src.element_size() != rec.nbytes:
+                raise CheckpointError(
+                    f"{rec.chunk.fqn!r} holds {src.numel() * src.element_size()} bytes, its "
+                    f"record in the plan {rec.nbytes}: the state changed after save() returned"
+                )
+            if src.device.type != "cpu":
+                dst = _data_view(job.buffer, rec.data_offset, rec.nbytes, rec.chunk)
                 dst.copy_(src.detach(), non_blocking=True)
+                continue
+            if not copy_to_address(base + rec.data_offset, src):
+                dst = _data_view(job.buffer, rec.data_offset, rec.nbytes, rec.chunk)
+                copy_in_slices(dst, src.detach())
+            if advance and side is None:
+                job.progress.advance(rec.offset + rec.length)
 
     def _upload(self, job: _Job) -> None:
         try:

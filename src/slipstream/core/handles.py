@@ -41,11 +41,15 @@ class Watermark:
         self._cv = threading.Condition()
         self._level = -1
         self._error: BaseException | None = None
+        self._awaited: list[int] = []
 
     def advance(self, level: int) -> None:
+        """Raise the level; wakes only consumers whose mark it passes (a producer advancing
+        after every small piece would otherwise wake every waiting thread each time)."""
         with self._cv:
             self._level = max(self._level, level)
-            self._cv.notify_all()
+            if any(mark <= self._level for mark in self._awaited):
+                self._cv.notify_all()
 
     def fail(self, exc: BaseException) -> None:
         with self._cv:
@@ -55,9 +59,13 @@ class Watermark:
     def wait_for(self, level: int, timeout: float | None, what: str) -> None:
         """Block until the watermark reaches ``level``; re-raise the producer's failure."""
         with self._cv:
-            reached = self._cv.wait_for(
-                lambda: self._level >= level or self._error is not None, timeout
-            )
+            self._awaited.append(level)
+            try:
+                reached = self._cv.wait_for(
+                    lambda: self._level >= level or self._error is not None, timeout
+                )
+            finally:
+                self._awaited.remove(level)
             if self._error is not None:
                 raise self._error
             if not reached:
