@@ -36,10 +36,15 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         raise ValueError(f"byte_view needs a CPU tensor, got one on {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError(f"byte_view needs a contiguous tensor, got strides {tensor.stride()}")
-    nbytes = tensor.numel() * tensor.element_size()
+    return memory_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable ``memoryview`` of ``nbytes`` of host memory at ``address``; the caller
+    keeps that memory alive while the view is in use."""
     if nbytes == 0:
         return memoryview(bytearray(0))
-    return _memory_view(tensor.data_ptr(), nbytes, _PYBUF_WRITE)
+    return _memory_view(address, nbytes, _PYBUF_WRITE)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.buffers import as_bytes, byte_view
+from ..core.buffers import as_bytes, byte_view, memory_at
 from ..core.checksum import checksum
-from ..core.copy import copy_in_slices
+from ..core.copy import copy_in_slices, copy_to_address
 from .plan import BucketPlan, Slice, align, payload_offsets
 
 try:
@@ -123,11 +123,14 @@ def pack_slices(
     sums: dict[int, int] = {}
     separate: dict[int, torch.Tensor] = {}
     cursor = 0
+    out_address = out.data_ptr() if out.device.type == "cpu" else None
     for k, s in enumerate(slices):
         pos = align(cursor)
         src = read(s)
         if sent_separately(s, separate_min):
             cs = slice_checksum(src)
+        elif out_address is not None and copy_to_address(out_address + pos, src):
+            cs = checksum(memory_at(out_address + pos, s.nbytes))
         else:
             dst = out[pos : pos + s.nbytes]
             copy_in_slices(dst, src)
