@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..core.buffers import as_bytes
-from ..core.copy import copy_in_slices
+from ..core.copy import copy_in_slices, copy_to_address
 from ..errors import SyncError
 from .plan import BucketPlan, Slice, TensorSpec
 
@@ -84,9 +84,12 @@ class ModuleTarget:
         return None if dest is None else dest[s.tensor_offset : s.tensor_offset + s.nbytes]
 
     def write(self, s: Slice, data: torch.Tensor) -> None:
-        dest = self.direct_view(s)
-        if dest is not None:
-            copy_in_slices(dest, data)
+        dest = self._dest.get(s.tensor)
+        if dest is None:
+            return
+        if dest.device.type == "cpu" and copy_to_address(dest.data_ptr() + s.tensor_offset, data):
+            return
+        copy_in_slices(dest[s.tensor_offset : s.tensor_offset + s.nbytes], data)
 
     def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
         return None
