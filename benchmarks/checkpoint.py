@@ -499,8 +499,89 @@ def reshard_times(opts: BenchOptions) -> dict[str, list[float]]:
 # Training-loop overhead of checkpointing every step (demo model, one thread)
 
 
+TRAIN_MODES = ["none", "ss.async_save", "dcp.async_save"]
+TWO_RANK_MODES = ["none", "ss.async_save"]
+
+
 def train_child(opts: BenchOptions) -> dict[str, list[float]]:
-    """Step times of the demo model with no checkpoint, ss.async_save, dcp.async_save.
+    """Step times of the demo model in this one process (one compute thread), with no
+    checkpoint, ss.async_save, dcp.async_save (see :func:`interleaved_steps`)."""
+    from slipstream.demo.model import ModelConfig, build_model
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig.tiny() if opts.quick else ModelConfig()
+    model = build_model(cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "optim": optim.state_dict()}
+
+    times = interleaved_steps(opts, cfg, model, optim, state, 0, TRAIN_MODES)
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(state()))
+    return {**times, "checkpoint_bytes": [float(nbytes)]}
+
+
+def train_ranks_child(rank: int, port: int, opts: BenchOptions, queue) -> None:
+    """One of the demo's two training ranks (slipstream FSDP over gloo, one compute thread
+    each, so with 2 cores no core is spare), running :func:`interleaved_steps`; rank 0
+    puts the step times on ``queue``. No dcp.async_save here: DCP's stager deep-copies each
+    DTensor, and in torch 2.13 that fails for one whose local tensor starts past offset 0
+    of its storage, as the shards of slipstream's flat parameter buffers do
+    ("Attempted to call copy_() on an invalid python storage")."""
+    import torch.distributed as dist
+
+    from slipstream.demo.model import ModelConfig, build_model
+    from slipstream.demo.train import TrainState, join_training_group, shard_model
+
+    join_training_group(rank, 2, port)
+    try:
+        cfg = ModelConfig.tiny() if opts.quick else ModelConfig()
+        model = build_model(cfg, seed=0)
+        shard_model(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        train = TrainState(model, optim)
+
+        def state() -> dict:
+            return {"train": train}
+
+        times = interleaved_steps(opts, cfg, model, optim, state, rank, TWO_RANK_MODES)
+        dist.barrier()
+        if rank == 0:
+            queue.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def train_ranks(opts: BenchOptions) -> dict[str, list[float]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=train_ranks_child, args=(r, port, opts, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return queue.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+def interleaved_steps(
+    opts: BenchOptions,
+    cfg,
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    state: Callable[[], dict],
+    rank: int,
+    modes: list[str],
+) -> dict[str, list[float]]:
+    """Step times of ``model`` in each of ``modes`` (of ``TRAIN_MODES``): no checkpoint,
+    ss.async_save or dcp.async_save of ``state()`` every step.
 
     Each step: forward + backward, wait for the previous save's staging, optimizer step,
     then start this step's save. DCP gets the same one-save-in-flight rule slipstream
@@ -515,28 +596,22 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     import torch.distributed.checkpoint as dcp
 
     import slipstream as ss
-    from slipstream.demo.model import ModelConfig, batch, build_model
+    from slipstream.demo.model import batch
 
-    torch.set_num_threads(1)
-    cfg = ModelConfig.tiny() if opts.quick else ModelConfig()
-    model = build_model(cfg)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     workdir = Path(opts.workdir) / "train"
-    modes = ["none", "ss.async_save", "dcp.async_save"]
     kinds = ("", "/cpu", "/stall")
     times: dict[str, list[float]] = {m + k: [] for m in modes for k in kinds}
     pending: dict[str, Any] = {}
     step = 0
 
     def save(mode: str) -> Any:
-        state = {"model": model.state_dict(), "optim": optim.state_dict()}
         path = workdir / mode / str(step % 2)
         if mode == "ss.async_save":
-            return ss.async_save(state, checkpoint_id=path)
+            return ss.async_save(state(), checkpoint_id=path)
         previous = pending.get(mode)
         if previous is not None:
             previous.result(600)
-        return dcp.async_save(state, checkpoint_id=str(path))
+        return dcp.async_save(state(), checkpoint_id=str(path))
 
     def staged(mode: str) -> None:
         fut = pending.get(mode)
@@ -552,7 +627,7 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
         for mode in modes:
             for i in range(opts.train_steps):
                 start, cpu_start = time.perf_counter(), time.thread_time()
-                loss = model.loss(batch(step, 0, opts.train_batch, cfg))
+                loss = model.loss(batch(step, rank, opts.train_batch, cfg))
                 loss.backward()
                 stall_start = time.perf_counter()
                 staged(mode)
@@ -569,9 +644,7 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
                     times[mode + "/cpu"].append(time.thread_time() - cpu_start)
                     times[mode + "/stall"].append(stall)
             durable(mode)
-    sd = {"model": model.state_dict(), "optim": optim.state_dict()}
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
-    return {**times, "checkpoint_bytes": [float(nbytes)]}
+    return times
 
 
 def train_rounds(opts: BenchOptions) -> int:
@@ -819,16 +892,21 @@ def train_environments() -> dict[str, dict[str, str] | None]:
     return envs
 
 
+TWO_RANKS = "2 ranks, FSDP, one core each (the demo)"
+
+
 def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
     """Per-mode step times, and the overhead of each mode as the median over rounds of its
     median step against the no-checkpoint block of the same round (the host's drift between
-    rounds cancels; each round runs the three modes back to back), in each of
-    :func:`train_environments`."""
+    rounds cancels; each round runs the three modes back to back): in one process, in each
+    of :func:`train_environments`, and on the demo's two FSDP ranks."""
     per_round = opts.train_steps - 1
     rounds = train_rounds(opts)
     rows = []
-    for label, env in train_environments().items():
-        got = child_json("train", opts, env)
+    runs = {label: child_json("train", opts, env) for label, env in train_environments().items()}
+    mb = runs["default"]["checkpoint_bytes"][0] / 1e6
+    runs[TWO_RANKS] = train_ranks(opts)
+    for label, got in runs.items():
 
         def round_medians(mode: str, got: dict = got) -> list[float]:
             steps = got[mode]
@@ -836,7 +914,7 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
 
         base = round_medians("none")
         overheads = {}
-        for mode in ("none", "ss.async_save", "dcp.async_save"):
+        for mode in [m for m in TRAIN_MODES if m in got]:
             paired = [m / b for m, b in zip(round_medians(mode), base, strict=True)]
             overheads[mode] = 100 * (median(paired) - 1)
             cpu, stall = median(got[mode + "/cpu"]), 1000 * median(got[mode + "/stall"])
@@ -847,14 +925,14 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
             row = [label, mode, median(got[mode]), overheads[mode], cpu, stall, len(got[mode])]
             rows.append(row)
         extra.setdefault("train", {})[label] = overheads
-        mb = got["checkpoint_bytes"][0] / 1e6
     result.tables.append(
         Table(
             f"Checkpoint every step, demo model ({mb:.0f} MB with AdamW state, batch "
             f"{opts.train_batch}, torch.set_num_threads(1)): {rounds} rounds of interleaved "
             f"blocks of {opts.train_steps} steps per mode; step s and CPU are medians over "
             "the counted steps, overhead the median over rounds of the step time against "
-            "the same round's no-checkpoint block",
+            f"the same round's no-checkpoint block. '{TWO_RANKS}': the state is sharded "
+            "over two processes that share the host's cores, each saving its half",
             [
                 "environment",
                 "checkpointing",
