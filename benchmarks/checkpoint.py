@@ -42,12 +42,6 @@ from common import (  # noqa: E402
     median,
 )
 
-from slipstream.core.copy import (  # noqa: E402
-    NON_TEMPORAL_THRESHOLD,
-    NON_TEMPORAL_TUNABLE,
-    with_non_temporal_copies,
-)
-
 MIB = 2**20
 GIB = 2**30
 COLUMNS = 256
@@ -649,8 +643,9 @@ def interleaved_steps(
 
 def train_rounds(opts: BenchOptions) -> int:
     """Rounds of the training-loop measurement: steps of about a second each make few
-    samples per round, so it runs four times the repetitions."""
-    return 4 * opts.repeats
+    samples per round, and a round's ratio moves by several percent on a noisy host, so it
+    runs six times the repetitions."""
+    return 6 * opts.repeats
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -663,9 +658,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def child_json(spec: str, opts: BenchOptions, env: dict[str, str] | None = None) -> dict:
+def child_json(spec: str, opts: BenchOptions) -> dict:
     cmd = [sys.executable, __file__, "--child", spec, "--options", json.dumps(asdict(opts))]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"child {spec} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -879,33 +874,20 @@ def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
     )
 
 
-NON_TEMPORAL = "non-temporal staging copies"
-
-
-def train_environments() -> dict[str, dict[str, str] | None]:
-    """The environments the training loop runs in: as given, and (on x86 Linux, unless
-    given already) with the glibc setting docs/checkpoint.md recommends for training jobs."""
-    envs: dict[str, dict[str, str] | None] = {"default": None}
-    tuned = with_non_temporal_copies(os.environ)
-    if tuned != dict(os.environ):
-        envs[NON_TEMPORAL] = tuned
-    return envs
-
-
+ONE_PROCESS = "one process, a core to spare"
 TWO_RANKS = "2 ranks, FSDP, one core each (the demo)"
 
 
 def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
     """Per-mode step times, and the overhead of each mode as the median over rounds of its
     median step against the no-checkpoint block of the same round (the host's drift between
-    rounds cancels; each round runs the three modes back to back): in one process, in each
-    of :func:`train_environments`, and on the demo's two FSDP ranks."""
+    rounds cancels; each round runs the modes back to back): in one process with a core to
+    spare, and on the demo's two FSDP ranks, which share the host's two cores."""
     per_round = opts.train_steps - 1
     rounds = train_rounds(opts)
     rows = []
-    runs = {label: child_json("train", opts, env) for label, env in train_environments().items()}
-    mb = runs["default"]["checkpoint_bytes"][0] / 1e6
-    runs[TWO_RANKS] = train_ranks(opts)
+    runs = {ONE_PROCESS: child_json("train", opts), TWO_RANKS: train_ranks(opts)}
+    mb = runs[ONE_PROCESS]["checkpoint_bytes"][0] / 1e6
     for label, got in runs.items():
 
         def round_medians(mode: str, got: dict = got) -> list[float]:
@@ -932,7 +914,8 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
             f"blocks of {opts.train_steps} steps per mode; step s and CPU are medians over "
             "the counted steps, overhead the median over rounds of the step time against "
             f"the same round's no-checkpoint block. '{TWO_RANKS}': the state is sharded "
-            "over two processes that share the host's cores, each saving its half",
+            "over two processes that share the host's two cores, each saving its half (no "
+            "dcp.async_save row: see docs/fsdp.md)",
             [
                 "environment",
                 "checkpointing",
@@ -1082,16 +1065,6 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
             f"ss.async_save every step, which stalled the loop {ss_['stall']:.1f} ms per step "
             "(the save call plus the wait for staging). Wall time beyond that is time the "
             "machine's other runnable threads took from the training thread."
-        )
-    if NON_TEMPORAL in extra.get("train", {}):
-        notes.append(
-            f"'{NON_TEMPORAL}': the training process starts with GLIBC_TUNABLES="
-            f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}, the setting docs/checkpoint.md "
-            "recommends and the demo uses. glibc's memmove then writes copies of 4 MiB and up "
-            "with non-temporal stores, so the staging copy no longer reads every line it "
-            "writes into the cache it shares with the training thread. DCP stages through "
-            "Tensor.copy_'s vectorized loops rather than memmove, so the setting leaves its "
-            "copy as it was."
         )
     return notes
 

@@ -48,19 +48,3 @@ def test_dtype_conversion_falls_back_to_copy_(small_slices):
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="shape mismatch"):
         copy_in_slices(torch.empty(3), torch.empty(4))
-
-
-def test_non_temporal_setting_extends_glibc_tunables_once_and_only_on_x86_linux(monkeypatch):
-    setting = f"{copy_mod.NON_TEMPORAL_TUNABLE}=0x400000"
-    monkeypatch.setattr(copy_mod.sys, "platform", "linux")
-    monkeypatch.setattr(copy_mod, "X86_CPU", True)
-    assert copy_mod.with_non_temporal_copies({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": setting}
-    other = "glibc.malloc.arena_max=2"
-    got = copy_mod.with_non_temporal_copies({"GLIBC_TUNABLES": other})
-    assert got["GLIBC_TUNABLES"] == f"{other}:{setting}"
-    # the user's own threshold wins, and applying it twice changes nothing
-    mine = {"GLIBC_TUNABLES": f"{copy_mod.NON_TEMPORAL_TUNABLE}=0x100000"}
-    assert copy_mod.with_non_temporal_copies(mine) == mine
-    assert copy_mod.with_non_temporal_copies(got) == got
-    monkeypatch.setattr(copy_mod, "X86_CPU", False)  # e.g. an ARM host
-    assert copy_mod.with_non_temporal_copies({"A": "1"}) == {"A": "1"}

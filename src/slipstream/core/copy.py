@@ -12,36 +12,10 @@ included, and stall behind whichever core is busy. Any other pair goes through
 from __future__ import annotations
 
 import ctypes
-import sys
-from collections.abc import Mapping
 
 import torch
 
-from .threads import X86_CPU
-
 SLICE_BYTES = 32 * 1024 * 1024
-
-#: glibc's ``memmove`` switches to non-temporal stores only for copies above
-#: ``x86_non_temporal_threshold`` (by default 3/4 of the shared cache: 192 MiB on the
-#: development host). Below it, every line a staging copy writes is first read into the
-#: cache and then evicted, traffic the training thread feels; with 4 MiB the staging copy
-#: streams past the caches. glibc reads the setting once, at process start, so it must be
-#: in the environment a training process is started with.
-NON_TEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
-NON_TEMPORAL_THRESHOLD = 4 * 1024 * 1024
-
-
-def with_non_temporal_copies(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with ``GLIBC_TUNABLES`` extended so that the ``memmove`` of staging copies of
-    ``NON_TEMPORAL_THRESHOLD`` bytes and up uses non-temporal stores, for a process started
-    with it. Unchanged off x86 Linux, or where the threshold is set already."""
-    out = dict(env)
-    current = out.get("GLIBC_TUNABLES", "")
-    if not (sys.platform.startswith("linux") and X86_CPU) or NON_TEMPORAL_TUNABLE in current:
-        return out
-    setting = f"{NON_TEMPORAL_TUNABLE}={NON_TEMPORAL_THRESHOLD:#x}"
-    out["GLIBC_TUNABLES"] = f"{current}:{setting}" if current else setting
-    return out
 
 
 def _memmove_compatible(dst: torch.Tensor, src: torch.Tensor) -> bool:

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Checkpointer
-from ..core.copy import with_non_temporal_copies
 from .model import ModelConfig
 from .rollout import RlPhase, read_generated, rollout, trainer
 from .train import Phase, StepRecord, read_records, run
@@ -112,12 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
     cfg = ModelConfig.tiny() if args.tiny else ModelConfig()
     common = dict(out_dir=str(out), steps=args.steps, model=cfg, batch_size=args.batch_size)
-    # every phase's processes start with the glibc setting that makes the staging copy
-    # stream past the caches (see docs/checkpoint.md, "Tuning")
-    tuned = with_non_temporal_copies(os.environ)
-    if tuned != dict(os.environ):
-        os.environ.update(tuned)
-        print(f"training processes start with GLIBC_TUNABLES={tuned['GLIBC_TUNABLES']}")
 
     print(f"== 1/4 reference: {args.steps} steps on {WORLD_SIZE} processes, no checkpoints")
     launch(Phase("reference", **common))
@@ -143,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     if (os.cpu_count() or 1) <= WORLD_SIZE:
         print(
             f"  (this host has {os.cpu_count()} cores for {WORLD_SIZE} training processes, so the "
-            "saver's copies and writes take CPU from training; on a host with a spare core, "
-            "benchmarks/checkpoint.py measures the per-step cost)"
+            "saver's copies and writes take CPU from training; these phases also run one after "
+            "the other, so host drift shows here too: benchmarks/checkpoint.py measures the "
+            "per-step cost in interleaved rounds, on this setup and with a spare core)"
         )
 
     for rank in range(WORLD_SIZE):
