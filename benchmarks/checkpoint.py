@@ -466,27 +466,26 @@ def reshard_rank(rank: int, world: int, port: int, opts: BenchOptions, queue) ->
         dist.destroy_process_group()
 
 
-def reshard_times(opts: BenchOptions) -> dict[str, list[float]]:
+def spawn_ranks(target: Callable, world: int, opts: BenchOptions, timeout: float) -> Any:
+    """Run ``target(rank, world, port, opts, queue)`` in ``world`` spawned processes joined
+    over gloo on a free port; return what rank 0 puts on the queue (within ``timeout``
+    seconds). Every process is joined, and killed if it does not exit."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=reshard_rank, args=(r, opts.reshard_ranks, port, opts, queue))
-        for r in range(opts.reshard_ranks)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, port, opts, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        times = queue.get(timeout=900)
+        return queue.get(timeout=timeout)
     finally:
         for p in procs:
             p.join(timeout=120)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
-    return times
 
 
 # ---------------------------------------------------------------------------------------
@@ -515,7 +514,7 @@ def train_child(opts: BenchOptions) -> dict[str, list[float]]:
     return {**times, "checkpoint_bytes": [float(nbytes)]}
 
 
-def train_ranks_child(rank: int, port: int, opts: BenchOptions, queue) -> None:
+def train_ranks_child(rank: int, world: int, port: int, opts: BenchOptions, queue) -> None:
     """One of the demo's two training ranks (slipstream FSDP over gloo, one compute thread
     each, so with 2 cores no core is spare), running :func:`interleaved_steps`; rank 0
     puts the step times on ``queue``. No dcp.async_save here: DCP's stager deep-copies each
@@ -527,7 +526,7 @@ def train_ranks_child(rank: int, port: int, opts: BenchOptions, queue) -> None:
     from slipstream.demo.model import ModelConfig, build_model
     from slipstream.demo.train import TrainState, join_training_group, shard_model
 
-    join_training_group(rank, 2, port)
+    join_training_group(rank, world, port)
     try:
         cfg = ModelConfig.tiny() if opts.quick else ModelConfig()
         model = build_model(cfg, seed=0)
@@ -544,25 +543,6 @@ def train_ranks_child(rank: int, port: int, opts: BenchOptions, queue) -> None:
             queue.put(times)
     finally:
         dist.destroy_process_group()
-
-
-def train_ranks(opts: BenchOptions) -> dict[str, list[float]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=train_ranks_child, args=(r, port, opts, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return queue.get(timeout=1800)
-    finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
 
 
 def interleaved_steps(
@@ -860,7 +840,7 @@ def record_floors(result: Result, saves: dict, loads: dict, refs: dict, extra: d
 
 
 def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
-    times = reshard_times(opts)
+    times = spawn_ranks(reshard_rank, opts.reshard_ranks, opts, 900)
     med = {k: median(v) for k, v in times.items()}
     extra["reshard"] = med
     result.tables.append(
@@ -886,7 +866,10 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
     per_round = opts.train_steps - 1
     rounds = train_rounds(opts)
     rows = []
-    runs = {ONE_PROCESS: child_json("train", opts), TWO_RANKS: train_ranks(opts)}
+    runs = {
+        ONE_PROCESS: child_json("train", opts),
+        TWO_RANKS: spawn_ranks(train_ranks_child, 2, opts, 1800),
+    }
     mb = runs[ONE_PROCESS]["checkpoint_bytes"][0] / 1e6
     for label, got in runs.items():
 
