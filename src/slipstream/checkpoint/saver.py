@@ -349,14 +349,14 @@ class CheckpointSaver:
                     f"{rec.chunk.fqn!r} holds {src.numel() * src.element_size()} bytes, its "
                     f"record in the plan {rec.nbytes}: the state changed after save() returned"
                 )
-            if src.device.type != "cpu":
-                dst = _data_view(job.buffer, rec.data_offset, rec.nbytes, rec.chunk)
-                dst.copy_(src.detach(), non_blocking=True)
-                continue
+            on_host = src.device.type == "cpu"
             if not copy_to_address(base + rec.data_offset, src):
                 dst = _data_view(job.buffer, rec.data_offset, rec.nbytes, rec.chunk)
-                copy_in_slices(dst, src.detach())
-            if advance and side is None:
+                if on_host:
+                    copy_in_slices(dst, src.detach())
+                else:
+                    dst.copy_(src.detach(), non_blocking=True)
+            if on_host and advance and side is None:
                 job.progress.advance(rec.offset + rec.length)
 
     def _upload(self, job: _Job) -> None:

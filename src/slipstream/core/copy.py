@@ -18,14 +18,14 @@ import torch
 SLICE_BYTES = 32 * 1024 * 1024
 
 
-def _memmove_compatible(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def _plain_host_destination(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst`` takes ``src``'s bytes as they are: contiguous host memory of the
+    same dtype, no lazy conjugation or negation (``copy_to_address`` checks ``src``)."""
     return (
         dst.device.type == "cpu"
-        and src.device.type == "cpu"
         and dst.dtype == src.dtype
         and dst.is_contiguous()
-        and src.is_contiguous()
-        and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg())
+        and not (dst.is_conj() or dst.is_neg())
     )
 
 
@@ -51,8 +51,11 @@ def copy_in_slices(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = Fa
     """``dst.copy_(src)`` for same-shape tensors, in slices along the flattened data."""
     if dst.shape != src.shape:
         raise ValueError(f"copy shape mismatch: {tuple(dst.shape)} vs {tuple(src.shape)}")
-    if not non_blocking and _memmove_compatible(dst, src):
-        _memmove_in_slices(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    if (
+        not non_blocking
+        and _plain_host_destination(dst, src)
+        and copy_to_address(dst.data_ptr(), src)
+    ):
         return
     if non_blocking or not (dst.is_contiguous() and src.is_contiguous()):
         dst.copy_(src, non_blocking=non_blocking)

@@ -104,11 +104,13 @@ def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _wait(work: dist.Work, timeout: float, what: str) -> None:
+def _wait(work: dist.Work, timeout: float, what: str, why: Callable[[], str] | None = None) -> None:
+    """Wait for ``work``; on failure raise naming ``what`` and, when given, ``why()``."""
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as exc:
-        raise SyncError(f"{what} failed or timed out after {timeout:.1f} s: {exc}") from exc
+        note = f" ({why()})" if why is not None else ""
+        raise SyncError(f"{what} failed or timed out after {timeout:.1f} s{note}: {exc}") from exc
 
 
 class BroadcastSender:
@@ -143,6 +145,10 @@ class BroadcastSender:
         self._count = 0
         self.bytes_sent = 0
 
+    def _who_exited(self) -> str:
+        gone = self.exited()
+        return f"rollout rank(s) {gone} exited" if gone else "no rollout here exited"
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of the slots allocated so far (a slot is allocated when first packed into:
@@ -151,16 +157,9 @@ class BroadcastSender:
         return len(self._slots) * self.bucket_bytes + headers
 
     def _drain(self, slot: int) -> None:
+        what = f"trainer rank {self.rank} broadcasting a bucket to rollout rank(s) {self.peers}"
         for work in self._works[slot]:
-            try:
-                work.wait(timedelta(seconds=self.timeout))
-            except RuntimeError as exc:
-                gone = self.exited()
-                why = f"rollout rank(s) {gone} exited" if gone else "no rollout here exited"
-                raise SyncError(
-                    f"trainer rank {self.rank} broadcasting a bucket to rollout rank(s) "
-                    f"{self.peers} failed or timed out after {self.timeout:.1f} s ({why}): {exc}"
-                ) from exc
+            _wait(work, self.timeout, what, self._who_exited)
         self._works[slot] = []
         self._sending[slot] = ()
 
