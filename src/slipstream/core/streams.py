@@ -50,12 +50,6 @@ def wait_event(stream: torch.Stream | None, event: torch.Event | None) -> None:
         stream.wait_event(event)
 
 
-def synchronize_event(event: torch.Event | None) -> None:
-    """Block the calling thread until ``event`` has fired (no-op on CPU)."""
-    if event is not None:
-        event.synchronize()
-
-
 def on_stream(stream: torch.Stream | None) -> AbstractContextManager:
     """Context in which queued work goes to ``stream`` (a no-op context on CPU)."""
     if stream is None:

@@ -16,8 +16,10 @@ Invariants:
 - compute on a unit waits for its all-gather (and copy-out) to complete;
 - at most one all-gather is in flight (the gather staging is reused), at most two
   reduce-scatters (double-buffered reduce staging);
-- a unit's unsharded storage is released only after its consumer event has fired and only
-  when a later gather needs room, so at most ``release_delay`` non-root units are unsharded;
+- a unit's unsharded storage is released only when a later gather needs room, so at most
+  ``release_delay`` non-root units are unsharded. It is allocated on the compute stream and
+  read only there, so the host frees it without waiting for the device: the caching
+  allocator hands that memory out again only to work queued behind its last reader;
 - before the optimizer can run (end of backward) every reduce-scatter has been waited on and
   every unit resharded;
 - every wait has a timeout.
@@ -38,13 +40,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.streams import current_stream, new_stream, on_stream, record_event, synchronize_event
+from ..core.streams import current_stream, new_stream, on_stream, record_event
 from ..errors import FsdpError, PeerTimeoutError
 
 if TYPE_CHECKING:
     from torch import nn
 
     from .unit import FsdpUnit
+
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn there); older torch
+# releases, which pyproject admits, have only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -265,7 +273,7 @@ class FsdpContext:
             device=self.device,
         )
         every = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
-        dist.all_gather_single(every, mine, group=self.group)
+        _all_gather(every, mine, group=self.group)
         if bool((every.view(-1, 2) == mine).all()):
             return
         prints: list = [None] * self.world_size
@@ -323,8 +331,6 @@ class FsdpContext:
         return self._live_children() + 1 <= self.release_delay
 
     def _release(self, unit: FsdpUnit) -> None:
-        synchronize_event(unit.consumer_event)
-        unit.consumer_event = None
         if unit.is_unsharded():
             unit.release()
             self.stats.release_count += 1
@@ -343,7 +349,7 @@ class FsdpContext:
                     send_staging if buf.compute_dtype != buf.layout.dtype else None
                 )
                 out = self._staging[("gather", gi, buf.compute_dtype)][: buf.layout.gathered_numel]
-                work = dist.all_gather_single(out, send, group=self.group, async_op=True)
+                work = _all_gather(out, send, group=self.group, async_op=True)
                 works.append(work)
                 timers.append(_Timer(work))
                 outputs.append(out)
@@ -421,7 +427,7 @@ class FsdpContext:
         index = _PHASE_END if unit is None else unit.index
         mine = torch.tensor([code, position, index], dtype=torch.int64, device=self.device)
         every = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.device)
-        dist.all_gather_single(every, mine, group=self.group)
+        _all_gather(every, mine, group=self.group)
         rows = every.view(-1, 3).tolist()
         for rank, (c, pos, idx) in enumerate(rows):
             if (c, pos, idx) != (code, position, index):
@@ -492,7 +498,6 @@ class FsdpContext:
             if not any(u.ran_forward for u in self.units):
                 self._end_iteration(backward_ran=False)
             return
-        unit.consumer_event = record_event(current_stream(self.device))
         self._delay_queue.append(unit)
 
     # -- backward -------------------------------------------------------------------------
@@ -518,7 +523,6 @@ class FsdpContext:
         if unit is not self._root:
             if unit in self._backward_open:
                 self._backward_open.remove(unit)
-            unit.consumer_event = record_event(current_stream(self.device))
             self._delay_queue.append(unit)
 
     def _reduce(self, unit: FsdpUnit) -> None:
@@ -542,7 +546,7 @@ class FsdpContext:
             with on_stream(self.comm_stream):
                 if self.comm_stream is not None:
                     self.comm_stream.wait_event(record_event(current_stream(self.device)))
-                work = dist.reduce_scatter_single(
+                work = _reduce_scatter(
                     out, reduce_in, op=dist.ReduceOp.AVG, group=self.group, async_op=True
                 )
             self._reduces.append(_Reduce(unit, gi, work, _Timer(work), out, accumulate))

@@ -67,7 +67,6 @@ class FsdpUnit:
         self.grads_seen = 0
         self.ran_forward = False
         self.reduced = False
-        self.consumer_event: torch.Event | None = None
         self._shard(self._own_parameters())
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
@@ -204,7 +203,6 @@ class FsdpUnit:
         self.grads_seen = 0
         self.ran_forward = False
         self.reduced = False
-        self.consumer_event = None
 
     # -- hooks ----------------------------------------------------------------------------
 
