@@ -33,11 +33,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..core.buffers import byte_view
+from ..core import streams
+from ..core.buffers import as_bytes, byte_view
 from ..core.checksum import checksum
 from ..core.flatten import flatten, set_path
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
+from . import bounce
 from .commit import INDEX_FILE, METADATA_FILE
 from .files import pread_bytes, pread_into
 from .layout import is_stateful, resolve_stateful
@@ -68,7 +70,10 @@ class _Read:
     key: str
     start: int
     end: int
-    out: memoryview
+    out: memoryview | None
+    device_out: torch.Tensor | None = None
+    """For a destination on an accelerator: its bytes as a flat ``uint8`` device tensor,
+    filled through a pinned buffer (``out`` is then ``None``)."""
 
 
 class CheckpointReader:
@@ -228,15 +233,10 @@ def _row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
 def _raw_bytes_are_values(tensor: torch.Tensor) -> bool:
     """True when writing the saved bytes into ``tensor``'s memory sets its values.
 
-    That takes a contiguous CPU tensor without a lazy conjugate or negative bit (a view
-    such as ``x.conj()`` reads its memory through that bit, so it is filled with ``copy_``).
+    That takes a contiguous tensor without a lazy conjugate or negative bit (a view such as
+    ``x.conj()`` reads its memory through that bit, so it is filled with ``copy_``).
     """
-    return (
-        tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 def _target_chunks(
@@ -333,11 +333,16 @@ def _plan_reads(
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
             if count == _numel(extent) and _raw_bytes_are_values(dest_view):
-                out = byte_view(dest_view)
-                for piece in range(start, end, READ_PIECE_BYTES):
-                    piece_end = min(end, piece + READ_PIECE_BYTES)
+                on_host = dest_view.device.type == "cpu"
+                out = byte_view(dest_view) if on_host else as_bytes(dest_view)
+                step = READ_PIECE_BYTES if on_host else bounce.SLOT_BYTES
+                for piece in range(start, end, step):
+                    piece_end = min(end, piece + step)
+                    part = out[piece - start : piece_end - start]
                     reads.append(
-                        _Read(src, fqn, piece, piece_end, out[piece - start : piece_end - start])
+                        _Read(src, fqn, piece, piece_end, part)
+                        if on_host
+                        else _Read(src, fqn, piece, piece_end, None, part)
                     )
             else:
                 scratch = torch.empty(count, dtype=dtype)
@@ -386,6 +391,19 @@ def _read_partial_block(reader: CheckpointReader, job: _Read, i: int) -> None:
     out[lo - a : hi - a] = whole[lo - bs : hi - bs]
 
 
+def _read(reader: CheckpointReader, job: _Read, device_ready: dict[torch.device, Any]) -> None:
+    """Carry out one read: straight into host memory, or through a pinned buffer."""
+    if job.device_out is None:
+        _read_verified(reader, job)
+        return
+
+    def into(view: memoryview) -> None:
+        job.out = view
+        _read_verified(reader, job)
+
+    bounce.read_to_device(into, job.device_out, device_ready[job.device_out.device])
+
+
 def _read_verified(reader: CheckpointReader, job: _Read) -> None:
     """Read ``job``'s bytes into its destination, verifying every block they touch.
 
@@ -409,6 +427,12 @@ def _read_verified(reader: CheckpointReader, job: _Read) -> None:
         piece = out[bs - a : be - a]
         pread_into(fd, piece, src.data_offset + bs, path)
         _check_block(job, i, checksum(piece), path)
+
+
+def _caller_events(reads: list[_Read]) -> dict[torch.device, Any]:
+    """Per device the reads go to, an event at the tail of the caller's stream there."""
+    devices = {r.device_out.device for r in reads if r.device_out is not None}
+    return {d: streams.record_event(streams.current_stream(d)) for d in devices}
 
 
 def load(
@@ -443,8 +467,9 @@ def load(
             else:
                 values[fqn] = reader.read_value(fqn)
         reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
+        device_ready = _caller_events(reads)
         with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
-            for fut in [pool.submit(_read_verified, reader, r) for r in reads]:
+            for fut in [pool.submit(_read, reader, r, device_ready) for r in reads]:
                 fut.result()
         nbytes = sum(r.end - r.start for r in reads)
         for dest_view, src, fallback in copies:
