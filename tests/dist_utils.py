@@ -42,14 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, port, backend, fn, args, errors):
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
 
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -79,13 +79,16 @@ def start_and_join(procs: list, timeout: float) -> list[int]:
     return hung
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; raise on failure."""
+def run_workers(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes joined by a ``backend``
+    group (gloo unless a test needs NCCL); raise on failure."""
     ctx = worker_context()
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors), daemon=True)
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, backend, fn, args, errors), daemon=True
+        )
         for r in range(world_size)
     ]
     hung = start_and_join(procs, timeout)

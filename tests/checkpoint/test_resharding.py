@@ -255,7 +255,8 @@ def _trained_model(rank_count: int) -> tuple[torch.nn.Module, torch.optim.Optimi
     if rank_count > 1:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model)
+        # on CPU also where a GPU is present: the reference step runs on CPU
+        fully_shard(model, mesh=init_device_mesh("cpu", (rank_count,)))
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 8)).sum().backward()
     optim.step()

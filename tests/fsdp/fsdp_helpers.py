@@ -32,9 +32,12 @@ def shard(
     nested: bool = False,
     mp: MixedPrecision | None = None,
     overlap_reduce_scatter: bool = True,
+    device: torch.device | str = "cpu",
 ) -> FsdpContext:
     """Blocks (and, if ``nested``, each block's MLP up-projection inside them), then the root."""
-    ctx = FsdpContext(release_delay=release_delay, overlap_reduce_scatter=overlap_reduce_scatter)
+    ctx = FsdpContext(
+        release_delay=release_delay, overlap_reduce_scatter=overlap_reduce_scatter, device=device
+    )
     for block in model.blocks:
         if nested:
             fully_shard(block.up, context=ctx)
@@ -63,6 +66,7 @@ def reference_step(
     world_size: int,
     micro_batches: int = 1,
     compute_dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
 ) -> None:
     """One data-parallel step on one process: every rank's batches, gradients averaged.
 
@@ -77,7 +81,7 @@ def reference_step(
         for r in range(world_size):
             work = ref if compute_dtype is None else copy.deepcopy(ref).to(compute_dtype)
             work.zero_grad()
-            work.loss(data(step * micro_batches + micro, r)).backward()
+            work.loss(data(step * micro_batches + micro, r).to(device)).backward()
             for n, p in work.named_parameters():
                 if p.requires_grad and p.grad is not None:
                     averaged[n] += p.grad.float()
