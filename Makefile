@@ -33,7 +33,8 @@ bench: setup
 
 report: setup
 	$(BIN)/python benchmarks/report.py benchmarks/results/checkpoint.json \
-		benchmarks/results/sync.json benchmarks/results/fsdp.json --out BENCHMARKS.md
+		benchmarks/results/sync.json benchmarks/results/fsdp.json benchmarks/results/gpu.json \
+		--out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -209,6 +209,28 @@ class Stamp:
         return self.at
 
 
+def default_stager(stager, state: dict):
+    """DCP's ``DefaultStager`` for the next save of ``state``: ``stager`` again (its pinned
+    buffers are kept between saves), or a new one where there is none or it was closed.
+
+    The options are DefaultStager()'s all-True ones less those that do not apply: on CPU the
+    two that need an accelerator; on a GPU shared memory, which serves the process-based
+    upload executor (this is the thread-based one). torch 2.11's ``async_save`` closes the
+    stager it is given once the upload ends, and a closed stager fails its next save
+    ("KeyError: <class 'type'>"): its copy table is emptied (a private field, read here).
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    if stager is not None and stager._state_dict_stager._deepcopy_dispatch:
+        return stager
+    on_device = any(t.is_cuda for t in state.values() if torch.is_tensor(t))
+    return DefaultStager(
+        StagingOptions(use_shared_memory=False)
+        if on_device
+        else StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)
+    )
+
+
 class SavePeers:
     """One object per benchmark run, so per-peer state (stagers, savers) persists."""
 
@@ -259,12 +281,8 @@ class SavePeers:
 
     def _dcp_async_save_DefaultStager(self, path: Path) -> dict[str, float]:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self._stager is None:
-            # DefaultStager()'s all-True options, less the two that need an accelerator.
-            cpu_defaults = StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)
-            self._stager = DefaultStager(cpu_defaults)
+        self._stager = default_stager(self._stager, self.state)
         start = time.perf_counter()
         resp = dcp.async_save(self.state, checkpoint_id=str(path), async_stager=self._stager)
         blocked = time.perf_counter() - start
