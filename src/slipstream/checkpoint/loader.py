@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -398,8 +398,7 @@ def _read(reader: CheckpointReader, job: _Read, device_ready: dict[torch.device,
         return
 
     def into(view: memoryview) -> None:
-        job.out = view
-        _read_verified(reader, job)
+        _read_verified(reader, replace(job, out=view))
 
     bounce.read_to_device(into, job.device_out, device_ready[job.device_out.device])
 
