@@ -104,3 +104,13 @@ def test_load_lands_after_writes_queued_on_the_destination(tmp_path):
             v.fill_(5)  # queued behind the spin, before the load
     ss.load(got, checkpoint_id=tmp_path / "ck")
     _assert_same(got, state)
+
+
+def test_pinned_staging_buffers_are_page_aligned_at_any_size():
+    from slipstream.core.buffers import PAGE_BYTES, allocate_host
+
+    for nbytes in (1 << 24, (1 << 24) + 12345):  # a power of two asks for no page more
+        buf = allocate_host(nbytes, pin=True)
+        assert buf.is_pinned() and buf.numel() == nbytes
+        assert buf.data_ptr() % PAGE_BYTES == 0
+        assert int(buf.sum()) == 0

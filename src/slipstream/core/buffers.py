@@ -62,8 +62,13 @@ def allocate_host(nbytes: int, pin: bool) -> torch.Tensor:
     """A flat ``uint8`` host buffer of ``nbytes``, every page touched once, pinned if asked.
 
     The buffer starts on a page boundary, so it can be the source of ``O_DIRECT`` writes.
+    Pinned memory comes page-aligned from the driver, so it is asked for at its exact size:
+    torch's pinned allocator rounds every request up to a power of two, and one page more
+    would turn a 1 GiB buffer into 2 GiB of pinned memory.
     """
-    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
+    if raw is None or raw.data_ptr() % PAGE_BYTES:
+        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % PAGE_BYTES
     buf = raw[start : start + nbytes]
     buf.zero_()
