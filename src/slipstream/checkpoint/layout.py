@@ -10,7 +10,7 @@ import functools
 import hashlib
 import io
 import json
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,16 +156,59 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
     return LocalLayout(chunks, tensors, values, paths)
 
 
-def serialize_values(values: Mapping[str, Any]) -> dict[str, bytes]:
-    """``torch.save`` bytes of each plain value, as DCP stores them; names the key at fault."""
-    out: dict[str, bytes] = {}
-    for fqn, value in values.items():
-        buf = io.BytesIO()
-        try:
-            torch.save(value, buf)
-        except Exception as exc:
-            raise CheckpointError(
-                f"value {fqn!r} of type {type(value).__name__} cannot be saved: {exc}"
-            ) from exc
-        out[fqn] = buf.getvalue()
-    return out
+def serialize_value(fqn: str, value: Any) -> bytes:
+    """``torch.save`` bytes of a plain value, as DCP stores them; names the key at fault."""
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as exc:
+        raise CheckpointError(
+            f"value {fqn!r} of type {type(value).__name__} cannot be saved: {exc}"
+        ) from exc
+    return buf.getvalue()
+
+
+_ATOMS = (type(None), bool, int, str, bytes)
+
+
+def _frozen(value: Any) -> Hashable | None:
+    """A key equal for two values exactly when they pickle alike: types, order and float
+    bits included (``-0.0`` and ``0.0``, ``1`` and ``True`` differ); ``None`` for anything
+    but atoms, floats and lists, tuples and dicts of them."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return kind, value
+    if kind is float:
+        return kind, value.hex()
+    if kind is list or kind is tuple:
+        items = tuple(_frozen(v) for v in value)
+        return None if None in items else (kind, items)
+    if kind is dict:
+        pairs = tuple((_frozen(k), _frozen(v)) for k, v in value.items())
+        return None if any(None in pair for pair in pairs) else (kind, pairs)
+    return None
+
+
+class ValueSerializer:
+    """Serializes plain values (see :func:`serialize_value`), remembering the last bytes of
+    each key: a value that freezes (:func:`_frozen`) to the key's last one gets the same
+    bytes back without pickling. Optimizer hyperparameters repeat in every save, and each
+    ``torch.save`` call cost about 0.3 ms of the caller's time.
+
+    Invariant: the bytes returned for a value are those ``torch.save`` writes for it."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[Hashable, bytes]] = {}
+
+    def __call__(self, values: Mapping[str, Any]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for fqn, value in values.items():
+            key = _frozen(value)
+            last = self._last.get(fqn)
+            if key is not None and last is not None and last[0] == key:
+                out[fqn] = last[1]
+                continue
+            out[fqn] = serialize_value(fqn, value)
+            if key is not None:
+                self._last[fqn] = (key, out[fqn])
+        return out

@@ -3,14 +3,16 @@
 Pipeline of one save (each stage on a thread this object owns and joins in ``close``):
 
 1. caller's thread: flatten the state dict, serialize plain values (so later mutation
-   cannot change them, and a bad value fails here, naming its key), look up the plan
+   cannot change them, and a bad value fails here, naming its key; a value equal to the
+   previous save's reuses its bytes), look up the plan
    for this layout (planning, through the store, only on a layout's first save), record
    an event on the accelerator's current stream; return.
 2. staging thread: copy every tensor chunk this rank writes into its staging buffer,
    whose bytes are the head of the rank's data file (record headers already in place);
    on an accelerator the copy runs on a side stream that first waits on that event.
    Then ``staging_completion`` resolves: the caller may mutate the state.
-3. upload thread: parallel ``pwrite`` of the buffer, block checksums, plain values
+3. upload thread: remove an older commit of this directory, then parallel ``pwrite`` of
+   the buffer, block checksums, plain values
    appended, ``fsync``; post the result; rank 0 gathers every rank's result and commits
    (metadata last, atomically); every rank waits for that commit, then
    ``upload_completion`` resolves.
@@ -47,7 +49,7 @@ from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
 from .commit import build_index, build_metadata, publish, uncommit
 from .files import pwrite_all
-from .layout import LocalLayout, dtype_from_name, local_layout, serialize_values
+from .layout import LocalLayout, ValueSerializer, dtype_from_name, local_layout
 from .plan import SavePlan, make_save_plan
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,7 @@ class CheckpointSaver:
         self._pool = StagingPool(self.options.staging_budget_bytes)
         self._framed: dict[str, int] = {}
         self._plans: dict[str, SavePlan] = {}
+        self._serialize_values = ValueSerializer()
         self._seq = 0
         self._last: AsyncSaveResponse | None = None
         self._side_streams: dict[torch.device, Any] = {}
@@ -219,9 +222,10 @@ class CheckpointSaver:
         self, state_dict: Mapping[str, Any], seq: int, checkpoint_dir: str
     ) -> tuple[LocalLayout, dict[str, bytes], SavePlan]:
         """The caller's-thread part of save ``seq``: layout, serialized values, plan (made
-        only for a new layout), and the directory, made and marked uncommitted."""
+        only for a new layout), and the directory, made (each rank's upload thread marks it
+        uncommitted before writing into it)."""
         layout = local_layout(state_dict)
-        values = serialize_values(layout.values)
+        values = self._serialize_values(layout.values)
         signature = layout.signature
         plan = self._plans.get(signature)
         if plan is None:
@@ -235,9 +239,6 @@ class CheckpointSaver:
             raise CheckpointError(
                 f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
             ) from exc
-        # Every rank, not just rank 0: no rank may start rewriting its data file while an
-        # older .metadata in this directory still marks the old files as committed.
-        uncommit(checkpoint_dir)
         return layout, values, plan
 
     def _announce_failure(self, seq: int, exc: BaseException) -> None:
@@ -389,6 +390,9 @@ class CheckpointSaver:
         itself fails it still runs the commit step, which posts the failure to every rank.
         """
         try:
+            # Every rank, not just rank 0, and before its first write: no rank may rewrite its
+            # data file while an older .metadata here still marks the old files committed.
+            uncommit(job.checkpoint_dir)
             done = self._write_rank_file(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
@@ -589,10 +593,8 @@ def _split_by_bytes(records: list) -> tuple[list, list]:
 
 
 def _accelerator_of(layout: LocalLayout) -> torch.device | None:
-    for t in layout.tensors.values():
-        if streams.is_accelerator(t.device):
-            return t.device
-    return None
+    devices = {t.device for t in layout.tensors.values()}
+    return next((d for d in devices if streams.is_accelerator(d)), None)
 
 
 def _data_view(buf: torch.Tensor, offset: int, nbytes: int, chunk) -> torch.Tensor:
