@@ -193,7 +193,8 @@ class ValueSerializer:
     """Serializes plain values (see :func:`serialize_value`), remembering the last bytes of
     each key: a value that freezes (:func:`_frozen`) to the key's last one gets the same
     bytes back without pickling. Optimizer hyperparameters repeat in every save, and each
-    ``torch.save`` call cost about 0.3 ms of the caller's time.
+    ``torch.save`` call cost about 50 us of the caller's time (12 of them per save of the
+    demo model's state).
 
     Invariant: the bytes returned for a value are those ``torch.save`` writes for it."""
 
