@@ -23,7 +23,8 @@ from slipstream.errors import PeerTimeoutError, SyncError
 from slipstream.sync.plan import BucketPlan, TensorSpec, payload_offsets
 
 BUCKET = 64 * 1024
-# slices of 4 KiB and up cross a broadcast on their own: both paths run in every delivery test
+# slices of 4 KiB and up cross a relay or broadcast on their own: both paths run in every
+# delivery test
 SEPARATE = 4096
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.float16, torch.uint8]
 # sizes in elements: empty, scalar-like, odd, around and well above a 64 KiB bucket
@@ -160,10 +161,22 @@ def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
     monkeypatch.setattr(publisher, "ORDERED_STORES", True)
     assert choose(pub, "auto") == ["cma", "shm"]
     monkeypatch.setattr(publisher, "ORDERED_STORES", False)  # e.g. an ARM host
-    assert choose(pub, "auto") == ["broadcast"]
+    assert choose(pub, "auto") == ["relay"]
     for transport in ("shm", "cma"):
         with pytest.raises(ValueError, match="needs an x86 CPU"):
             choose(pub, transport)
+
+
+def test_auto_relays_host_weights_across_hosts_and_broadcasts_device_weights():
+    from types import SimpleNamespace
+
+    from slipstream.sync import publisher
+
+    choose = publisher.WeightPublisher._transport_candidates
+    for device, picked in (("cpu", "relay"), ("cuda", "broadcast")):
+        remote = SimpleNamespace(colocated=lambda ranks: False, device=torch.device(device))
+        pub = SimpleNamespace(group=remote, rank=0, rollout_ranks=[1, 2])
+        assert choose(pub, "auto") == [picked]
 
 
 def test_a_process_that_exited_counts_as_gone_even_before_it_is_reaped():
@@ -186,7 +199,7 @@ def test_a_process_that_exited_counts_as_gone_even_before_it_is_reaped():
 
 
 # --------------------------------------------------------------------------- delivery
-TRANSPORTS = ["broadcast", "shm", *(["cma"] if REMOTE_READS else [])]
+TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if REMOTE_READS else [])]
 CONFIGS = [(mode, transport) for transport in TRANSPORTS for mode in ("direct", "cached")]
 
 
@@ -357,7 +370,7 @@ def _dtensor_run(rank, port, mesh_port):
     }
     base["bias"] = torch.arange(10, dtype=torch.float32)
     out = {}
-    for mode, transport in (("direct", "broadcast"), ("cached", TRANSPORTS[-1])):
+    for mode, transport in (("direct", "relay"), ("cached", TRANSPORTS[-1])):
         channel = f"two-{mode}"
         if rank in (0, 1):
             if not torch.distributed.is_initialized():
@@ -607,6 +620,41 @@ def _rollout_killed_run(rank, port, transport):
 def test_rollout_killed_mid_publish_fails_the_publish_naming_it(transport):
     out = spawn(_rollout_killed_run, 3, transport, timeout=60, may_die=(2,))
     assert out[0]
+
+
+def _relay_broken_run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=8)
+    named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets
+    if rank == 0:
+        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport="relay")
+        pub.publish(named, version=1).delivered.result(timeout=20)
+        with pytest.raises((SyncError, PeerTimeoutError)) as err:
+            pub.publish({n: t + 1 for n, t in named.items()}, version=2).delivered.result(20)
+        return str(err.value)
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    target = nn.Module()
+    for n, t in named.items():
+        target.register_buffer(n, torch.zeros_like(t))
+    assert sub.receive(target) == 1
+    if rank == 1:  # the first rollout of the chain dies while it passes version 2 on
+
+        def load_weights(batch):
+            os._exit(3)
+
+        sub.receive(load_weights)
+    start = time.monotonic()
+    with pytest.raises((SyncError, PeerTimeoutError)) as err:
+        sub.receive(target)
+    assert time.monotonic() - start < 8 + 5
+    assert sub.version is None
+    group.close()
+    return str(err.value)
+
+
+def test_a_relaying_rollout_that_dies_is_named_by_the_rollout_after_it():
+    out = spawn(_relay_broken_run, 3, timeout=60, may_die=(1,))
+    assert "relayed by rollout rank 1" in out[2], out[2]
+    assert re.search(r"rollout rank(\(s\) \[1\] exited| 1 \(pid \d+\) died)", out[0]), out[0]
 
 
 def _killed_refetch_run(rank, port, transport):

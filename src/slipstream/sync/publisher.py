@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -61,12 +62,19 @@ from .packing import (
 )
 from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
 from .shm import ORDERED_STORES, ShmSender, new_ring_path
-from .transport import SEPARATE_MIN_BYTES, BroadcastSender, Sender
+from .transport import (
+    RELAY_SEPARATE_MIN_BYTES,
+    SEPARATE_MIN_BYTES,
+    BroadcastSender,
+    Sender,
+)
 
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "cached")
-TRANSPORTS = ("auto", "broadcast", "shm", "cma")
+TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma")
+#: Transports over the sync group's process groups (the others need one host).
+NETWORK_TRANSPORTS = ("relay", "broadcast")
 #: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
 #: the trainer's memory).
 LOCAL_TRANSPORTS = ("cma", "shm")
@@ -138,11 +146,14 @@ class WeightPublisher:
 
     ``transport``: ``"auto"`` picks ``"cma"`` (rollouts copy straight out of this process's
     memory) when every rollout shares this host and the kernel lets them read it, else
-    ``"shm"`` (a shared-memory ring) on one host, else ``"broadcast"``; :attr:`transport`
-    holds the choice. Over broadcast, a slice of at least ``separate_min_bytes`` (default
-    16 MiB) travels as a message of its own, straight from the trainer's tensor into the
-    rollout's, skipping the bucket copy on both sides; smaller slices are packed into
-    buckets. ``None`` packs everything.
+    ``"shm"`` (a shared-memory ring) on one host; across hosts it picks ``"relay"`` (this
+    rank sends each message once, to the first rollout, and each rollout passes it on to
+    the next) for host tensors and ``"broadcast"`` (one collective per message) for device
+    tensors. :attr:`transport` holds the choice. Over relay and broadcast, a slice of at
+    least ``separate_min_bytes`` travels as a message of its own, straight from the
+    trainer's tensor into the rollout's, skipping the bucket copy on both sides; smaller
+    slices are packed into buckets. ``"auto"`` means 1 MiB over relay and 16 MiB over
+    broadcast (where a message costs more); ``None`` packs everything.
 
     Invariants: versions strictly increase; a round starts only once every rollout asked
     for it; ``staged`` resolves only after the last byte this rank reads from the caller's
@@ -161,7 +172,7 @@ class WeightPublisher:
         timeout: float | None = None,
         channel: str = "weights",
         history: int = 8,
-        separate_min_bytes: int | None = SEPARATE_MIN_BYTES,
+        separate_min_bytes: int | None | Literal["auto"] = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -183,7 +194,8 @@ class WeightPublisher:
         self.mode = mode
         self.timeout = group.timeout if timeout is None else timeout
         self.history = history
-        self.separate_min_bytes = separate_min_bytes
+        self._separate_min_asked = separate_min_bytes
+        self.separate_min_bytes: int | None = None
         self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
         self.bytes_sent = 0
         self.peak_gathered_bytes = 0
@@ -213,7 +225,8 @@ class WeightPublisher:
 
     def _transport_candidates(self, transport: str) -> list[str]:
         """The transports to try, best first: ``auto`` picks a colocated one when every
-        rollout shares this host (and the weights are in host memory), else broadcast."""
+        rollout shares this host (and the weights are in host memory), else relay (host
+        memory) or broadcast (device memory)."""
         local = self.group.colocated(self.rollout_ranks) and self.group.device.type == "cpu"
         if transport in LOCAL_TRANSPORTS and not local:
             raise ValueError(
@@ -225,9 +238,11 @@ class WeightPublisher:
                 f"transport={transport!r} needs an x86 CPU: its handshake relies on ordered "
                 f"stores, which {platform.machine()} does not guarantee; use 'broadcast'"
             )
-        if transport == "auto":
-            return list(LOCAL_TRANSPORTS) if local and ORDERED_STORES else ["broadcast"]
-        return [transport]
+        if transport != "auto":
+            return [transport]
+        if local and ORDERED_STORES:
+            return list(LOCAL_TRANSPORTS)
+        return ["relay" if self.group.device.type == "cpu" else "broadcast"]
 
     def _make_sender(self, candidates: list[str], num_slots: int) -> Sender:
         """Agree with the rollouts on the first of ``candidates`` they can all use, build
@@ -249,14 +264,17 @@ class WeightPublisher:
             logger.info("trainer rank %d: no cross-memory reads (%s); using 'shm'", self.rank, why)
             candidates = [c for c in candidates if c != "cma"]
         self.transport = candidates[0]
+        self.separate_min_bytes = self._separate_min(self.transport)
         info = {
             "kind": self.transport,
             "mode": self.mode,
             **self._receiver_shape(self.bucket_bytes, num_slots),
         }
-        if self.transport == "broadcast":
+        if self.transport in NETWORK_TRANSPORTS:
             self.group.set_json(f"transport/{self.rank}", info)
-            return self._broadcast_sender(self.rollout_ranks, self.bucket_bytes, num_slots)
+            return self._broadcast_sender(
+                self.rollout_ranks, self.bucket_bytes, num_slots, self.transport == "relay"
+            )
         path = new_ring_path(self.rank)
         ring_sender = CmaSender if self.transport == "cma" else ShmSender
         sender = ring_sender(
@@ -300,6 +318,12 @@ class WeightPublisher:
                 refused[r] = error
         return refused
 
+    def _separate_min(self, transport: str) -> int | None:
+        """The ``separate_min_bytes`` asked for, with ``"auto"`` resolved for ``transport``."""
+        if self._separate_min_asked != "auto":
+            return self._separate_min_asked
+        return RELAY_SEPARATE_MIN_BYTES if transport == "relay" else SEPARATE_MIN_BYTES
+
     def _receiver_shape(self, bucket_bytes: int, num_slots: int) -> dict:
         """What a rollout needs to build the receiver that matches this rank's sender."""
         return {
@@ -310,10 +334,11 @@ class WeightPublisher:
         }
 
     def _broadcast_sender(
-        self, rollouts: Sequence[int], bucket_bytes: int, num_slots: int
+        self, rollouts: Sequence[int], bucket_bytes: int, num_slots: int, relay: bool = False
     ) -> BroadcastSender:
-        """A sender over the group of this rank and ``rollouts`` (the rollouts build the
-        matching receivers from :meth:`_receiver_shape` of the same arguments)."""
+        """A sender over the group of this rank and ``rollouts``, relaying along them with
+        ``relay`` (the rollouts build the matching receivers from :meth:`_receiver_shape` of
+        the same arguments)."""
         return BroadcastSender(
             self.group.subgroup([self.rank, *rollouts]),
             self.rank,
@@ -325,6 +350,7 @@ class WeightPublisher:
             self.separate_min_bytes,
             rollouts,
             functools.partial(self.group.exited, rollouts),
+            relay,
         )
 
     # ----------------------------------------------------------------------------- publish

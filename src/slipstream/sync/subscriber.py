@@ -4,9 +4,10 @@
 thread) and only uses the sync group's own store and process groups. One call takes part in
 one round (see :mod:`.publisher`): it asks for a version newer than the one it holds, checks
 the plan against the target before any byte moves, receives bucket g while unpacking bucket
-g-1 (two reused buffers per trainer), then acknowledges. Over
-broadcast, slices sent on their own land straight in their final place (the parameter, or
-the atomic stream buffer) and are never copied again. :meth:`WeightSubscriber.refetch`
+g-1 (two reused buffers per trainer), then acknowledges. Over relay or broadcast, slices
+sent on their own land straight in their final place (the parameter, or the atomic stream
+buffer) and are never copied again; over relay this rank also passes every message on to
+the next rollout. :meth:`WeightSubscriber.refetch`
 asks the trainers for the version in their caches again, without waiting for a publish.
 
 Invariant: :attr:`WeightSubscriber.version` is either a version whose every byte reached the
@@ -90,7 +91,7 @@ class WeightSubscriber:
             raise SyncError(f"rollout rank {self.rank}: {info['error']}")
         self.transports[trainer] = info["kind"]
         self.modes[trainer] = info["mode"]
-        if info["kind"] == "broadcast":
+        if info["kind"] in ("broadcast", "relay"):
             return self._broadcast_receiver(trainer, self.rollout_ranks, info)
         ring_receiver = CmaReceiver if info["kind"] == "cma" else ShmReceiver
         receiver = ring_receiver(
@@ -110,10 +111,12 @@ class WeightSubscriber:
     def _broadcast_receiver(
         self, trainer: int, rollouts: Sequence[int], shape: dict
     ) -> BroadcastReceiver:
-        """A receiver of ``trainer``'s broadcasts over the group of ``trainer`` and
-        ``rollouts``, with the buffers ``shape`` (the trainer's announcement) names."""
+        """A receiver of what ``trainer`` sends over the group of ``trainer`` and
+        ``rollouts``, with the buffers ``shape`` (the trainer's announcement) names, relayed
+        along ``rollouts`` when ``shape`` says so."""
+        members = [trainer, *rollouts]
         return BroadcastReceiver(
-            self.group.subgroup([trainer, *rollouts]),
+            self.group.subgroup(members),
             trainer,
             shape["bucket_bytes"],
             shape["header_cap"],
@@ -121,6 +124,7 @@ class WeightSubscriber:
             self.timeout,
             self.group.device,
             shape["separate_min"],
+            chain=members if shape.get("kind") == "relay" else None,
         )
 
     @property

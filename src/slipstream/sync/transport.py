@@ -1,10 +1,14 @@
 """Moving one bucket (header + payload) from its owning trainer to every rollout rank.
 
-Three transports share one interface:
+Four transports share one interface:
 
-- :class:`BroadcastSender` / :class:`BroadcastReceiver`: broadcasts over a process group of
-  the owning trainer and the rollout ranks (built from the sync group's store, so no other
-  trainer ever receives another's bucket);
+- :class:`BroadcastSender` / :class:`BroadcastReceiver` over a process group of the owning
+  trainer and the rollout ranks (built from the sync group's store, so no other trainer
+  ever receives another's bucket), in one of two ways: ``broadcast`` (one collective per
+  message), or ``relay``: the trainer sends each message once, to the first rollout, and
+  each rollout passes it on to the next as soon as it has it (a pipelined chain). Over a
+  relay the trainer's link carries the weights once however many rollouts there are, and a
+  message costs less than a collective, so smaller slices go unpacked;
 - :mod:`.shm`: a ring of bucket slots in a shared-memory file, for colocated ranks;
 - :mod:`.cma`: the same ring carrying addresses, the rollouts copying the bytes straight out
   of the trainer's memory.
@@ -46,6 +50,9 @@ from .plan import HEADER_PREFIX
 #: weights) gain from going alone: on a transformer-shaped model 16 MiB did a little
 #: better than 4 MiB, and both far better than packing everything (benchmarks/sync.py).
 SEPARATE_MIN_BYTES = 16 * 1024 * 1024
+#: The same over a relay, where an extra message is a point-to-point send (about a tenth
+#: of a millisecond here): 1 MiB messages moved a GiB as fast as one message did.
+RELAY_SEPARATE_MIN_BYTES = 1024 * 1024
 
 #: ``place(header, payload)``: the receive buffers of the payload's segments, in order.
 Place = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
@@ -113,8 +120,21 @@ def _wait(work: dist.Work, timeout: float, what: str, why: Callable[[], str] | N
         raise SyncError(f"{what} failed or timed out after {timeout:.1f} s{note}: {exc}") from exc
 
 
+def _post(
+    op: Callable[[], dist.Work], what: str, why: Callable[[], str] | None = None
+) -> dist.Work:
+    """Start ``op`` (a point-to-point send or receive, which fails at once when its peer
+    has gone); on failure raise naming ``what`` and, when given, ``why()``."""
+    try:
+        return op()
+    except RuntimeError as exc:
+        note = f" ({why()})" if why is not None else ""
+        raise SyncError(f"{what} failed{note}: {exc}") from exc
+
+
 class BroadcastSender:
-    """Sends buckets from ``rank`` (root 0 of ``pg``) to every other member of ``pg``."""
+    """Sends buckets from ``rank`` (member 0 of ``pg``) to every other member of ``pg``: by
+    broadcast, or with ``relay`` to member 1 alone, which passes them on."""
 
     def __init__(
         self,
@@ -128,10 +148,12 @@ class BroadcastSender:
         separate_min: int | None = SEPARATE_MIN_BYTES,
         peers: Sequence[int] = (),
         exited: Callable[[], list[int]] = list,
+        relay: bool = False,
     ) -> None:
         self.pg = pg
         self.rank = rank
         self.peers = list(peers)
+        self.relay = relay
         self.exited = exited
         self.timeout = timeout
         self.num_slots = num_slots
@@ -156,10 +178,15 @@ class BroadcastSender:
         headers = sum(h.numel() for h in self._headers)
         return len(self._slots) * self.bucket_bytes + headers
 
+    @property
+    def _what(self) -> str:
+        if self.relay:
+            return f"trainer rank {self.rank} sending a bucket to rollout rank {self.peers[0]}"
+        return f"trainer rank {self.rank} broadcasting a bucket to rollout rank(s) {self.peers}"
+
     def _drain(self, slot: int) -> None:
-        what = f"trainer rank {self.rank} broadcasting a bucket to rollout rank(s) {self.peers}"
         for work in self._works[slot]:
-            _wait(work, self.timeout, what, self._who_exited)
+            _wait(work, self.timeout, self._what, self._who_exited)
         self._works[slot] = []
         self._sending[slot] = ()
 
@@ -170,14 +197,19 @@ class BroadcastSender:
             self._slots[slot] = _buffer(self.bucket_bytes, self.device)
         return self._slots[slot]
 
+    def _post(self, t: torch.Tensor) -> dist.Work:
+        if self.relay:
+            return _post(lambda: self.pg.send([t], 1, 0), self._what, self._who_exited)
+        return self.pg.broadcast([t], _FROM_ROOT)
+
     def submit(self, header: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
-        """Broadcast ``header`` then each part (the payload's segments) from this rank."""
+        """Send ``header`` then each part (the payload's segments) from this rank."""
         slot = self._count % self.num_slots
         self._drain(slot)
         hdr = self._headers[slot][: header.numel()]
         hdr.copy_(header)
-        works = [self.pg.broadcast([hdr], _FROM_ROOT)]
-        works += [self.pg.broadcast([part], _FROM_ROOT) for part in parts]
+        works = [self._post(hdr)]
+        works += [self._post(part) for part in parts]
         self._works[slot] = works
         self._sending[slot] = parts
         self.bytes_sent += sum(part.numel() for part in parts)
@@ -194,7 +226,13 @@ class BroadcastSender:
 
 
 class BroadcastReceiver:
-    """Receives the buckets a trainer (``root_rank``, root 0 of ``pg``) broadcasts."""
+    """Receives the buckets a trainer (``root_rank``, member 0 of ``pg``) sends.
+
+    With ``chain`` (the global ranks of ``pg``'s members in order, trainer first) the
+    buckets come relayed: from the member before this rank, and each message is passed on
+    to the member after it once it has arrived. A bucket's buffer is handed back
+    (:meth:`Pending.release`) only after what it passes on has left.
+    """
 
     def __init__(
         self,
@@ -206,9 +244,24 @@ class BroadcastReceiver:
         timeout: float,
         device: torch.device,
         separate_min: int | None,
+        chain: Sequence[int] | None = None,
     ) -> None:
         self.pg = pg
         self.root_rank = root_rank
+        self._from: int | None = None
+        self._to: int | None = None
+        self.what = f"bucket from trainer rank {root_rank}"
+        if chain is not None:
+            me = pg.rank()
+            self._from = me - 1
+            self._to = me + 1 if me + 1 < len(chain) else None
+            if self._from > 0:
+                self.what += f" relayed by rollout rank {chain[self._from]}"
+            if self._to is not None:
+                self._relay_what = (
+                    f"passing a bucket from trainer rank {root_rank} on to rollout rank "
+                    f"{chain[self._to]}"
+                )
         self.separate_min = separate_min
         self.timeout = timeout
         self.num_slots = num_slots
@@ -220,10 +273,18 @@ class BroadcastReceiver:
         self.buffer_bytes = num_slots * bucket_bytes + 2 * size
         self._posted: tuple[dist.Work, torch.Tensor] | None = None
 
+    def _receive(self, buf: torch.Tensor) -> dist.Work:
+        if self._from is None:
+            return self.pg.broadcast([buf], _FROM_ROOT)
+        return _post(lambda: self.pg.recv([buf], self._from, 0), f"receiving a {self.what}")
+
+    def _pass_on(self, message: torch.Tensor) -> dist.Work:
+        return _post(lambda: self.pg.send([message], self._to, 0), self._relay_what)
+
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
         buf = self._headers[self._header_count % 2][:header_bytes]
         self._header_count += 1
-        return self.pg.broadcast([buf], _FROM_ROOT), buf
+        return self._receive(buf), buf
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
         """Receive the next header, post its payload segments' receives, and post the header
@@ -232,27 +293,39 @@ class BroadcastReceiver:
         ``place(header, payload)`` names where each segment lands (a part of the slot, or
         the target's own memory). ``next_header_bytes`` (the size of this trainer's next
         bucket header, if any) lets that header's receive be posted now, so the trainer
-        never waits for us to ask.
+        never waits for us to ask. Relayed messages are passed on in :meth:`Pending.finish`,
+        in the order they arrived, so the next rank's receives match them.
         """
-        what = f"bucket from trainer rank {self.root_rank}"
-        work, header = self._posted or self._post_header(header_bytes)
+        work, received = self._posted or self._post_header(header_bytes)
         self._posted = None
-        _wait(work, self.timeout, f"receiving a {what}")
-        header = header.cpu().clone()
+        _wait(work, self.timeout, f"receiving a {self.what}")
+        header = received.cpu().clone()
         payload_bytes = int(header[:HEADER_PREFIX].view(torch.int64).item())
         slot = self._slots[self._count % self.num_slots]
         self._count += 1
         payload = slot[:payload_bytes]
-        works = [self.pg.broadcast([buf], _FROM_ROOT) for buf in place(header, payload)]
+        buffers = place(header, payload)
+        works = [self._receive(buf) for buf in buffers]
         if next_header_bytes is not None:
             self._posted = self._post_header(next_header_bytes)
+        messages = [received.clone(), *buffers] if self._to is not None else []
+        passed_on: list[dist.Work] = []
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            for w in works:
-                _wait(w, self.timeout, f"receiving a {what}")
+            if messages:
+                passed_on.append(self._pass_on(messages[0]))
+            for k, w in enumerate(works):
+                _wait(w, self.timeout, f"receiving a {self.what}")
+                if messages:
+                    passed_on.append(self._pass_on(messages[k + 1]))
             return header, payload
 
-        return Pending(finish, lambda: None)
+        def release() -> None:
+            for w in passed_on:
+                _wait(w, self.timeout, self._relay_what)
+            passed_on.clear()
+
+        return Pending(finish, release)
 
     def close(self) -> None:
         self._slots.clear()
