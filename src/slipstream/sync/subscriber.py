@@ -37,7 +37,7 @@ from .cma import CacheReader, CmaReceiver
 from .group import SyncGroup
 from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
-from .publisher import ASK_AGAIN_COUNT
+from .publisher import ASK_AGAIN_COUNT, NETWORK_TRANSPORTS
 from .shm import ShmReceiver
 from .transport import BroadcastReceiver, Pending, Receiver
 
@@ -91,7 +91,7 @@ class WeightSubscriber:
             raise SyncError(f"rollout rank {self.rank}: {info['error']}")
         self.transports[trainer] = info["kind"]
         self.modes[trainer] = info["mode"]
-        if info["kind"] in ("broadcast", "relay"):
+        if info["kind"] in NETWORK_TRANSPORTS:
             return self._broadcast_receiver(trainer, self.rollout_ranks, info)
         ring_receiver = CmaReceiver if info["kind"] == "cma" else ShmReceiver
         receiver = ring_receiver(

@@ -111,13 +111,18 @@ def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _failure(what: str, how: str, why: Callable[[], str] | None, exc: Exception) -> SyncError:
+    """The error for ``what`` having ``how`` (e.g. "failed"), with ``why()`` when given."""
+    note = f" ({why()})" if why is not None else ""
+    return SyncError(f"{what} {how}{note}: {exc}")
+
+
 def _wait(work: dist.Work, timeout: float, what: str, why: Callable[[], str] | None = None) -> None:
     """Wait for ``work``; on failure raise naming ``what`` and, when given, ``why()``."""
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as exc:
-        note = f" ({why()})" if why is not None else ""
-        raise SyncError(f"{what} failed or timed out after {timeout:.1f} s{note}: {exc}") from exc
+        raise _failure(what, f"failed or timed out after {timeout:.1f} s", why, exc) from exc
 
 
 def _post(
@@ -128,8 +133,7 @@ def _post(
     try:
         return op()
     except RuntimeError as exc:
-        note = f" ({why()})" if why is not None else ""
-        raise SyncError(f"{what} failed{note}: {exc}") from exc
+        raise _failure(what, "failed", why, exc) from exc
 
 
 class BroadcastSender:
