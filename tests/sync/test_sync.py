@@ -635,6 +635,36 @@ def test_a_relaying_rollout_that_dies_is_named_by_the_rollout_after_it():
     assert "relayed by rollout rank 1" in out[2], out[2]
 
 
+def _relayer_changes_its_weights_run(rank, port):
+    """Rollout 1 passes a 32 MiB tensor (more than a loopback socket buffers) on to rollout
+    2, which asks for it late; as soon as its receive returns, rollout 1 overwrites its
+    copy. Rollout 2 must still get the trainer's bytes."""
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=20)
+    named = {"big": torch.arange(8 * 2**20, dtype=torch.float32), "small": torch.ones(10)}
+    if rank == 0:
+        with ss.WeightPublisher(group, [0], [1, 2], transport="relay") as pub:
+            pub.publish(named, version=1).delivered.result(timeout=20)
+        group.close()
+        return None
+    target = nn.Module()
+    for n, t in named.items():
+        target.register_buffer(n, torch.zeros_like(t))
+    with ss.WeightSubscriber(group, [0], [1, 2]) as sub:
+        if rank == 2:
+            time.sleep(0.5)  # rollout 1 has had every byte long before we ask
+        assert sub.receive(target) == 1
+        if rank == 1:
+            for b in target.buffers():
+                b.fill_(-1.0)
+    group.close()
+    return {n: same_bytes(target.get_buffer(n), t) for n, t in named.items()}
+
+
+def test_a_relaying_rollout_may_change_its_weights_once_its_receive_returns():
+    out = spawn(_relayer_changes_its_weights_run, 3, timeout=60)
+    assert out[2] == {"big": True, "small": True}
+
+
 def _killed_refetch_run(rank, port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=8)
     named = {f"t{i}": torch.full((20_000,), float(i)) for i in range(40)}  # ~3 MiB, 49 buckets

@@ -32,6 +32,7 @@ naming the peer rank.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -233,9 +234,13 @@ class BroadcastReceiver:
     """Receives the buckets a trainer (``root_rank``, member 0 of ``pg``) sends.
 
     With ``chain`` (the global ranks of ``pg``'s members in order, trainer first) the
-    buckets come relayed: from the member before this rank, and each message is passed on
-    to the member after it once it has arrived. A bucket's buffer is handed back
-    (:meth:`Pending.release`) only after what it passes on has left.
+    buckets come relayed: from the member before this rank, and each piece of a message
+    (its header, then each payload segment) is passed on to the member after it as soon as
+    it has arrived and this rank next calls :meth:`start` or :meth:`Pending.finish`, in
+    arrival order, so the next rank's receives match them. A slot is written again only
+    once what was passed on from it has left, and the last message of a round
+    (``next_header_bytes`` is None) is released only once everything passed on has left,
+    so the caller may change its tensors after the round.
     """
 
     def __init__(
@@ -276,14 +281,29 @@ class BroadcastReceiver:
         self._header_count = 0
         self.buffer_bytes = num_slots * bucket_bytes + 2 * size
         self._posted: tuple[dist.Work, torch.Tensor] | None = None
+        #: per slot, the sends passing on the message last received into it
+        self._passing: list[list[dist.Work]] = [[] for _ in range(num_slots)]
+        #: received pieces not yet passed on, in arrival order: (receive, piece, slot)
+        self._arriving: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
 
     def _receive(self, buf: torch.Tensor) -> dist.Work:
         if self._from is None:
             return self.pg.broadcast([buf], _FROM_ROOT)
         return _post(lambda: self.pg.recv([buf], self._from, 0), f"receiving a {self.what}")
 
-    def _pass_on(self, message: torch.Tensor) -> dist.Work:
-        return _post(lambda: self.pg.send([message], self._to, 0), self._relay_what)
+    def _pass_on_arrived(self) -> None:
+        """Pass on every piece posted so far, in order, waiting for each to arrive."""
+        while self._arriving:
+            work, piece, slot = self._arriving[0]
+            _wait(work, self.timeout, f"receiving a {self.what}")
+            self._arriving.popleft()
+            send = _post(lambda p=piece: self.pg.send([p], self._to, 0), self._relay_what)
+            self._passing[slot].append(send)
+
+    def _wait_passed(self, slot: int) -> None:
+        for work in self._passing[slot]:
+            _wait(work, self.timeout, self._relay_what)
+        self._passing[slot] = []
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
         buf = self._headers[self._header_count % 2][:header_bytes]
@@ -297,37 +317,44 @@ class BroadcastReceiver:
         ``place(header, payload)`` names where each segment lands (a part of the slot, or
         the target's own memory). ``next_header_bytes`` (the size of this trainer's next
         bucket header, if any) lets that header's receive be posted now, so the trainer
-        never waits for us to ask. Relayed messages are passed on in :meth:`Pending.finish`,
-        in the order they arrived, so the next rank's receives match them.
+        never waits for us to ask.
         """
+        relaying = self._to is not None
+        if relaying:
+            self._pass_on_arrived()
         work, received = self._posted or self._post_header(header_bytes)
         self._posted = None
         _wait(work, self.timeout, f"receiving a {self.what}")
         header = received.cpu().clone()
         payload_bytes = int(header[:HEADER_PREFIX].view(torch.int64).item())
-        slot = self._slots[self._count % self.num_slots]
+        index = self._count % self.num_slots
         self._count += 1
-        payload = slot[:payload_bytes]
+        if relaying:
+            self._wait_passed(index)
+            forward = received.clone()
+            self._passing[index].append(
+                _post(lambda: self.pg.send([forward], self._to, 0), self._relay_what)
+            )
+        payload = self._slots[index][:payload_bytes]
         buffers = place(header, payload)
         works = [self._receive(buf) for buf in buffers]
+        if relaying:
+            self._arriving.extend((w, buf, index) for w, buf in zip(works, buffers, strict=True))
         if next_header_bytes is not None:
             self._posted = self._post_header(next_header_bytes)
-        messages = [received.clone(), *buffers] if self._to is not None else []
-        passed_on: list[dist.Work] = []
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            if messages:
-                passed_on.append(self._pass_on(messages[0]))
-            for k, w in enumerate(works):
-                _wait(w, self.timeout, f"receiving a {self.what}")
-                if messages:
-                    passed_on.append(self._pass_on(messages[k + 1]))
+            if relaying:
+                self._pass_on_arrived()  # waits for this message's pieces too
+            else:
+                for w in works:
+                    _wait(w, self.timeout, f"receiving a {self.what}")
             return header, payload
 
         def release() -> None:
-            for w in passed_on:
-                _wait(w, self.timeout, self._relay_what)
-            passed_on.clear()
+            if relaying and next_header_bytes is None:
+                for slot in range(self.num_slots):
+                    self._wait_passed(slot)
 
         return Pending(finish, release)
 
