@@ -268,7 +268,7 @@ class WeightPublisher:
         info = {
             "kind": self.transport,
             "mode": self.mode,
-            **self._receiver_shape(self.bucket_bytes, num_slots),
+            **self._receiver_shape(self.bucket_bytes, num_slots, self.separate_min_bytes),
         }
         if self.transport in NETWORK_TRANSPORTS:
             self.group.set_json(f"transport/{self.rank}", info)
@@ -324,21 +324,27 @@ class WeightPublisher:
             return self._separate_min_asked
         return RELAY_SEPARATE_MIN_BYTES if transport == "relay" else SEPARATE_MIN_BYTES
 
-    def _receiver_shape(self, bucket_bytes: int, num_slots: int) -> dict:
+    @staticmethod
+    def _receiver_shape(bucket_bytes: int, num_slots: int, separate_min: int | None) -> dict:
         """What a rollout needs to build the receiver that matches this rank's sender."""
         return {
             "bucket_bytes": bucket_bytes,
             "num_slots": num_slots,
             "header_cap": HEADER_CAP,
-            "separate_min": self.separate_min_bytes,
+            "separate_min": separate_min,
         }
 
     def _broadcast_sender(
-        self, rollouts: Sequence[int], bucket_bytes: int, num_slots: int, relay: bool = False
+        self,
+        rollouts: Sequence[int],
+        bucket_bytes: int,
+        num_slots: int,
+        relay: bool = False,
+        separate_min: int | None = None,
     ) -> BroadcastSender:
         """A sender over the group of this rank and ``rollouts``, relaying along them with
         ``relay`` (the rollouts build the matching receivers from :meth:`_receiver_shape` of
-        the same arguments)."""
+        the same arguments); ``separate_min`` defaults to this publisher's."""
         return BroadcastSender(
             self.group.subgroup([self.rank, *rollouts]),
             self.rank,
@@ -347,7 +353,7 @@ class WeightPublisher:
             num_slots,
             self.timeout,
             self.group.device,
-            self.separate_min_bytes,
+            self.separate_min_bytes if separate_min is None else separate_min,
             rollouts,
             functools.partial(self.group.exited, rollouts),
             relay,
@@ -673,7 +679,10 @@ class WeightPublisher:
             plan = self._cache_plan
             assert plan is not None
             if self.transport != "cma":
-                sender = self._broadcast_sender([r], plan.bucket_bytes, REFETCH_SLOTS)
+                relay = offer["kind"] == "relay"
+                sender = self._broadcast_sender(
+                    [r], plan.bucket_bytes, REFETCH_SLOTS, relay, offer["separate_min"]
+                )
                 try:
                     self._send_from_cache(sender, plan)
                     sender.flush()
@@ -694,10 +703,20 @@ class WeightPublisher:
         """What this rank can serve again: its cache's version and plan, or why not."""
         if self._cache_version is None or self._cache_plan is None:
             return {"error": f"trainer rank {self.rank} holds no complete version yet"}
+        # a colocated rollout reads the cache itself; otherwise host weights travel to it
+        # point to point (a collective of two costs more per message), device weights by
+        # broadcast, as a publish would send them
+        if self.transport == "cma":
+            kind = "cma"
+        else:
+            kind = "relay" if self.group.device.type == "cpu" else "broadcast"
         offer = {
             "version": self._cache_version,
             "plan": self._cache_plan.plan_id,
-            **self._receiver_shape(self._cache_plan.bucket_bytes, REFETCH_SLOTS),
+            "kind": kind,
+            **self._receiver_shape(
+                self._cache_plan.bucket_bytes, REFETCH_SLOTS, self._separate_min(kind)
+            ),
         }
         if self.transport == "cma":
             assert self._cache is not None  # a complete version is in it
