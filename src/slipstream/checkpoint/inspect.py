@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..core.dtypes import dtype_name
 from .loader import CheckpointReader, load
 
 
@@ -39,7 +40,7 @@ def summarize(checkpoint_id: str | os.PathLike) -> tuple[list[EntrySummary], boo
                     EntrySummary(
                         key,
                         "tensor",
-                        str(dtype).removeprefix("torch."),
+                        dtype_name(dtype),
                         tuple(md.size),
                         len(md.chunks),
                         numel * dtype.itemsize,

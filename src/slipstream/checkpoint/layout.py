@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from ..core.dtypes import dtype_name
 from ..core.flatten import Path, flatten
 from ..errors import CheckpointError
 from .shards import local_chunks
@@ -87,10 +88,6 @@ class LocalLayout:
 def _whole_tensor_spec(fqn: str, dtype: torch.dtype, shape: torch.Size) -> ChunkSpec:
     """The spec of a plain (replicated) tensor; cached, since layouts repeat every save."""
     return ChunkSpec(fqn, dtype_name(dtype), tuple(shape), (0,) * len(shape), tuple(shape), True)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -34,10 +34,6 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """A published tensor: its name, global shape and dtype."""

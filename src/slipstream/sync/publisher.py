@@ -47,6 +47,7 @@ import torch
 
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
+from ..core.dtypes import dtype_name
 from ..core.handles import fail_unfinished
 from ..errors import PeerTimeoutError, SyncError
 from .cma import CmaSender
@@ -60,7 +61,7 @@ from .packing import (
     segment_parts,
     slice_checksum,
 )
-from .plan import BucketPlan, Slice, TensorSpec, dtype_name, encode_header, layout_json
+from .plan import BucketPlan, Slice, TensorSpec, encode_header, layout_json
 from .shm import ORDERED_STORES, ShmSender, new_ring_path
 from .transport import (
     RELAY_SEPARATE_MIN_BYTES,
