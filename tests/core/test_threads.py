@@ -48,3 +48,19 @@ def test_a_worker_started_by_a_lowered_worker_is_not_lowered_twice():
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(nested).result(10) == min(19, main + 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE policy")
+def test_idle_runs_only_the_calling_worker_under_sched_idle():
+    main = threading.get_native_id()
+    main_policy = os.sched_getscheduler(main)
+
+    def lowered() -> tuple[int, int]:
+        lower_thread_priority(3, idle=True)
+        return os.sched_getscheduler(threading.get_native_id()), _nice_of(main)
+
+    with ThreadPoolExecutor(1) as pool:
+        policy, main_nice = pool.submit(lowered).result(10)
+    assert policy == os.SCHED_IDLE
+    assert os.sched_getscheduler(main) == main_policy != os.SCHED_IDLE
+    assert main_nice == _nice_of(main)

@@ -80,6 +80,12 @@ class SaveOptions:
     thread_nice: int = 5
     """Nice increment of the saver's own threads (Linux), so that on oversubscribed cores
     staging and upload give way to the training thread; 0 keeps the caller's priority."""
+    idle_threads: bool = False
+    """Run the saver's threads under Linux's ``SCHED_IDLE`` policy instead (``thread_nice``
+    where it is refused): they use only time no other thread wants, and a training thread
+    that wakes takes its core back at once. For CPU training whose ranks fill every core;
+    where other processes (data loaders) keep every core busy, a save then makes progress
+    only once the training loop waits for it."""
 
 
 @dataclass
@@ -137,21 +143,21 @@ class CheckpointSaver:
     def __init__(self, process_group=None, options: SaveOptions | None = None) -> None:
         self.options = options or SaveOptions()
         self.channel = RankChannel.for_group(process_group)
-        nice = (self.options.thread_nice,)
+        priority = (self.options.thread_nice, self.options.idle_threads)
         self._stage_thread = ThreadPoolExecutor(
-            1, "slipstream-stage", initializer=lower_thread_priority, initargs=nice
+            1, "slipstream-stage", initializer=lower_thread_priority, initargs=priority
         )
         self._upload_thread = ThreadPoolExecutor(
-            1, "slipstream-upload", initializer=lower_thread_priority, initargs=nice
+            1, "slipstream-upload", initializer=lower_thread_priority, initargs=priority
         )
         self._tail_copier = ThreadPoolExecutor(
-            1, "slipstream-stage-tail", initializer=lower_thread_priority, initargs=nice
+            1, "slipstream-stage-tail", initializer=lower_thread_priority, initargs=priority
         )
         self._io_pool = ThreadPoolExecutor(
             self.options.io_threads,
             "slipstream-io",
             initializer=lower_thread_priority,
-            initargs=nice,
+            initargs=priority,
         )
         self._pool = StagingPool(self.options.staging_budget_bytes)
         self._framed: dict[str, int] = {}
