@@ -861,7 +861,7 @@ def record_floors(result: Result, saves: dict, loads: dict, refs: dict, extra: d
     for label, overheads in extra.get("train", {}).items():
         for mode in [m for m in ("ss.async_save", IDLE) if m in overheads]:
             overhead = overheads[mode]
-            how = "" if mode == "ss.async_save" else ", saver threads idle"
+            how = "" if mode == "ss.async_save" else ", idle saver threads, as the demo runs"
             result.floor(
                 f"checkpoint every step of the demo model: step time overhead % ({label}{how})",
                 overhead,
@@ -886,7 +886,7 @@ def run_reshard(result: Result, opts: BenchOptions, extra: dict) -> None:
 
 
 ONE_PROCESS = "one process, a core to spare"
-TWO_RANKS = "2 ranks, FSDP, one core each (the demo)"
+TWO_RANKS = "2 ranks, FSDP, one core each (the demo's setup)"
 
 
 def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
