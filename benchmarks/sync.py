@@ -509,7 +509,9 @@ def main() -> None:
     result.notes.append(
         "Floors are medians of per-round ratios: every round runs each peer once, back to "
         "back, so the ratio of two peers in one round cancels the host's drift between "
-        "rounds (the raw broadcast alone has varied from 0.8 to 1.5 s between runs here)."
+        "rounds (in this run the raw broadcast alone took "
+        f"{min(trainer['raw broadcast']['seconds']):.2f} to "
+        f"{max(trainer['raw broadcast']['seconds']):.2f} s from round to round)."
     )
     t_layout = transformer_shapes(args.quick)
     t_largest = max(n * dt.itemsize for n, dt in t_layout) / 2**20
