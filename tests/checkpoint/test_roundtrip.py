@@ -244,3 +244,23 @@ def test_dcp_save_over_a_slipstream_checkpoint_is_read_as_dcp_wrote_it(tmp_path)
     target = {"w": torch.zeros(1000), "step": 0}
     ss.load(target, path)
     assert torch.equal(target["w"], torch.arange(1000.0) * 2) and target["step"] == 2
+
+
+def test_a_save_over_a_larger_checkpoint_writes_the_same_files_as_a_fresh_save(tmp_path):
+    # The data file is written over in place and cut to length at the end: nothing of the
+    # older, larger checkpoint may survive past the new file's end or inside it.
+    large = {"w": torch.full((300_000,), 7.0), "v": torch.arange(5000.0), "note": "x" * 5000}
+    small = {"w": _random_tensor(torch.float32, (1000, 3), seed=1), "note": "small"}
+    ss.save(large, checkpoint_id=tmp_path / "reused")
+    ss.save(small, checkpoint_id=tmp_path / "reused")
+    ss.save(small, checkpoint_id=tmp_path / "fresh")
+    reused = sorted(p.name for p in (tmp_path / "reused").glob("*.distcp"))
+    assert reused == sorted(p.name for p in (tmp_path / "fresh").glob("*.distcp"))
+    for name in reused:
+        assert (tmp_path / "reused" / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
+    by_dcp = {"w": torch.zeros(1000, 3), "note": ""}
+    dcp.load(by_dcp, checkpoint_id=str(tmp_path / "reused"))
+    assert torch.equal(by_dcp["w"], small["w"]) and by_dcp["note"] == "small"
+    by_ss = {"w": torch.zeros(1000, 3), "note": ""}
+    ss.load(by_ss, checkpoint_id=tmp_path / "reused")
+    assert torch.equal(by_ss["w"], small["w"]) and by_ss["note"] == "small"

@@ -2,8 +2,11 @@
 
 Checkpoint coordination never runs a collective on the user's process group: ranks post
 small JSON messages to the store that ``init_process_group`` already created (under a
-prefix of their own) and poll for each other's with a deadline. Background threads may
-use it safely, and a missing rank is named in the timeout error instead of hanging.
+prefix of their own) and poll for each other's with a deadline. They poll rather than
+block in the store's ``wait``: a TCPStore client runs one request at a time, so a
+background thread blocked in it would hold up the user's own calls to the same store.
+Background threads may use it safely, and a missing rank is named in the timeout error
+instead of hanging.
 
 Every channel of a group gets a namespace of its own (the group's ranks and the
 channel's number among that group's channels in this process), so two savers of one
@@ -24,7 +27,12 @@ import torch.distributed as dist
 from ..core.waits import Deadline
 from ..errors import PeerTimeoutError
 
-_POLL_SECONDS = 0.002
+#: Polls start this far apart and double up to ``_POLL_MAX_SECONDS``: a message that comes
+#: at once is seen within a millisecond or two, and a wait of half a second (a rank still
+#: writing its file) costs a few dozen store round trips instead of hundreds, each of
+#: which also wakes the store's server thread inside rank 0's training process.
+_POLL_FIRST_SECONDS = 0.001
+_POLL_MAX_SECONDS = 0.025
 _channels_made: dict[tuple[int, ...], int] = {}
 _channels_lock = threading.Lock()
 
@@ -59,6 +67,7 @@ class RankChannel:
 
     def _wait(self, topic: str, ranks: list[int], deadline: Deadline, what: str) -> None:
         keys = [self._key(topic, r) for r in ranks]
+        pause = _POLL_FIRST_SECONDS
         while not self.store.check(keys):
             if deadline.expired():
                 missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
@@ -66,7 +75,8 @@ class RankChannel:
                     f"rank(s) {missing} did not {what} within {deadline.timeout:.1f} s "
                     f"(waiting on rank {self.rank}); they may have died or be stuck"
                 )
-            time.sleep(_POLL_SECONDS)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_SECONDS)
 
     def gather(self, topic: str, deadline: Deadline, what: str) -> list:
         """Every rank's payload for ``topic`` (index = rank)."""
