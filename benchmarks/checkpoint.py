@@ -169,7 +169,8 @@ def memcpy_seconds(state: dict[str, torch.Tensor], flat: torch.Tensor, one_threa
 
 
 def raw_write_seconds(buf: memoryview, path: Path) -> float:
-    """One ``os.write`` of a preallocated buffer plus ``fsync``: the disk's durable speed."""
+    """One ``os.write`` of a preallocated buffer plus ``fsync`` into a fresh file, as every
+    peer of the saves table writes (its target is cleared first): the disk's durable speed."""
     clear(path)
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -651,8 +652,10 @@ def interleaved_steps(
     modes: list[str],
 ) -> dict[str, list[float]]:
     """Step times of ``model`` in each of ``modes`` (of ``TRAIN_MODES`` and ``IDLE``): no
-    checkpoint, ss.async_save (with the default saver, or one with idle threads) or
-    dcp.async_save of ``state()`` every step.
+    checkpoint, a slipstream save (through an ``ss.Checkpointer`` with ``keep_last=2``, a
+    new directory each step and the oldest removed once a newer one commits, as the demo
+    saves; with the default saver, or one with idle threads) or dcp.async_save of
+    ``state()`` every step (over one of two directories in turn).
 
     Each step: forward + backward, wait for the previous save's staging, optimizer step,
     then start this step's save. DCP gets the same one-save-in-flight rule slipstream
@@ -667,24 +670,25 @@ def interleaved_steps(
     import torch.distributed.checkpoint as dcp
 
     import slipstream as ss
-    from slipstream.checkpoint.saver import CheckpointSaver
     from slipstream.demo.model import batch
 
     workdir = Path(opts.workdir) / "train"
-    idle_saver = (
-        CheckpointSaver(options=ss.SaveOptions(idle_threads=True)) if IDLE in modes else None
-    )
+    savers = {
+        mode: ss.Checkpointer(
+            workdir / mode, keep_last=2, options=ss.SaveOptions(idle_threads=mode == IDLE)
+        )
+        for mode in modes
+        if mode in ("ss.async_save", IDLE)
+    }
     kinds = ("", "/cpu", "/stall")
     times: dict[str, list[float]] = {m + k: [] for m in modes for k in kinds}
     pending: dict[str, Any] = {}
     step = 0
 
     def save(mode: str) -> Any:
+        if mode in savers:
+            return savers[mode].save(step, state())
         path = workdir / mode / str(step % 2)
-        if mode == "ss.async_save":
-            return ss.async_save(state(), checkpoint_id=path)
-        if mode == IDLE:
-            return idle_saver.save(state(), path)
         previous = pending.get(mode)
         if previous is not None:
             previous.result(600)
@@ -721,8 +725,8 @@ def interleaved_steps(
                     times[mode + "/cpu"].append(time.thread_time() - cpu_start)
                     times[mode + "/stall"].append(stall)
             durable(mode)
-    if idle_saver is not None:
-        idle_saver.close()
+    for saver in savers.values():
+        saver.close()
     return times
 
 
@@ -1011,7 +1015,9 @@ def run_train(result: Result, opts: BenchOptions, extra: dict) -> None:
             f"{opts.train_batch}, torch.set_num_threads(1)): {rounds} rounds of interleaved "
             f"blocks of {opts.train_steps} steps per mode; step s and CPU are medians over "
             "the counted steps, overhead the median over rounds of the step time against "
-            f"the same round's no-checkpoint block. '{TWO_RANKS}': the state is sharded "
+            "the same round's no-checkpoint block. The ss rows save through "
+            "ss.Checkpointer(keep_last=2), a new directory each step, as the demo does. "
+            f"'{TWO_RANKS}': the state is sharded "
             "over two processes that share the host's two cores, each saving its half (no "
             "dcp.async_save row: see docs/fsdp.md)",
             [
