@@ -587,7 +587,7 @@ def spawn_ranks(target: Callable, world: int, opts: BenchOptions, timeout: float
 # Training-loop overhead of checkpointing every step (demo model, one thread)
 
 
-#: ss.async_save through a saver whose threads run under SCHED_IDLE, as the demo's do
+#: slipstream saves through a saver whose threads run under SCHED_IDLE
 IDLE = "ss.async_save, idle threads"
 TRAIN_MODES = ["none", "ss.async_save", "dcp.async_save"]
 TWO_RANK_MODES = ["none", "ss.async_save", IDLE]
@@ -941,7 +941,7 @@ def record_floors(result: Result, saves: dict, loads: dict, refs: dict, extra: d
     for label, overheads in extra.get("train", {}).items():
         for mode in [m for m in ("ss.async_save", IDLE) if m in overheads]:
             overhead = overheads[mode]
-            how = "" if mode == "ss.async_save" else ", idle saver threads, as the demo runs"
+            how = "" if mode == "ss.async_save" else ", idle saver threads"
             result.floor(
                 f"checkpoint every step of the demo model: step time overhead % ({label}{how})",
                 overhead,

@@ -83,9 +83,10 @@ class SaveOptions:
     idle_threads: bool = False
     """Run the saver's threads under Linux's ``SCHED_IDLE`` policy instead (``thread_nice``
     where it is refused): they use only time no other thread wants, and a training thread
-    that wakes takes its core back at once. For CPU training whose ranks fill every core;
-    where other processes (data loaders) keep every core busy, a save then makes progress
-    only once the training loop waits for it."""
+    that wakes takes its core back at once. Where the cores are all busy, a save then makes
+    progress only once the training loop waits for it, and a saver that falls behind stalls
+    the next save call (measured on the demo's two CPU ranks through a ``Checkpointer``:
+    +35% a step against +18% at ``thread_nice``); measure before turning it on."""
 
 
 @dataclass

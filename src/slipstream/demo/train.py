@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from ..checkpoint import Checkpointer, SaveOptions
+from ..checkpoint import Checkpointer
 from ..fsdp import FsdpContext, fully_shard
 from .model import ModelConfig, TinyGPT, batch, build_model
 
@@ -106,14 +106,7 @@ def _train(rank: int, phase: Phase) -> None:
     fsdp = shard_model(model)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
     state = TrainState(model, optim)
-    # both ranks train on the host's cores, all of them: the saver's threads take only
-    # time that training leaves idle (waiting on a collective), never a training thread's
-    options = SaveOptions(idle_threads=True)
-    ck = (
-        Checkpointer(out / "checkpoints", keep_last=2, options=options)
-        if phase.checkpoint
-        else None
-    )
+    ck = Checkpointer(out / "checkpoints", keep_last=2) if phase.checkpoint else None
     records: list[StepRecord] = []
     try:
         if phase.resume and ck is not None:
