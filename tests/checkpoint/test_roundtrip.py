@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 import slipstream as ss
+from slipstream.checkpoint.saver import CheckpointSaver
 
 DTYPES = [
     torch.float32,
@@ -264,3 +265,21 @@ def test_a_save_over_a_larger_checkpoint_writes_the_same_files_as_a_fresh_save(t
     by_ss = {"w": torch.zeros(1000, 3), "note": ""}
     ss.load(by_ss, checkpoint_id=tmp_path / "reused")
     assert torch.equal(by_ss["w"], small["w"]) and by_ss["note"] == "small"
+
+
+def test_later_saves_of_a_layout_commit_the_offsets_of_their_own_values(tmp_path):
+    # A layout's commits share its tensor entries; each must still record where its own
+    # plain values landed, which moves when a value's size changes between saves.
+    saver = CheckpointSaver()
+    try:
+        for i, note in enumerate(["short", "x" * 10_000, "mid" * 50]):
+            state = {"w": torch.full((1000,), float(i)), "note": note, "step": i}
+            saver.save(state, tmp_path / str(i)).result(60)
+        for i, note in enumerate(["short", "x" * 10_000, "mid" * 50]):
+            by_dcp = {"w": torch.zeros(1000), "note": "", "step": -1}
+            dcp.load(by_dcp, checkpoint_id=str(tmp_path / str(i)))
+            assert (by_dcp["note"], by_dcp["step"]) == (note, i)
+            assert torch.equal(by_dcp["w"], torch.full((1000,), float(i)))
+    finally:
+        saver.close()
+    assert saver.plans_made == 1

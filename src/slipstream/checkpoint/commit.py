@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import uuid
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -35,29 +36,56 @@ INDEX_FILE = ".slipstream.json"
 DCP_VERSION = "1.0.0"
 
 
-def build_metadata(plan: SavePlan, done: list[dict], checkpoint_id: str) -> Metadata:
-    """DCP metadata for a save whose ranks reported ``done`` (index = rank)."""
-    state_dict_metadata: dict = {}
-    storage_data: dict = {}
-    for fqn, (dtype, shape, chunks) in plan.tensor_meta.items():
-        state_dict_metadata[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=dtype_from_name(dtype)),
-            size=torch.Size(shape),
-            chunks=[
-                ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in chunks
-            ],
-        )
-    for records in plan.records_by_rank:
-        for i, rec in enumerate(records):
-            index = MetadataIndex(rec.chunk.fqn, torch.Size(rec.chunk.offsets), i)
-            storage_data[index] = _StorageInfo(rec.file, rec.offset, rec.length)
+@dataclass
+class CommitTemplate:
+    """The DCP metadata entries of a plan's tensor records, made once per plan.
+
+    They depend on the plan alone, so every commit of the plan shares them and makes only
+    the entries of its plain values. That keeps a steady-state commit from creating
+    thousands of objects that live through it. In a training process holding hundreds of
+    thousands of Python objects, such a burst on a background thread sets off full garbage
+    collections that hold the GIL: on the demo's rank 0 about one every eight saves, some
+    145 ms each, before this template.
+    """
+
+    tensors: dict[str, TensorStorageMetadata]
+    records: dict[MetadataIndex, _StorageInfo]
+    paths: dict[str, tuple]
+
+    @classmethod
+    def for_plan(cls, plan: SavePlan) -> CommitTemplate:
+        tensors = {
+            fqn: TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype_from_name(dtype)),
+                size=torch.Size(shape),
+                chunks=[
+                    ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in chunks
+                ],
+            )
+            for fqn, (dtype, shape, chunks) in plan.tensor_meta.items()
+        }
+        records = {
+            MetadataIndex(rec.chunk.fqn, torch.Size(rec.chunk.offsets), i): _StorageInfo(
+                rec.file, rec.offset, rec.length
+            )
+            for recs in plan.records_by_rank
+            for i, rec in enumerate(recs)
+        }
+        return cls(tensors, records, dict(plan.paths))
+
+
+def build_metadata(template: CommitTemplate, done: list[dict], checkpoint_id: str) -> Metadata:
+    """DCP metadata for a save of ``template``'s plan whose ranks reported ``done`` (index =
+    rank): the template's tensor entries, shared, and the entries of this save's values."""
+    state_dict_metadata: dict = dict(template.tensors)
+    storage_data: dict = dict(template.records)
     for msg in done:
         for fqn, (file, offset, length, _checksum) in msg["values"].items():
             state_dict_metadata[fqn] = BytesStorageMetadata()
             storage_data[MetadataIndex(fqn)] = _StorageInfo(file, offset, length)
     return Metadata(
         state_dict_metadata=state_dict_metadata,
-        planner_data=dict(plan.paths),
+        planner_data=template.paths,
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
         version=DCP_VERSION,

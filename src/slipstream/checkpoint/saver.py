@@ -47,7 +47,7 @@ from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline, wait_future
 from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
-from .commit import build_index, build_metadata, publish, uncommit
+from .commit import CommitTemplate, build_index, build_metadata, publish, uncommit
 from .files import pwrite_all
 from .layout import LocalLayout, ValueSerializer, dtype_from_name, local_layout
 from .plan import SavePlan, make_save_plan
@@ -121,6 +121,7 @@ class AsyncSaveResponse:
 @dataclass
 class _Job:
     plan: SavePlan
+    template: CommitTemplate
     layout: LocalLayout
     values: dict[str, bytes]
     checkpoint_dir: str
@@ -162,7 +163,7 @@ class CheckpointSaver:
         )
         self._pool = StagingPool(self.options.staging_budget_bytes)
         self._framed: dict[str, int] = {}
-        self._plans: dict[str, SavePlan] = {}
+        self._plans: dict[str, tuple[SavePlan, CommitTemplate]] = {}
         self._serialize_values = ValueSerializer()
         self._seq = 0
         self._last: AsyncSaveResponse | None = None
@@ -197,7 +198,7 @@ class CheckpointSaver:
         self._seq += 1
         checkpoint_dir = os.fspath(checkpoint_id)
         try:
-            layout, values, plan = self._prepare(state_dict, seq, checkpoint_dir)
+            layout, values, plan, template = self._prepare(state_dict, seq, checkpoint_dir)
         except BaseException as exc:
             self._announce_failure(seq, exc)
             raise
@@ -207,6 +208,7 @@ class CheckpointSaver:
         response = AsyncSaveResponse(Future(), Future())
         job = _Job(
             plan,
+            template,
             layout,
             values,
             checkpoint_dir,
@@ -227,26 +229,28 @@ class CheckpointSaver:
 
     def _prepare(
         self, state_dict: Mapping[str, Any], seq: int, checkpoint_dir: str
-    ) -> tuple[LocalLayout, dict[str, bytes], SavePlan]:
-        """The caller's-thread part of save ``seq``: layout, serialized values, plan (made
-        only for a new layout), and the directory, made (each rank's upload thread marks it
-        uncommitted before writing into it)."""
+    ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, CommitTemplate]:
+        """The caller's-thread part of save ``seq``: layout, serialized values, plan and its
+        commit template (made only for a new layout), and the directory, made (each rank's
+        upload thread marks it uncommitted before writing into it)."""
         layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
-        plan = self._plans.get(signature)
-        if plan is None:
+        cached = self._plans.get(signature)
+        if cached is None:
             plan = self._make_plan(layout, seq, checkpoint_dir, Deadline(self.options.timeout))
+            cached = (plan, CommitTemplate.for_plan(plan))
             if len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            self._plans[signature] = plan
+            self._plans[signature] = cached
+        plan, template = cached
         try:
             os.makedirs(checkpoint_dir, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(
                 f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
             ) from exc
-        return layout, values, plan
+        return layout, values, plan, template
 
     def _announce_failure(self, seq: int, exc: BaseException) -> None:
         """Tell the other ranks that this rank's part of save ``seq`` failed before it was
@@ -474,7 +478,7 @@ class CheckpointSaver:
                     f"rank(s) {changed} saved a state dict whose layout differs from the plan "
                     "made for this layout on rank 0; every rank must change layout together"
                 )
-            metadata = build_metadata(job.plan, done, job.checkpoint_dir)
+            metadata = build_metadata(job.template, done, job.checkpoint_dir)
             publish(job.checkpoint_dir, metadata, build_index(job.plan, done))
             if job.after_commit is not None:
                 job.after_commit()
