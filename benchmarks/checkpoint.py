@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from slipstream.core.threads import usable_cores
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
@@ -208,7 +210,7 @@ def spin_turns(seconds: float, during: Callable[[float], Any] | None) -> tuple[i
             stdout=subprocess.PIPE,
             text=True,
         )
-        for _ in range(len(os.sched_getaffinity(0)))
+        for _ in range(usable_cores())
     ]
     try:
         time.sleep(max(0.0, start - time.time()))
@@ -248,7 +250,7 @@ def write_core_seconds_per_gib(workdir: Path, repeats: int, seconds: float = 6.0
     the hypervisor takes from the virtual CPUs to emulate the disk: the floor under what
     checkpointing can cost a training loop that keeps every core busy."""
     target = workdir / "write_cost.bin"
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     costs = []
     for _ in range(repeats):
         alone, _ = spin_turns(seconds, None)
@@ -1173,7 +1175,7 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
     if "write_cost" in extra:
         w = extra["write_cost"]
         per_step = w["core_seconds_per_gib"] * w["checkpoint_bytes"] / GIB
-        cores = len(os.sched_getaffinity(0))
+        cores = usable_cores()
         share = 100 * per_step / (cores * w["two_rank_step"])
         notes.append(
             f"What the disk charges: durable O_DIRECT writes took "
