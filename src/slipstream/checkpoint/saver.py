@@ -86,7 +86,7 @@ class SaveOptions:
     that wakes takes its core back at once. Where the cores are all busy, a save then makes
     progress only once the training loop waits for it, and a saver that falls behind stalls
     the next save call (measured on the demo's two CPU ranks through a ``Checkpointer``:
-    +26% to +37% a step against +15% to +18% at ``thread_nice``, three runs); measure
+    +26% to +37% a step against +15% to +18% at ``thread_nice``, four runs); measure
     before turning it on."""
 
 
