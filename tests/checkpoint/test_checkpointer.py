@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import slipstream as ss
 from slipstream.checkpoint import checkpointer as checkpointer_module
+from slipstream.checkpoint import recycle as recycle_module
 from slipstream.checkpoint import saver as saver_module
 
 
@@ -31,11 +32,14 @@ def _save_steps(ck: ss.Checkpointer, steps) -> None:
         ck.save(step, _state(step)).result(60)
 
 
-def test_retention_keeps_the_last_n_committed_steps(tmp_path):
-    with ss.Checkpointer(tmp_path, keep_last=2) as ck:
+@pytest.mark.parametrize("reuse_files", [True, False])
+def test_retention_keeps_the_last_n_committed_steps(tmp_path, reuse_files):
+    with ss.Checkpointer(tmp_path, keep_last=2, reuse_files=reuse_files) as ck:
         _save_steps(ck, range(1, 6))
         assert ck.steps() == [4, 5]
-        assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]
+        spares = [".spare"] if reuse_files else []
+        assert sorted(os.listdir(tmp_path)) == spares + ["step_4", "step_5"]
+    assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]
 
 
 def test_retention_deletes_nothing_until_a_newer_step_commits(tmp_path, monkeypatch):
@@ -87,21 +91,27 @@ def test_load_defaults_to_the_latest_step_and_returns_it(tmp_path):
         assert target["step"] == 10 and torch.equal(target["w"], _state(10)["w"])
 
 
-def test_half_deleted_old_step_is_never_listed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reuse_files", [True, False])
+def test_half_deleted_old_step_is_never_listed(tmp_path, monkeypatch, reuse_files):
     """Retention that dies part way through deleting a step must not leave it listed."""
 
-    def dies_after_one_file(path, *args, **kwargs):
-        os.remove(os.path.join(path, "__0_0.distcp"))
+    def dies_after_the_data_file(path, *args, **kwargs):
+        data = os.path.join(path, "__0_0.distcp")
+        if os.path.exists(data):
+            os.remove(data)
         raise OSError(f"simulated crash while deleting {path}")
 
-    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+    deleting = recycle_module if reuse_files else checkpointer_module
+    with ss.Checkpointer(tmp_path, keep_last=1, reuse_files=reuse_files) as ck:
         _save_steps(ck, [1])
-        monkeypatch.setattr(checkpointer_module.shutil, "rmtree", dies_after_one_file)
+        monkeypatch.setattr(deleting.shutil, "rmtree", dies_after_the_data_file)
         _save_steps(ck, [2])
         monkeypatch.undo()
         assert ck.steps() == [2]
         _save_steps(ck, [3])
-        assert sorted(os.listdir(tmp_path)) == ["step_3"]
+        assert ck.steps() == [3]
+        assert ck.load(_blank()) == 3
+    assert sorted(os.listdir(tmp_path)) == ["step_3"]
 
 
 def test_context_manager_finishes_the_save_in_flight_and_joins_its_threads(tmp_path):

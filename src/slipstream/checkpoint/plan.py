@@ -17,10 +17,11 @@ from .layout import ChunkSpec, dtype_from_name
 from .records import tensor_frame
 
 RECORD_ALIGN = 64
+DATA_FILE_SUFFIX = ".distcp"
 
 
 def data_file_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
+    return f"__{rank}_0{DATA_FILE_SUFFIX}"
 
 
 @dataclass(frozen=True)

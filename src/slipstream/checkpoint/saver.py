@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from .commit import CommitTemplate, build_index, build_metadata, publish, uncomm
 from .files import pwrite_all
 from .layout import LocalLayout, ValueSerializer, dtype_from_name, local_layout
 from .plan import SavePlan, make_save_plan
+from .recycle import claim
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ class _Job:
     device: torch.device | None
     response: AsyncSaveResponse
     after_commit: Callable[[], None] | None
+    spare_dir: Path | None
     started: float = 0.0
     progress: Watermark = field(default_factory=Watermark)
     buffer: torch.Tensor | None = None
@@ -182,12 +185,15 @@ class CheckpointSaver:
         state_dict: Mapping[str, Any],
         checkpoint_id: str | os.PathLike,
         after_commit: Callable[[], None] | None = None,
+        spare_dir: Path | None = None,
     ) -> AsyncSaveResponse:
         """Start a save; returns once the work is queued (see the module docstring).
 
         ``after_commit`` runs on rank 0's upload thread once the save has committed and
         before the commit is announced, so no rank's ``upload_completion`` resolves before
         it has run (used for retention: every rank then sees the same steps).
+        ``spare_dir`` holds retired data files (see :mod:`.recycle`): a rank whose file does
+        not exist yet writes over the spare of the same name instead of a new file.
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
@@ -219,6 +225,7 @@ class CheckpointSaver:
             device,
             response,
             after_commit,
+            spare_dir,
             started,
         )
         response.timings.nbytes = plan.data_bytes
@@ -435,6 +442,8 @@ class CheckpointSaver:
         path = os.path.join(job.checkpoint_dir, plan.file)
         job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {path}")
         image = byte_view(job.buffer)
+        if job.spare_dir is not None:
+            claim(job.spare_dir, plan.file, path)
         with _RankFile(path, image, self.options.direct_io) as out:
             writes = [
                 self._io_pool.submit(self._write_piece, job, out, start, end)
