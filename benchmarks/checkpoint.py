@@ -599,7 +599,7 @@ def spawn_ranks(target: Callable, world: int, opts: BenchOptions, timeout: float
 
 #: slipstream saves through a saver whose threads run under SCHED_IDLE
 IDLE = "ss.async_save, idle threads"
-#: slipstream saves into new files each step, deleting the retired step's
+#: slipstream saves into new files each step, deleting the retired step's files
 NEW_FILES = "ss.async_save, new files (reuse_files=False)"
 TRAIN_MODES = ["none", "ss.async_save", "dcp.async_save"]
 TWO_RANK_MODES = ["none", "ss.async_save", NEW_FILES, IDLE]
@@ -905,7 +905,7 @@ def measure_loads(state: dict, workdir: Path, repeats: int) -> dict[str, dict[st
     return out
 
 
-def save_table(saves: dict, memory: dict, refs: dict) -> Table:
+def save_table(saves: dict, memory: dict) -> Table:
     ref = saves["ss.async_save"]
     rows = []
     for p in SAVE_PEERS:
@@ -952,7 +952,7 @@ def load_table(loads: dict, memory: dict, refs: dict) -> Table:
     )
 
 
-def record_floors(result: Result, saves: dict, loads: dict, refs: dict, extra: dict) -> None:
+def record_floors(result: Result, saves: dict, loads: dict, extra: dict) -> None:
     ss_async, dcp_async = saves["ss.async_save"], saves["dcp.async_save"]
     blocked = ratio(ss_async["blocked"], dcp_async["blocked"])
     result.floor("caller blocked / dcp.async_save's", blocked, "<= 0.05", blocked <= 0.05)
@@ -1079,7 +1079,7 @@ def child_memory_or_nan(kind: str, peer: str, opts: BenchOptions) -> float:
         return float("nan")
 
 
-def plot(saves: dict, refs: dict, path: Path) -> str | None:
+def plot(saves: dict, path: Path) -> str | None:
     """A bar chart of blocked / staged / durable per peer, if matplotlib is installed."""
     try:
         import matplotlib
@@ -1141,7 +1141,7 @@ def run(opts: BenchOptions) -> Result:
     if "train" not in opts.skip:
         print("training loop ...", flush=True)
         run_train(result, opts, extra)
-    result.tables[0:0] = [save_table(saves, memory, refs), load_table(loads, memory, refs)]
+    result.tables[0:0] = [save_table(saves, memory), load_table(loads, memory, refs)]
     result.tables.append(
         Table(
             "References (same bytes, medians)",
@@ -1149,11 +1149,11 @@ def run(opts: BenchOptions) -> Result:
             [[k, v, opts.nbytes / GIB / v] for k, v in refs.items() if k != "memcpy"],
         )
     )
-    record_floors(result, saves, loads, refs, extra)
+    record_floors(result, saves, loads, extra)
     result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     result.notes += NOTES
     result.notes += measured_notes(loads, refs, extra)
-    figure = plot(saves, refs, Path(opts.out).with_suffix(".png"))
+    figure = plot(saves, Path(opts.out).with_suffix(".png"))
     if figure:
         result.notes.append(f"Figure: `{figure}`.")
     clear(workdir)

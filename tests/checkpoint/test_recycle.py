@@ -60,10 +60,3 @@ def test_a_retired_file_a_reader_holds_open_is_deleted_not_written_over(tmp_path
             assert reader.read() == before
         assert os.stat(ck.path(4) / DATA).st_ino != held_inode
         assert ck.steps() == [4]
-
-
-def test_without_reuse_no_spare_is_kept(tmp_path):
-    with ss.Checkpointer(tmp_path, keep_last=1, reuse_files=False) as ck:
-        for step in (1, 2, 3):
-            _saved(ck, step, rows=512)
-        assert sorted(os.listdir(tmp_path)) == ["step_3"]
