@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import sys
@@ -80,16 +81,29 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def interleave(
-    runners: dict[str, Callable[[int], dict[str, float]]], repeats: int, warmup: int = 1
+    runners: dict[str, Callable[[int], dict[str, float]]],
+    repeats: int,
+    warmup: int = 1,
+    shuffle_seed: int | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Run each runner ``warmup + repeats`` times, interleaved A B C A B C ...
+
+    With ``shuffle_seed`` every round runs the runners in a new order drawn from a random
+    generator with that seed (A B C, C A B, B C A ...), so no runner always follows the same
+    one or always comes late in a round: where a runner's time depends on what ran before it
+    (a disk still flushing the writes of the runners before), that cost is spread over every
+    runner instead of landing on the same one each round.
 
     A runner takes the repetition index and returns named measurements (seconds, MiB...).
     Warm-up repetitions are run but not kept. Returns name -> metric -> list of values.
     """
     kept: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
+    order = list(runners.items())
+    rng = random.Random(shuffle_seed)
     for rep in range(warmup + repeats):
-        for name, run in runners.items():
+        if shuffle_seed is not None:
+            rng.shuffle(order)
+        for name, run in order:
             metrics = run(rep)
             if rep < warmup:
                 continue
