@@ -1,8 +1,9 @@
 """Checkpoint benchmark: slipstream against torch.save, safetensors, DCP and torchsnapshot.
 
 Every peer saves and loads the same state (``--gib`` of fp32 in ``--tensors`` tensors of
-mixed sizes) in one invocation, interleaved A B A B after a warm-up, and the medians of
-``--repeats`` repetitions are reported with their ratio to slipstream's. Next to them:
+mixed sizes) in one invocation, interleaved after a warm-up (each round in a new seeded
+order, see ``SHUFFLE_SEED``), and the medians of ``--repeats`` repetitions are reported
+with their ratio to slipstream's. Next to them:
 a warm memcpy and a raw fsync'd write of the same bytes (the floors are set against
 those; the memcpy also runs in the rounds of the saves and loads, for per-round ratios),
 peak memory of each peer measured in a fresh subprocess, a 1 -> 4 rank resharding
@@ -1124,7 +1125,8 @@ def run(opts: BenchOptions) -> Result:
         setup={
             "state": f"{state_bytes(state) / GIB:.2f} GiB fp32 in {len(state)} tensors "
             f"({sizes[0] / 1024:.0f} KiB - {sizes[-1] / MIB:.0f} MiB)",
-            "repetitions": f"1 warm-up + {opts.repeats}, interleaved, medians",
+            "repetitions": f"1 warm-up + {opts.repeats}, interleaved, saves and loads in a "
+            f"new order each round (seed {SHUFFLE_SEED}), medians",
             "directory": str(workdir.resolve()),
             "load average at start": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
         },
@@ -1195,6 +1197,9 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
         "or writes faster or slower in one phase moves both sides of the ratio. Every timed "
         "write starts after its previous output is deleted and the filesystem flushed, so "
         "freeing those blocks is not charged to whichever peer commits the journal next. "
+        "Each round runs the peers in a new order: on this host a write's time depends on "
+        "how many writes ran just before it, and in a fixed order that cost fell on the "
+        "same peers every round. "
         "The References table is a separate phase, and its memcpy can differ from the one "
         "beside the saves and loads.",
     ]
