@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from slipstream.core.buffers import byte_view
 from slipstream.core.threads import usable_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -828,8 +829,6 @@ def raw_write_runner(state: dict, workdir: Path) -> Callable[[int], dict]:
     rounds as the saves it is the reference of."""
     image = torch.empty(state_bytes(state), dtype=torch.uint8)
     image.fill_(7)
-    from slipstream.core.buffers import byte_view
-
     target = workdir / "save" / "raw.bin"
 
     def run(_rep: int, image: torch.Tensor = image) -> dict[str, float]:
@@ -870,8 +869,6 @@ def raw_read_runner(workdir: Path, cold: bool) -> Callable[[int], dict]:
     """``preadv`` of slipstream's data file into a touched buffer: the kernel's read speed."""
     path = load_source("ss.load", workdir) / "__0_0.distcp"
     buf = torch.ones(path.stat().st_size, dtype=torch.uint8)
-    from slipstream.core.buffers import byte_view
-
     view = byte_view(buf)
     piece = 64 * MIB
 
@@ -1198,8 +1195,8 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
         "write starts after its previous output is deleted and the filesystem flushed, so "
         "freeing those blocks is not charged to whichever peer commits the journal next. "
         "Each round runs the peers in a new order: on this host a write's time depends on "
-        "how many writes ran just before it, and in a fixed order that cost fell on the "
-        "same peers every round. "
+        "what ran just before it, and in a fixed order that cost fell on the same peers "
+        "every round. "
         "The References table is a separate phase, and its memcpy can differ from the one "
         "beside the saves and loads.",
     ]

@@ -91,8 +91,8 @@ def interleave(
     With ``shuffle_seed`` every round runs the runners in a new order drawn from a random
     generator with that seed (A B C, C A B, B C A ...), so no runner always follows the same
     one or always comes late in a round: where a runner's time depends on what ran before it
-    (a disk still flushing the writes of the runners before), that cost is spread over every
-    runner instead of landing on the same one each round.
+    (a write after other writes, on a disk), that cost is spread over every runner instead of
+    landing on the same one each round.
 
     A runner takes the repetition index and returns named measurements (seconds, MiB...).
     Warm-up repetitions are run but not kept. Returns name -> metric -> list of values.
