@@ -8,10 +8,13 @@ from . import fsdp, sync
 from .checkpoint import (
     AsyncSaveResponse,
     Checkpointer,
+    DataWriter,
     SaveOptions,
     SaveTimings,
+    Storage,
     async_save,
     load,
+    register_storage,
     save,
 )
 from .errors import (
@@ -30,10 +33,13 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaveResponse",
     "Checkpointer",
+    "DataWriter",
     "SaveOptions",
     "SaveTimings",
+    "Storage",
     "async_save",
     "load",
+    "register_storage",
     "save",
     "CheckpointError",
     "CorruptCheckpointError",

@@ -7,7 +7,6 @@ buffers and plans are reused across calls; they are closed at interpreter exit.
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from . import loader
 from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+from .storage import Location
 
 _savers: dict[tuple, CheckpointSaver] = {}
 _savers_lock = threading.Lock()
@@ -57,36 +57,46 @@ def _close_savers() -> None:
 
 def async_save(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike,
+    checkpoint_id: Location,
     process_group: dist.ProcessGroup | None = None,
     *,
     timeout: float = 600.0,
+    storage_options: dict[str, Any] | None = None,
 ) -> AsyncSaveResponse:
     """Save asynchronously; returns at once with ``staging_completion``/``upload_completion``.
 
     Mutate the state only after ``staging_completion`` resolves. Every rank of the group
-    must call it with the same ``checkpoint_id``.
+    must call it with the same ``checkpoint_id``: a local path, ``file://``, ``s3://``,
+    ``gs://``, ``az://`` or ``memory://`` URL, or a :class:`~slipstream.Storage`.
+    ``storage_options`` override an object store's configuration (see docs/storage.md).
     """
-    return _saver(process_group, timeout).save(state_dict, checkpoint_id)
+    return _saver(process_group, timeout).save(
+        state_dict, checkpoint_id, storage_options=storage_options
+    )
 
 
 def save(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike,
+    checkpoint_id: Location,
     process_group: dist.ProcessGroup | None = None,
     *,
     timeout: float = 600.0,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """Save and return once the checkpoint is durable and committed."""
-    async_save(state_dict, checkpoint_id, process_group, timeout=timeout).upload_completion.result()
+    """Save and return once the checkpoint is durable and committed (see :func:`async_save`)."""
+    response = async_save(
+        state_dict, checkpoint_id, process_group, timeout=timeout, storage_options=storage_options
+    )
+    response.upload_completion.result()
 
 
 def load(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike,
+    checkpoint_id: Location,
     process_group: dist.ProcessGroup | None = None,
     *,
     strict: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Load a committed checkpoint (slipstream- or DCP-written) into ``state_dict`` in place.
 
@@ -95,4 +105,4 @@ def load(
     needs no communication.
     """
     del process_group
-    loader.load(state_dict, checkpoint_id, strict=strict)
+    loader.load(state_dict, checkpoint_id, strict=strict, storage_options=storage_options)

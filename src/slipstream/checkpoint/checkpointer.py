@@ -1,22 +1,21 @@
-"""A training run's checkpoints: one directory per step, retention, latest, resume.
+"""A training run's checkpoints: one location per step, retention, latest, resume.
+
+Works the same on every storage backend (a directory, an object store prefix).
 
 Invariants: a step is listed by :meth:`Checkpointer.steps` only once committed (its
 ``.metadata`` exists), so :meth:`latest` never names a checkpoint that was cut short;
-old steps are deleted only after a newer one has committed; directories of saves that
-never committed are removed by the next save (never while a save into them may be
-running). With ``reuse_files`` the data files of a deleted step are kept aside, under
-invariants of their own (see :mod:`.recycle`), for the next save to write over, and
-:meth:`Checkpointer.close` deletes what is left of them.
+old steps are deleted only after a newer one has committed; steps that never committed,
+and multipart uploads cut short, are removed by the next save (never while a save into
+them may be running). With ``reuse_files`` on the local disk the data files of a deleted
+step are kept aside, under invariants of their own (see :mod:`.recycle`), for the next
+save to write over, and :meth:`Checkpointer.close` deletes what is left of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -24,8 +23,9 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from . import loader
 from .commit import METADATA_FILE, uncommit
-from .recycle import SPARE_DIR, discard_spares, retire
+from .recycle import SPARE_DIR
 from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+from .storage import Location, Storage, resolve_storage
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -36,43 +36,59 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: Location,
         keep_last: int | None = 3,
         process_group: dist.ProcessGroup | None = None,
         timeout: float = 600.0,
         options: SaveOptions | None = None,
         reuse_files: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        """``reuse_files``: the next save writes over the data files of the step retention
-        deletes, where nothing else has them open, instead of freeing their blocks and
-        allocating new ones (on the development host the writes then took 0.7 - 1.2
-        core-s per GiB from busy cores instead of 1.4 - 1.9; see docs/checkpoint.md).
-        Between saves one step's data files more stay on disk, in ``root/.spare``, until
-        :meth:`close`."""
+        """``root`` is a directory, an object store URL (``s3://bucket/run``, ``memory://``)
+        or a :class:`~slipstream.checkpoint.storage.Storage`; ``storage_options`` configure
+        an object store's client (see docs/storage.md).
+
+        ``reuse_files``: on the local disk, the next save writes over the data files of the
+        step retention deletes, where nothing else has them open, instead of freeing their
+        blocks and allocating new ones (see docs/checkpoint.md). Between saves one step's
+        data files more stay on disk, in ``root/.spare``, until :meth:`close`."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        self.root = Path(root)
         self.keep_last = keep_last
-        self.root.mkdir(parents=True, exist_ok=True)
         opts = dataclasses.replace(options or SaveOptions(), timeout=timeout)
+        self.storage: Storage = resolve_storage(
+            root,
+            storage_options,
+            spare_dir_name=SPARE_DIR if reuse_files else None,
+            direct_io=opts.direct_io,
+        )
+        self.root = self.storage.url
+        self.storage.prepare()
         self._saver = CheckpointSaver(process_group, opts)
-        self._spare_dir = self.root / SPARE_DIR if reuse_files else None
         self._last: AsyncSaveResponse | None = None
 
-    def path(self, step: int) -> Path:
-        return self.root / f"step_{int(step)}"
+    def path(self, step: int) -> str:
+        """Where ``step`` is saved (a path or URL)."""
+        return self._step(step).url
 
-    def _step_dirs(self) -> dict[int, Path]:
+    def _step(self, step: int) -> Storage:
+        return self.storage.child(f"step_{int(step)}")
+
+    def _step_names(self) -> dict[int, str]:
         found = {}
-        for entry in os.scandir(self.root):
-            match = _STEP_DIR.match(entry.name)
-            if match and entry.is_dir():
-                found[int(match.group(1))] = Path(entry.path)
+        for name in self.storage.list_children():
+            match = _STEP_DIR.match(name)
+            if match:
+                found[int(match.group(1))] = name
         return found
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return sorted(s for s, p in self._step_dirs().items() if (p / METADATA_FILE).is_file())
+        return sorted(
+            s
+            for s, name in self._step_names().items()
+            if self.storage.child(name).exists(METADATA_FILE)
+        )
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -84,34 +100,35 @@ class Checkpointer:
         if self._saver.rank == 0:
             self._remove_uncommitted(except_step=step)
         retain = self._retain if self._saver.rank == 0 else None
-        response = self._saver.save(
-            state_dict, self.path(step), after_commit=retain, spare_dir=self._spare_dir
-        )
+        response = self._saver.save(state_dict, self._step(step), after_commit=retain)
         self._last = response
         return response
 
     def _remove_uncommitted(self, except_step: int) -> None:
-        for step, path in self._step_dirs().items():
-            if step != except_step and not (path / METADATA_FILE).is_file():
-                shutil.rmtree(path, ignore_errors=True)
+        for step, name in self._step_names().items():
+            location = self.storage.child(name)
+            if step != except_step and not location.exists(METADATA_FILE):
+                try:
+                    location.delete_all()
+                except OSError as exc:
+                    logger.warning("could not remove uncommitted %s: %s", location.url, exc)
+        self.storage.cleanup_incomplete(keep=f"step_{int(except_step)}")
 
     def _retain(self) -> None:
         """Delete committed steps older than the last ``keep_last`` (runs after a commit).
 
         Each step is uncommitted first (its ``.metadata`` removed), so a deletion cut short
-        leaves a directory that is no longer listed and that the next save cleans up.
+        leaves a location that is no longer listed and that the next save cleans up.
         """
         if self.keep_last is None:
             return
         for step in self.steps()[: -self.keep_last]:
+            location = self._step(step)
             try:
-                uncommit(str(self.path(step)))
-                if self._spare_dir is None:
-                    shutil.rmtree(self.path(step))
-                else:
-                    retire(self.path(step), self._spare_dir)
+                uncommit(location)
+                location.delete_all()
             except OSError as exc:
-                logger.warning("could not delete old checkpoint %s: %s", self.path(step), exc)
+                logger.warning("could not delete old checkpoint %s: %s", location.url, exc)
 
     def load(
         self, state_dict: dict[str, Any], step: int | None = None, *, strict: bool = True
@@ -121,7 +138,7 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
-        loader.load(state_dict, self.path(step), strict=strict)
+        loader.load(state_dict, self._step(step), strict=strict)
         return step
 
     def wait(self, timeout: float | None = None) -> None:
@@ -133,8 +150,8 @@ class Checkpointer:
         """Wait for the save in flight and join the threads; errors were already reported.
         Rank 0 then deletes the spare data files."""
         self._saver.close()
-        if self._spare_dir is not None and self._saver.rank == 0:
-            discard_spares(self._spare_dir)
+        if self._saver.rank == 0:
+            self.storage.discard_spares()
 
     def __enter__(self) -> Checkpointer:
         return self

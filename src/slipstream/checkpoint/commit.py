@@ -1,15 +1,15 @@
 """Commit: turn the ranks' write results into DCP metadata and publish it last, atomically.
 
-A checkpoint directory is committed exactly when its ``.metadata`` exists. Everything it
-points to is written and fsync'd first; slipstream's own index (raw data offsets and
-block checksums) is written next; ``.metadata`` is renamed into place last and the
-directory fsync'd. A crash at any point leaves either the old state or the new one.
+A checkpoint location is committed exactly when its ``.metadata`` exists. Everything it
+points to is written and made durable first (fsync'd files; completed multipart uploads);
+slipstream's own index (raw data offsets and block checksums) is put next; ``.metadata``
+is put last, atomically (a rename and a directory fsync on the local disk, one PUT on an
+object store). A crash at any point leaves either the old state or the new one.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import uuid
 from dataclasses import dataclass
@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core.checksum import ALGORITHM, BLOCK_BYTES
-from .files import write_atomic
 from .layout import dtype_from_name
 from .plan import SavePlan
+from .storage import Storage
 
 METADATA_FILE = ".metadata"
 INDEX_FILE = ".slipstream.json"
@@ -119,7 +119,7 @@ def build_index(plan: SavePlan, done: list[dict]) -> dict:
     }
 
 
-def publish(checkpoint_dir: str, metadata: Metadata, index: dict) -> None:
+def publish(storage: Storage, metadata: Metadata, index: dict) -> None:
     """Write the index, then ``.metadata`` (the commit point), each atomically.
 
     The index carries the metadata's ``save_id``: a reader trusts it only for the
@@ -127,14 +127,11 @@ def publish(checkpoint_dir: str, metadata: Metadata, index: dict) -> None:
     same directory) wrote later.
     """
     index = {**index, "save_id": metadata.storage_meta.save_id}
-    write_atomic(os.path.join(checkpoint_dir, INDEX_FILE), json.dumps(index).encode())
-    write_atomic(os.path.join(checkpoint_dir, METADATA_FILE), pickle.dumps(metadata))
+    storage.put_atomic(INDEX_FILE, json.dumps(index).encode())
+    storage.put_atomic(METADATA_FILE, pickle.dumps(metadata))
 
 
-def uncommit(checkpoint_dir: str) -> None:
-    """Make an existing checkpoint at this path invisible before it is overwritten."""
+def uncommit(storage: Storage) -> None:
+    """Make an existing checkpoint at this location invisible before it is overwritten."""
     for name in (METADATA_FILE, INDEX_FILE):
-        try:
-            os.remove(os.path.join(checkpoint_dir, name))
-        except FileNotFoundError:
-            pass
+        storage.delete(name)

@@ -3,8 +3,10 @@
 For every tensor (or DTensor shard) in the target state dict, the saved chunks that
 overlap it are found from the metadata and only the overlapping byte ranges are read,
 with ``preadv`` straight into the destination tensor's memory whenever the range is
-contiguous on both sides (the usual case, including ``Shard(0)`` resharding). No
-collective runs: each rank reads what it needs, so N -> M ranks costs no planning.
+contiguous on both sides (the usual case, including ``Shard(0)`` resharding). Reads go
+through the storage backend (see :mod:`.storage`): ``preadv`` on the local disk, parallel
+ranged GETs on an object store. No collective runs: each rank reads what it needs, so
+N -> M ranks costs no planning.
 
 Checks that need no data (missing/unexpected keys, dtype, global shape, committed
 metadata, truncated files) all run before the first byte lands in the state dict. Block
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -41,16 +42,18 @@ from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
 from .commit import INDEX_FILE, METADATA_FILE
-from .files import pread_bytes, pread_into
 from .layout import is_stateful, resolve_stateful
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
 from .shards import local_chunks
+from .storage import Location, resolve_storage
 
 logger = logging.getLogger(__name__)
 
 READ_PIECE_BYTES = 64 * 1024 * 1024
 MAX_IO_THREADS = 16
+OBJECT_STORE_IO_THREADS = 16
+"""Parallel ranged reads from an object store, where each waits on a round trip."""
 
 
 @dataclass(frozen=True)
@@ -77,20 +80,22 @@ class _Read:
 
 
 class CheckpointReader:
-    """A committed checkpoint directory opened for reading (metadata, index, file handles)."""
+    """A committed checkpoint opened for reading (metadata, index, the storage backend)."""
 
-    def __init__(self, checkpoint_id: str | os.PathLike) -> None:
-        self.path = os.fspath(checkpoint_id)
-        meta_path = os.path.join(self.path, METADATA_FILE)
-        if not os.path.isfile(meta_path):
+    def __init__(
+        self, checkpoint_id: Location, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self.storage = resolve_storage(checkpoint_id, storage_options)
+        self.path = self.storage.url
+        meta_path = self.file_path(METADATA_FILE)
+        data = self.storage.get(METADATA_FILE)
+        if data is None:
             raise CheckpointError(
                 f"{self.path} is not a committed checkpoint: it has no {METADATA_FILE} "
                 "(the save never finished, or this is not a checkpoint directory)"
             )
-        with open(meta_path, "rb") as f:
-            self.metadata: Metadata = load_metadata(f.read(), meta_path)
+        self.metadata: Metadata = load_metadata(data, meta_path)
         self.index = self._read_index()
-        self._fds: dict[str, int] = {}
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
 
     def _read_index(self) -> dict | None:
@@ -99,12 +104,12 @@ class CheckpointReader:
         An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
         ``dcp.save`` into the same directory) does not describe these files: ignored.
         """
-        path = os.path.join(self.path, INDEX_FILE)
-        if not os.path.isfile(path):
+        path = self.file_path(INDEX_FILE)
+        data = self.storage.get(INDEX_FILE)
+        if data is None:
             return None
         try:
-            with open(path, "rb") as f:
-                index = json.loads(f.read())
+            index = json.loads(data)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from exc
         if index.get("format") != "slipstream-index":
@@ -114,24 +119,20 @@ class CheckpointReader:
             return None
         return index
 
-    def fd(self, relative_path: str) -> int:
-        fd = self._fds.get(relative_path)
-        if fd is None:
-            full = os.path.join(self.path, relative_path)
-            try:
-                fd = os.open(full, os.O_RDONLY)
-            except OSError as exc:
-                raise CorruptCheckpointError(f"cannot open {full}: {exc}") from exc
-            self._fds[relative_path] = fd
-        return fd
-
     def file_path(self, relative_path: str) -> str:
-        return os.path.join(self.path, relative_path)
+        """Where ``relative_path`` of this checkpoint is, for messages."""
+        return f"{self.path.rstrip('/')}/{relative_path}"
+
+    def read_into(self, relative_path: str, offset: int, out: memoryview) -> None:
+        self.storage.read_into(relative_path, offset, out)
+
+    def read_bytes(self, relative_path: str, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.storage.read_into(relative_path, offset, memoryview(buf))
+        return bytes(buf)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.storage.close()
 
     def check_file_sizes(self) -> None:
         """Fail early if a data file is shorter than the metadata says.
@@ -144,7 +145,7 @@ class CheckpointReader:
         for index, info in self.metadata.storage_data.items():
             rel = info.relative_path
             if rel not in sizes:
-                sizes[rel] = os.fstat(self.fd(rel)).st_size
+                sizes[rel] = self.storage.size(rel)
             end = info.offset + info.length
             if end > sizes[rel] and (cut is None or (rel, info.offset) < (cut[2], cut[0])):
                 cut = (info.offset, end, rel, index.fqn)
@@ -180,11 +181,11 @@ class CheckpointReader:
         cache_key = (info.relative_path, info.offset)
         layout = self._layouts.get(cache_key)
         if layout is None:
-            fd, path = self.fd(info.relative_path), self.file_path(info.relative_path)
+            path = self.file_path(info.relative_path)
 
             def read(offset: int, n: int) -> bytes:
                 n = max(0, min(n, info.length - offset))
-                return pread_bytes(fd, info.offset + offset, n, path)
+                return self.read_bytes(info.relative_path, info.offset + offset, n)
 
             layout = locate_tensor_data(read, info.length, f"{path} at offset {info.offset}")
             self._layouts[cache_key] = layout
@@ -195,18 +196,13 @@ class CheckpointReader:
         import io
 
         info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
-        data = pread_bytes(
-            self.fd(info.relative_path),
-            info.offset,
-            info.length,
-            self.file_path(info.relative_path),
-        )
+        data = self.read_bytes(info.relative_path, info.offset, info.length)
         return torch.load(io.BytesIO(data), weights_only=True)
 
     def read_value(self, fqn: str) -> Any:
         info = self.metadata.storage_data[MetadataIndex(fqn)]
         path = self.file_path(info.relative_path)
-        data = pread_bytes(self.fd(info.relative_path), info.offset, info.length, path)
+        data = self.read_bytes(info.relative_path, info.offset, info.length)
         if self.index is not None and fqn in self.index["values"]:
             if checksum(data) != self.index["values"][fqn]["checksum"]:
                 raise CorruptCheckpointError(
@@ -386,7 +382,7 @@ def _read_partial_block(reader: CheckpointReader, job: _Read, i: int) -> None:
     bs, be = i * src.block_bytes, min((i + 1) * src.block_bytes, src.nbytes)
     lo, hi = max(bs, a), min(be, b)
     whole = _scratch_view(be - bs)
-    pread_into(reader.fd(src.file), whole, src.data_offset + bs, path)
+    reader.read_into(src.file, src.data_offset + bs, whole)
     _check_block(job, i, checksum(whole), path)
     out[lo - a : hi - a] = whole[lo - bs : hi - bs]
 
@@ -406,26 +402,37 @@ def _read(reader: CheckpointReader, job: _Read, device_ready: dict[torch.device,
 def _read_verified(reader: CheckpointReader, job: _Read) -> None:
     """Read ``job``'s bytes into its destination, verifying every block they touch.
 
-    Whole blocks are read one ``preadv`` each, straight into the destination, and hashed
-    right away while they are still in this core's cache: hashing re-reads every byte, and
-    from cache that pass costs about half what it does from memory.
+    Blocks the read covers whole land straight in the destination. Where small reads are
+    cheap (a local file) each is read on its own and hashed right away, while it is still
+    in this core's cache: hashing re-reads every byte, and from cache that pass costs about
+    half what it does from memory. On an object store, where every read is a round trip,
+    they are read in one request and hashed after. A block the read covers only in part
+    is read whole into scratch memory, verified, and the part needed copied out.
     """
     src, a, b, out = job.source, job.start, job.end, job.out
-    fd, path = reader.fd(src.file), reader.file_path(src.file)
+    path = reader.file_path(src.file)
     if b <= a:
         return
     if src.blocks is None:
-        pread_into(fd, out, src.data_offset + a, path)
+        reader.read_into(src.file, src.data_offset + a, out)
         return
     block = src.block_bytes
+    whole = []
     for i in range(a // block, (b - 1) // block + 1):
         bs, be = i * block, min((i + 1) * block, src.nbytes)
         if bs < a or be > b:
             _read_partial_block(reader, job, i)
-            continue
-        piece = out[bs - a : be - a]
-        pread_into(fd, piece, src.data_offset + bs, path)
-        _check_block(job, i, checksum(piece), path)
+        elif reader.storage.small_reads_are_cheap:
+            piece = out[bs - a : be - a]
+            reader.read_into(src.file, src.data_offset + bs, piece)
+            _check_block(job, i, checksum(piece), path)
+        else:
+            whole.append((i, bs, be))
+    if whole:
+        lo, hi = whole[0][1], whole[-1][2]
+        reader.read_into(src.file, src.data_offset + lo, out[lo - a : hi - a])
+        for i, bs, be in whole:
+            _check_block(job, i, checksum(out[bs - a : be - a]), path)
 
 
 def _caller_events(reads: list[_Read]) -> dict[torch.device, Any]:
@@ -436,21 +443,27 @@ def _caller_events(reads: list[_Read]) -> dict[torch.device, Any]:
 
 def load(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike,
+    checkpoint_id: Location,
     *,
     strict: bool = True,
     io_threads: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Load a committed checkpoint into ``state_dict`` in place (see the module docstring).
 
-    ``io_threads`` defaults to one more than the usable cores, at most ``MAX_IO_THREADS``:
-    reading from the page cache is bound by the cores (a copy and a hash per byte), and the
-    extra thread keeps a request queued when reads wait on the disk.
+    ``io_threads`` defaults, on the local disk, to one more than the usable cores, at most
+    ``MAX_IO_THREADS``: reading from the page cache is bound by the cores (a copy and a
+    hash per byte), and the extra thread keeps a request queued when reads wait on the
+    disk. On an object store it is ``OBJECT_STORE_IO_THREADS``.
     """
-    if io_threads is None:
-        io_threads = min(MAX_IO_THREADS, usable_cores() + 1)
     started = time.perf_counter()
-    reader = CheckpointReader(checkpoint_id)
+    reader = CheckpointReader(checkpoint_id, storage_options)
+    if io_threads is None:
+        io_threads = (
+            min(MAX_IO_THREADS, usable_cores() + 1)
+            if reader.storage.small_reads_are_cheap
+            else OBJECT_STORE_IO_THREADS
+        )
     try:
         resolved = resolve_stateful(state_dict)
         flat, paths = flatten(resolved)

@@ -11,11 +11,12 @@ Pipeline of one save (each stage on a thread this object owns and joins in ``clo
    whose bytes are the head of the rank's data file (record headers already in place);
    on an accelerator the copy runs on a side stream that first waits on that event.
    Then ``staging_completion`` resolves: the caller may mutate the state.
-3. upload thread: remove an older commit of this directory, then parallel ``pwrite`` of
-   the buffer, block checksums, plain values
-   appended, ``fsync``; post the result; rank 0 gathers every rank's result and commits
-   (metadata last, atomically); every rank waits for that commit, then
-   ``upload_completion`` resolves.
+3. upload thread: remove an older commit of this location, then write the buffer in
+   parallel pieces through the storage backend's writer (``pwrite`` on the local disk,
+   multipart parts on an object store), block checksums, plain values appended, make it
+   durable; post the result; rank 0 gathers every rank's result and commits (metadata
+   last, atomically); every rank waits for that commit, then ``upload_completion``
+   resolves. A rank whose write fails aborts it: what it wrote is removed at once.
 
 Backpressure: one save in flight; a new save first waits for the previous one to finish
 (its staging buffer is about to be reused). Host memory: one staging buffer, for the
@@ -25,22 +26,19 @@ process group.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..core import streams
-from ..core.buffers import PAGE_BYTES, StagingBudgetError, StagingPool, byte_view
+from ..core.buffers import StagingBudgetError, StagingPool, byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.copy import copy_in_slices, copy_to_address
 from ..core.handles import Watermark, completed_future, fail_unfinished
@@ -49,10 +47,9 @@ from ..core.waits import Deadline, wait_future
 from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
 from .commit import CommitTemplate, build_index, build_metadata, publish, uncommit
-from .files import pwrite_all
 from .layout import LocalLayout, ValueSerializer, dtype_from_name, local_layout
 from .plan import SavePlan, make_save_plan
-from .recycle import claim
+from .storage import DataWriter, Location, Storage, resolve_storage
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +70,8 @@ class SaveOptions:
     pin_memory: bool | None = None
     """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
     direct_io: bool = True
-    """Write data files with ``O_DIRECT`` where the filesystem allows it (see ``_RankFile``)."""
+    """On the local disk, write data files with ``O_DIRECT`` where the filesystem allows it
+    (see :class:`~.storage.local.LocalDataWriter`)."""
     split_copy: bool = False
     """Stage CPU tensors with two threads: the staging thread copies the first half of the
     bytes front to back (so writes start at once) while a second thread copies the rest.
@@ -127,14 +125,13 @@ class _Job:
     template: CommitTemplate
     layout: LocalLayout
     values: dict[str, bytes]
-    checkpoint_dir: str
+    storage: Storage
     seq: int
     fingerprint: str
     ready_event: Any
     device: torch.device | None
     response: AsyncSaveResponse
     after_commit: Callable[[], None] | None
-    spare_dir: Path | None
     started: float = 0.0
     progress: Watermark = field(default_factory=Watermark)
     buffer: torch.Tensor | None = None
@@ -183,17 +180,17 @@ class CheckpointSaver:
     def save(
         self,
         state_dict: Mapping[str, Any],
-        checkpoint_id: str | os.PathLike,
+        checkpoint_id: Location,
         after_commit: Callable[[], None] | None = None,
-        spare_dir: Path | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> AsyncSaveResponse:
         """Start a save; returns once the work is queued (see the module docstring).
 
         ``after_commit`` runs on rank 0's upload thread once the save has committed and
         before the commit is announced, so no rank's ``upload_completion`` resolves before
         it has run (used for retention: every rank then sees the same steps).
-        ``spare_dir`` holds retired data files (see :mod:`.recycle`): a rank whose file does
-        not exist yet writes over the spare of the same name instead of a new file.
+        ``checkpoint_id`` is a path, a URL or a :class:`Storage` (see :mod:`.storage`);
+        ``storage_options`` configure an object store's client.
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
@@ -203,9 +200,11 @@ class CheckpointSaver:
         # save that fails on one rank only leaves the ranks' sequence numbers in step.
         seq = self._seq
         self._seq += 1
-        checkpoint_dir = os.fspath(checkpoint_id)
         try:
-            layout, values, plan, template = self._prepare(state_dict, seq, checkpoint_dir)
+            storage = resolve_storage(
+                checkpoint_id, storage_options, direct_io=self.options.direct_io
+            )
+            layout, values, plan, template = self._prepare(state_dict, seq, storage)
         except BaseException as exc:
             self._announce_failure(seq, exc)
             raise
@@ -214,19 +213,18 @@ class CheckpointSaver:
         ready = streams.record_event(streams.current_stream(device)) if device else None
         response = AsyncSaveResponse(Future(), Future())
         job = _Job(
-            plan,
-            template,
-            layout,
-            values,
-            checkpoint_dir,
-            seq,
-            fingerprint,
-            ready,
-            device,
-            response,
-            after_commit,
-            spare_dir,
-            started,
+            plan=plan,
+            template=template,
+            layout=layout,
+            values=values,
+            storage=storage,
+            seq=seq,
+            fingerprint=fingerprint,
+            ready_event=ready,
+            device=device,
+            response=response,
+            after_commit=after_commit,
+            started=started,
         )
         response.timings.nbytes = plan.data_bytes
         self._stage_thread.submit(self._stage, job)
@@ -236,28 +234,23 @@ class CheckpointSaver:
         return response
 
     def _prepare(
-        self, state_dict: Mapping[str, Any], seq: int, checkpoint_dir: str
+        self, state_dict: Mapping[str, Any], seq: int, storage: Storage
     ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, CommitTemplate]:
         """The caller's-thread part of save ``seq``: layout, serialized values, plan and its
-        commit template (made only for a new layout), and the directory, made (each rank's
-        upload thread marks it uncommitted before writing into it)."""
+        commit template (made only for a new layout), and the location, prepared (each
+        rank's upload thread marks it uncommitted before writing into it)."""
         layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
         cached = self._plans.get(signature)
         if cached is None:
-            plan = self._make_plan(layout, seq, checkpoint_dir, Deadline(self.options.timeout))
+            plan = self._make_plan(layout, seq, storage.url, Deadline(self.options.timeout))
             cached = (plan, CommitTemplate.for_plan(plan))
             if len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[signature] = cached
         plan, template = cached
-        try:
-            os.makedirs(checkpoint_dir, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot create checkpoint directory {checkpoint_dir}: {exc}"
-            ) from exc
+        storage.prepare()
         return layout, values, plan, template
 
     def _announce_failure(self, seq: int, exc: BaseException) -> None:
@@ -284,7 +277,7 @@ class CheckpointSaver:
                 ) from exc
 
     def _make_plan(
-        self, layout: LocalLayout, seq: int, checkpoint_dir: str, deadline: Deadline
+        self, layout: LocalLayout, seq: int, where: str, deadline: Deadline
     ) -> SavePlan:
         channel = self.channel
         fingerprint = layout.fingerprint()
@@ -294,7 +287,7 @@ class CheckpointSaver:
         )
         errors = [f"rank {r}: {m['error']}" for r, m in enumerate(msgs) if m.get("error")]
         if errors:
-            raise CheckpointError(f"save to {checkpoint_dir} failed; " + "; ".join(errors))
+            raise CheckpointError(f"save to {where} failed; " + "; ".join(errors))
         plan = make_save_plan(channel.rank, [m["desc"] for m in msgs], [m["fp"] for m in msgs])
         self.plans_made += 1
         return plan
@@ -310,7 +303,7 @@ class CheckpointSaver:
             buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
         except StagingBudgetError as exc:
             raise StagingBudgetError(
-                f"rank {self.rank} cannot stage {job.checkpoint_dir}: it needs "
+                f"rank {self.rank} cannot stage {job.storage.url}: it needs "
                 f"{job.plan.image_bytes} bytes, over SaveOptions.staging_budget_bytes="
                 f"{self._pool.budget_bytes}"
             ) from exc
@@ -346,7 +339,7 @@ class CheckpointSaver:
                 with streams.on_stream(side):
                     self._copy_records(job, head, side, True)
             finally:
-                wait_future(tail_copy, self.options.timeout, f"staging of {job.checkpoint_dir}")
+                wait_future(tail_copy, self.options.timeout, f"staging of {job.storage.url}")
             if side is not None:
                 side.synchronize()
             job.layout = LocalLayout([], {}, {}, {})
@@ -393,7 +386,7 @@ class CheckpointSaver:
                 "rank %d saved %s: %.3f GiB, caller blocked %.1f ms, staged in %.3f s, "
                 "durable in %.3f s",
                 self.rank,
-                job.checkpoint_dir,
+                job.storage.url,
                 timings.nbytes / 2**30,
                 1000 * (timings.blocked or 0.0),
                 timings.staged or 0.0,
@@ -411,7 +404,7 @@ class CheckpointSaver:
         try:
             # Every rank, not just rank 0, and before its first write: no rank may rewrite its
             # data file while an older .metadata here still marks the old files committed.
-            uncommit(job.checkpoint_dir)
+            uncommit(job.storage)
             done = self._write_rank_file(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
@@ -423,48 +416,51 @@ class CheckpointSaver:
         if self.rank == 0:
             self._commit(job, deadline)
         outcome = self.channel.receive(
-            f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.checkpoint_dir}"
+            f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
         )
         if outcome.get("error"):
             raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
 
-    def _write_piece(self, job: _Job, out: _RankFile, start: int, end: int) -> None:
+    def _write_piece(self, job: _Job, out: DataWriter, start: int, end: int) -> None:
         job.progress.wait_for(end, self.options.timeout, f"staging of {out.path}")
         out.write(start, end)
 
     def _write_rank_file(self, job: _Job) -> dict:
-        """Write the staged image as it fills, then the values; fsync; return the report.
+        """Write the staged image as it fills, then the values; make it durable; return the
+        report. A failure aborts the writer, removing what it wrote.
 
         Checksums are taken once staging is complete, so that they never compete with the
         staging copy (the phase the training loop may be waiting on) for a core.
         """
         plan = job.plan
-        path = os.path.join(job.checkpoint_dir, plan.file)
-        job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {path}")
+        where = f"{job.storage.url}/{plan.file}"
+        job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {where}")
         image = byte_view(job.buffer)
-        if job.spare_dir is not None:
-            claim(job.spare_dir, plan.file, path)
-        with _RankFile(path, image, self.options.direct_io) as out:
-            writes = [
-                self._io_pool.submit(self._write_piece, job, out, start, end)
-                for start, end in out.pieces(WRITE_PIECE_BYTES)
-            ]
+        with job.storage.open_writer(plan.file, image) as out:
             try:
-                job.progress.wait_for(len(image), self.options.timeout, f"staging of {path}")
-                records = {
-                    rec.chunk.record_key: block_checksums(
-                        image[rec.data_offset : rec.data_offset + rec.nbytes]
-                    )
-                    for rec in plan.records
-                }
-                values = self._append_values(job, out, len(image))
-            finally:
-                _join_writes(writes, self.options.timeout, path)
-            out.finish()
+                writes = [
+                    self._io_pool.submit(self._write_piece, job, out, start, end)
+                    for start, end in out.pieces(WRITE_PIECE_BYTES)
+                ]
+                try:
+                    job.progress.wait_for(len(image), self.options.timeout, f"staging of {where}")
+                    records = {
+                        rec.chunk.record_key: block_checksums(
+                            image[rec.data_offset : rec.data_offset + rec.nbytes]
+                        )
+                        for rec in plan.records
+                    }
+                    values = self._append_values(job, out, len(image))
+                finally:
+                    _join_writes(writes, self.options.timeout, where)
+                out.finish()
+            except BaseException:
+                out.abort()
+                raise
         return {"fp": job.fingerprint, "records": records, "values": values, "error": None}
 
     @staticmethod
-    def _append_values(job: _Job, out: _RankFile, cursor: int) -> dict[str, list]:
+    def _append_values(job: _Job, out: DataWriter, cursor: int) -> dict[str, list]:
         """Write this rank's plain values after its tensor records; return their index."""
         values = {}
         for fqn in job.plan.my_values():
@@ -478,18 +474,18 @@ class CheckpointSaver:
         channel = self.channel
         topic = f"{job.seq}/done"
         try:
-            done = channel.gather(topic, deadline, f"finish writing {job.checkpoint_dir}")
+            done = channel.gather(topic, deadline, f"finish writing {job.storage.url}")
             errors = [f"rank {r}: {m['error']}" for r, m in enumerate(done) if m.get("error")]
             if errors:
-                raise CheckpointError(f"save to {job.checkpoint_dir} failed; " + "; ".join(errors))
+                raise CheckpointError(f"save to {job.storage.url} failed; " + "; ".join(errors))
             changed = [r for r, m in enumerate(done) if m["fp"] != job.plan.fingerprints[r]]
             if changed:
                 raise CheckpointError(
                     f"rank(s) {changed} saved a state dict whose layout differs from the plan "
                     "made for this layout on rank 0; every rank must change layout together"
                 )
-            metadata = build_metadata(job.template, done, job.checkpoint_dir)
-            publish(job.checkpoint_dir, metadata, build_index(job.plan, done))
+            metadata = build_metadata(job.template, done, job.storage.url)
+            publish(job.storage, metadata, build_index(job.plan, done))
             if job.after_commit is not None:
                 job.after_commit()
             outcome: dict = {"error": None}
@@ -504,7 +500,7 @@ class CheckpointSaver:
     @staticmethod
     def _fail(job: _Job, exc: BaseException) -> None:
         if not isinstance(exc, SlipstreamError):
-            exc = CheckpointError(f"save to {job.checkpoint_dir} failed: {exc!r}")
+            exc = CheckpointError(f"save to {job.storage.url} failed: {exc!r}")
         fail_unfinished(exc, job.response.staging_completion, job.response.upload_completion)
 
     def close(self) -> None:
@@ -517,89 +513,6 @@ class CheckpointSaver:
         self._upload_thread.shutdown(wait=True)
         self._io_pool.shutdown(wait=True)
         self._pool.clear()
-
-
-class _RankFile:
-    """One rank's data file being written from a page-aligned staging image.
-
-    With ``direct`` the page-aligned bulk of the image goes through an ``O_DIRECT``
-    descriptor: the disk reads the staging buffer itself, so the CPU neither copies the
-    bytes into the page cache nor flushes them later (the training loop keeps its cores).
-    The unaligned tail and the value records go through an ordinary descriptor. Where the
-    filesystem refuses ``O_DIRECT``, everything is written the ordinary way and handed to
-    write-back piece by piece.
-
-    A file left by an older save is written over in place, and cut to its new length only
-    in :meth:`finish`: writing into blocks the file already holds spares the filesystem
-    freeing and allocating them again (measured on the development host: about 1 GiB/s
-    instead of 0.5 - 0.7, at 0.53 - 0.73 instead of 0.66 - 1.06 core-s per GiB). The older
-    bytes are never readable as part of a checkpoint: the directory is uncommitted before
-    the first write.
-    """
-
-    def __init__(self, path: str, image: memoryview, direct: bool) -> None:
-        self.path = path
-        self.image = image
-        self.end = len(image)
-        """Where this save's bytes end: the image, then whatever was appended after it."""
-        try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create {path}: {exc}") from exc
-        self.direct_fd = -1
-        self.direct_end = 0
-        if direct and hasattr(os, "O_DIRECT") and len(image) >= PAGE_BYTES:
-            try:
-                self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-                self.direct_end = len(image) // PAGE_BYTES * PAGE_BYTES
-            except OSError:
-                self.direct_fd = -1
-
-    def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
-        """Byte ranges of the image to write in parallel (page-aligned where direct).
-
-        A rank with no tensor records (everything it holds is written by others) has an
-        empty image and no pieces.
-        """
-        if not self.image:
-            return []
-        cuts = list(range(0, len(self.image), piece_bytes))
-        if self.direct_end and self.direct_end not in cuts:
-            cuts.append(self.direct_end)
-        cuts = sorted(set(cuts))
-        return [(a, b) for a, b in zip(cuts, cuts[1:] + [len(self.image)], strict=True) if b > a]
-
-    def write(self, start: int, end: int) -> None:
-        if end <= self.direct_end:
-            try:
-                pwrite_all(self.direct_fd, self.image[start:end], start, self.path)
-                return
-            except CheckpointError as exc:
-                if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EINVAL:
-                    raise
-        pwrite_all(self.fd, self.image[start:end], start, self.path)
-        os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-
-    def append(self, data: memoryview, offset: int) -> None:
-        pwrite_all(self.fd, data, offset, self.path)
-        self.end = max(self.end, offset + len(data))
-
-    def finish(self) -> None:
-        """Cut the file where this save's bytes end (what an older, longer file leaves past
-        them goes) and make it durable."""
-        try:
-            os.ftruncate(self.fd, self.end)
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise CheckpointError(f"finishing {self.path} failed: {exc}") from exc
-
-    def __enter__(self) -> _RankFile:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        os.close(self.fd)
-        if self.direct_fd >= 0:
-            os.close(self.direct_fd)
 
 
 def _join_writes(writes: list[Future], timeout: float, path: str) -> None:
