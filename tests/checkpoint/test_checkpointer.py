@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
+from fault_storage import FaultStorage
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import slipstream as ss
-from slipstream.checkpoint import checkpointer as checkpointer_module
-from slipstream.checkpoint import recycle as recycle_module
-from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint.commit import METADATA_FILE
+from slipstream.checkpoint.recycle import SPARE_DIR
+from slipstream.checkpoint.storage import resolve_storage
 
 
 def _state(step: int) -> dict:
@@ -32,6 +33,21 @@ def _save_steps(ck: ss.Checkpointer, steps) -> None:
         ck.save(step, _state(step)).result(60)
 
 
+def _checkpointer_with_faults(
+    root, reuse_files: bool = True, **kwargs
+) -> tuple[ss.Checkpointer, FaultStorage]:
+    """A ``Checkpointer`` on the local backend it would make for ``root`` itself, with
+    faults injectable through the returned storage."""
+    spare = SPARE_DIR if reuse_files else None
+    storage = FaultStorage(resolve_storage(root, spare_dir_name=spare))
+    return ss.Checkpointer(storage, **kwargs), storage
+
+
+def _fail_metadata_put(storage: FaultStorage, message: str) -> None:
+    """Make every commit's ``.metadata`` put (the commit point) raise ``OSError(message)``."""
+    storage.faults.fail("put", OSError(message), when=lambda name: name == METADATA_FILE)
+
+
 @pytest.mark.parametrize("reuse_files", [True, False])
 def test_retention_keeps_the_last_n_committed_steps(tmp_path, reuse_files):
     with ss.Checkpointer(tmp_path, keep_last=2, reuse_files=reuse_files) as ck:
@@ -42,16 +58,14 @@ def test_retention_keeps_the_last_n_committed_steps(tmp_path, reuse_files):
     assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]
 
 
-def test_retention_deletes_nothing_until_a_newer_step_commits(tmp_path, monkeypatch):
-    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+def test_retention_deletes_nothing_until_a_newer_step_commits(tmp_path):
+    ck, storage = _checkpointer_with_faults(tmp_path, keep_last=1)
+    with ck:
         _save_steps(ck, [1])
-
-        def failing_publish(*args, **kwargs):
-            raise OSError("simulated failure while publishing .metadata")
-
-        monkeypatch.setattr(saver_module, "publish", failing_publish)
+        _fail_metadata_put(storage, "simulated failure while publishing .metadata")
         with pytest.raises(ss.CheckpointError, match="simulated failure"):
             ck.save(2, _state(2)).result(60)
+        storage.faults.clear()
         assert ck.steps() == [1]
         target = _blank()
         assert ck.load(target) == 1 and target["step"] == 1
@@ -93,21 +107,26 @@ def test_load_defaults_to_the_latest_step_and_returns_it(tmp_path):
 
 
 @pytest.mark.parametrize("reuse_files", [True, False])
-def test_half_deleted_old_step_is_never_listed(tmp_path, monkeypatch, reuse_files):
+def test_half_deleted_old_step_is_never_listed(tmp_path, reuse_files):
     """Retention that dies part way through deleting a step must not leave it listed."""
 
-    def dies_after_the_data_file(path, *args, **kwargs):
-        data = os.path.join(path, "__0_0.distcp")
-        if os.path.exists(data):
-            os.remove(data)
-        raise OSError(f"simulated crash while deleting {path}")
+    def dies_after_the_data_file(location, name) -> None:
+        # ``location`` is the step's own backend: delete its data file, then die before
+        # the rest of it (the directory) is gone.
+        data = location.path / "__0_0.distcp"
+        assert data.exists()
+        data.unlink()
+        raise OSError(f"simulated crash while deleting {name}")
 
-    deleting = recycle_module if reuse_files else checkpointer_module
-    with ss.Checkpointer(tmp_path, keep_last=1, reuse_files=reuse_files) as ck:
+    ck, storage = _checkpointer_with_faults(tmp_path, reuse_files, keep_last=1)
+    with ck:
         _save_steps(ck, [1])
-        monkeypatch.setattr(deleting.shutil, "rmtree", dies_after_the_data_file)
+        step_1 = ck.path(1)
+        storage.faults.hook("delete", dies_after_the_data_file, when=lambda n: n == step_1)
         _save_steps(ck, [2])
-        monkeypatch.undo()
+        storage.faults.clear()
+        assert storage.faults.names("delete")[-1] == step_1, "the old step was never deleted"
+        assert os.path.isdir(step_1)
         assert ck.steps() == [2]
         _save_steps(ck, [3])
         assert ck.steps() == [3]
@@ -125,16 +144,13 @@ def test_context_manager_finishes_the_save_in_flight_and_joins_its_threads(tmp_p
     assert leftover == []
 
 
-def test_wait_raises_the_error_of_the_last_save(tmp_path, monkeypatch):
-    with ss.Checkpointer(tmp_path) as ck:
-        monkeypatch.setattr(saver_module, "publish", _raise_disk_error)
+def test_wait_raises_the_error_of_the_last_save(tmp_path):
+    ck, storage = _checkpointer_with_faults(tmp_path)
+    with ck:
+        _fail_metadata_put(storage, "simulated disk error")
         ck.save(1, _state(1))
         with pytest.raises(ss.CheckpointError, match="simulated disk error"):
             ck.wait(60)
-
-
-def _raise_disk_error(*args, **kwargs):
-    raise OSError("simulated disk error")
 
 
 def _two_rank_run(rank: int, world: int, root: str) -> None:

@@ -18,11 +18,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers, worker_context
+from fault_storage import FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.inspect import read_all
+from slipstream.checkpoint.storage import LocalStorage
 
 TRIALS = 8
 SEED = 1234
@@ -111,20 +113,20 @@ def _overwrite_same_path(rank: int, world: int, root: str) -> None:
     saver = saver_module.CheckpointSaver()
     try:
         saver.save(state, path).result(30)
+        target = path
         if rank == 1:
-            real = saver_module.pwrite_all
 
-            def first_write_notes_commit_state(fd, data, offset, file):
+            def first_write_notes_commit_state(writer, name, start, end):
                 if not store.check(["test/rank1_wrote"]):
                     committed = os.path.exists(os.path.join(path, METADATA_FILE))
                     store.set("test/rank1_wrote", "committed" if committed else "uncommitted")
-                real(fd, data, offset, file)
 
-            saver_module.pwrite_all = first_write_notes_commit_state
+            target = FaultStorage(LocalStorage(path))
+            target.faults.hook("write", first_write_notes_commit_state)
         else:
             store.wait(["test/rank1_wrote"], timedelta(seconds=30))
         state[f"own{rank}"].add_(10)
-        saver.save(state, path).result(30)
+        saver.save(state, target).result(30)
         assert store.get("test/rank1_wrote") == b"uncommitted"
     finally:
         saver.close()

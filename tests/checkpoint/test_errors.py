@@ -13,12 +13,16 @@ import time
 import pytest
 import torch
 from dist_utils import run_workers
+from fault_storage import FaultStorage
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint.commit import METADATA_FILE
+from slipstream.checkpoint.recycle import SPARE_DIR
 from slipstream.checkpoint.safe_pickle import load_metadata
 from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
 
 def _state() -> dict:
@@ -177,14 +181,35 @@ def _enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_full_disk_fails_naming_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+def _checkpointer_with_faults(root, **kwargs) -> tuple[ss.Checkpointer, FaultStorage]:
+    """A ``Checkpointer`` on the local backend it would make for ``root`` itself
+    (``reuse_files`` on), with faults injectable through the returned storage."""
+    storage = FaultStorage(resolve_storage(root, spare_dir_name=SPARE_DIR))
+    return ss.Checkpointer(storage, **kwargs), storage
+
+
+def _full_disk_write(writer, name, start, end) -> None:
+    """A data write failing on a full disk, raised as ``LocalDataWriter`` raises it."""
+    cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    raise ss.CheckpointError(f"writing {writer.path} at offset {start} failed: {cause}") from cause
+
+
+def _full_disk_put(storage, name, data) -> None:
+    """An atomic put failing on a full disk, raised as ``LocalStorage`` raises it."""
+    cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    path = os.path.join(storage.url, name)
+    raise ss.CheckpointError(f"could not write {path}: {cause}") from cause
+
+
+def test_full_disk_fails_naming_the_file_and_keeps_the_previous_checkpoint(tmp_path):
+    ck, storage = _checkpointer_with_faults(tmp_path, keep_last=1)
+    with ck:
         ck.save(1, _state()).result(60)
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "pwrite", _enospc)
-            response = ck.save(2, _state())
-            with pytest.raises(ss.CheckpointError, match=r"step_2/__0_0.distcp.*No space left"):
-                response.result(60)
+        storage.faults.hook("write", _full_disk_write)
+        response = ck.save(2, _state())
+        with pytest.raises(ss.CheckpointError, match=r"step_2/__0_0.distcp.*No space left"):
+            response.result(60)
+        storage.faults.clear()
         assert not (tmp_path / "step_2" / ".metadata").exists()
         assert ck.steps() == [1]
         target = _blank()
@@ -195,20 +220,14 @@ def test_full_disk_fails_naming_the_file_and_keeps_the_previous_checkpoint(tmp_p
         assert not (tmp_path / "step_2").exists()
 
 
-def test_full_disk_while_publishing_metadata_leaves_the_step_uncommitted(tmp_path, monkeypatch):
-    real_replace = os.replace
-
-    def replace_fails_for_metadata(src, dst, *args, **kwargs):
-        if str(dst).endswith(".metadata"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(src, dst, *args, **kwargs)
-
-    with ss.Checkpointer(tmp_path, keep_last=1) as ck:
+def test_full_disk_while_publishing_metadata_leaves_the_step_uncommitted(tmp_path):
+    ck, storage = _checkpointer_with_faults(tmp_path, keep_last=1)
+    with ck:
         ck.save(1, _state()).result(60)
-        with monkeypatch.context() as patch:
-            patch.setattr(os, "replace", replace_fails_for_metadata)
-            with pytest.raises(ss.CheckpointError, match=r"could not write .*step_2/\.metadata"):
-                ck.save(2, _state()).result(60)
+        storage.faults.hook("put", _full_disk_put, when=lambda name: name == METADATA_FILE)
+        with pytest.raises(ss.CheckpointError, match=r"could not write .*step_2/\.metadata"):
+            ck.save(2, _state()).result(60)
+        storage.faults.clear()
         assert ck.steps() == [1] and not (tmp_path / "step_2" / ".metadata").exists()
         assert ck.load(_blank()) == 1
 
@@ -217,27 +236,26 @@ def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_pa
     monkeypatch.setattr(saver_module, "WRITE_PIECE_BYTES", 64 * 1024)
     failed = threading.Event()
     fstat_after_failure: list[bool] = []
-    real = saver_module.pwrite_all
 
-    def first_piece_fails(fd, data, offset, path):
-        if isinstance(data.obj, bytes):  # a plain value appended after the tensor records
-            return real(fd, data, offset, path)
-        if offset == 0:
+    def first_piece_fails(writer, name, start, end):
+        # ``writer`` is the backend's own LocalDataWriter: its descriptor must stay open
+        # (and be this file's) until every write of the file has returned.
+        if start == 0:
             failed.set()
-            raise ss.CheckpointError(f"writing {path} at offset 0 failed: disk full")
+            raise ss.CheckpointError(f"writing {writer.path} at offset 0 failed: disk full")
         if failed.wait(10):
             time.sleep(0.05)  # room for a premature close of the file to happen
             try:
-                os.fstat(fd)
-                fstat_after_failure.append(True)
+                fstat_after_failure.append(os.fstat(writer.fd).st_ino == os.stat(path).st_ino)
             except OSError:
                 fstat_after_failure.append(False)
-        real(fd, data, offset, path)
 
-    monkeypatch.setattr(saver_module, "pwrite_all", first_piece_fails)
+    path = tmp_path / "ck" / "__0_0.distcp"
+    storage = FaultStorage(LocalStorage(tmp_path / "ck", direct_io=False))
+    storage.faults.hook("write", first_piece_fails)
     saver = CheckpointSaver(options=SaveOptions(direct_io=False))
     try:
-        response = saver.save(_state(), tmp_path / "ck")
+        response = saver.save(_state(), storage)
         with pytest.raises(ss.CheckpointError, match="disk full"):
             response.result(60)
     finally:

@@ -4,6 +4,7 @@ never over one that a reader still holds open, and loads match DCP's reading of 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,28 +36,29 @@ def test_next_save_writes_over_the_retired_steps_data_file(tmp_path):
         retired_inode = os.stat(spare).st_ino
         # A smaller state than the retired file held: the file must be cut to its new end.
         _saved(ck, 3, rows=1000)
-        assert os.stat(ck.path(3) / DATA).st_ino == retired_inode
+        step_3_data = Path(ck.path(3)) / DATA
+        assert os.stat(step_3_data).st_ino == retired_inode
         # Step 3's commit retired step 2, whose file is the spare now.
-        assert os.stat(spare).st_ino not in (retired_inode, os.stat(ck.path(3) / DATA).st_ino)
+        assert os.stat(spare).st_ino not in (retired_inode, os.stat(step_3_data).st_ino)
         got = _dcp_read(ck.path(3), rows=1000)
         assert torch.equal(got["w"], _state(3, 1000)["w"]) and got["s"] == 3
         target = {"w": torch.zeros(1000, 64), "s": -1}
         assert ck.load(target) == 3 and torch.equal(target["w"], _state(3, 1000)["w"])
         fresh = tmp_path / "fresh"
         ss.save(_state(3, 1000), checkpoint_id=fresh)
-        assert (ck.path(3) / DATA).read_bytes() == (fresh / DATA).read_bytes()
+        assert step_3_data.read_bytes() == (fresh / DATA).read_bytes()
     assert not (tmp_path / ".spare").exists()
 
 
 def test_a_retired_file_a_reader_holds_open_is_deleted_not_written_over(tmp_path):
     with ss.Checkpointer(tmp_path, keep_last=1) as ck:
         _saved(ck, 1, rows=2048)
-        with open(ck.path(1) / DATA, "rb") as reader:
+        with open(Path(ck.path(1)) / DATA, "rb") as reader:
             before = reader.read()
             held_inode = os.fstat(reader.fileno()).st_ino
             for step in (2, 3, 4):
                 _saved(ck, step, rows=2048)
             reader.seek(0)
             assert reader.read() == before
-        assert os.stat(ck.path(4) / DATA).st_ino != held_inode
+        assert os.stat(Path(ck.path(4)) / DATA).st_ino != held_inode
         assert ck.steps() == [4]

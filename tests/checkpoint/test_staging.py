@@ -1,7 +1,8 @@
 """Staging off the caller's thread, what is safe after ``staging_completion``, backpressure.
 
-Orderings are forced with gates (a staging copy or a file write that waits on an event),
-never with sleeps or timing assertions, so each test shows a structural fact.
+Orderings are forced with gates (a staging copy, or a data write through a
+:class:`FaultStorage` backend, that waits on an event), never with sleeps or timing
+assertions, so each test shows a structural fact.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ import threading
 
 import pytest
 import torch
+from fault_storage import FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
 from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+from slipstream.checkpoint.storage import LocalStorage
 from slipstream.core.buffers import StagingBudgetError
 from slipstream.errors import CheckpointError
 
@@ -53,6 +56,12 @@ def _gate(monkeypatch, name: str) -> tuple[threading.Event, list[int]]:
     return gate, callers
 
 
+def _gated_writes(path) -> tuple[FaultStorage, threading.Event]:
+    """A local backend at ``path`` whose data writes wait for the returned event."""
+    storage = FaultStorage(LocalStorage(path))
+    return storage, storage.faults.gate("write")
+
+
 def _load_fresh(path) -> dict:
     out = {
         "w": torch.zeros(2_000_000),
@@ -80,11 +89,11 @@ def test_async_save_returns_before_any_tensor_data_is_copied(tmp_path, monkeypat
     assert torch.equal(_load_fresh(tmp_path / "ck")["w"], state["w"])
 
 
-def test_mutating_state_right_after_staging_does_not_change_the_checkpoint(tmp_path, monkeypatch):
-    gate, _ = _gate(monkeypatch, "pwrite_all")
+def test_mutating_state_right_after_staging_does_not_change_the_checkpoint(tmp_path):
+    storage, gate = _gated_writes(tmp_path / "ck")
     state = _big_state()
     want_w, want_b = state["w"].clone(), state["b"].clone()
-    response = ss.async_save(state, tmp_path / "ck")
+    response = ss.async_save(state, storage)
     state["step"] = 6
     state["meta"]["lr"] = 0.2
     response.staging_completion.result(60)
@@ -93,6 +102,7 @@ def test_mutating_state_right_after_staging_does_not_change_the_checkpoint(tmp_p
     assert not response.upload_completion.done()
     gate.set()
     response.upload_completion.result(60)
+    assert storage.faults.names("write"), "the gated write path was never taken"
     loaded = _load_fresh(tmp_path / "ck")
     assert torch.equal(loaded["w"], want_w)
     assert torch.equal(loaded["b"], want_b)
@@ -116,10 +126,10 @@ def test_optimizer_step_after_staging_does_not_change_the_checkpoint(tmp_path, s
     assert not torch.equal(model.weight.detach(), want["weight"])
 
 
-def test_second_save_waits_for_the_first_to_finish(tmp_path, saver, monkeypatch):
-    gate, _ = _gate(monkeypatch, "pwrite_all")
+def test_second_save_waits_for_the_first_to_finish(tmp_path, saver):
+    storage, gate = _gated_writes(tmp_path / "one")
     state = _big_state()
-    first = saver.save(state, tmp_path / "one")
+    first = saver.save(state, storage)
     returned = threading.Event()
     first_done_when_second_returned: list[bool] = []
 
@@ -138,6 +148,7 @@ def test_second_save_waits_for_the_first_to_finish(tmp_path, saver, monkeypatch)
         thread.join(60)
     assert not thread.is_alive()
     assert first_done_when_second_returned == [True]
+    assert storage.faults.names("write"), "the gated write path was never taken"
     assert (tmp_path / "two" / ".metadata").is_file()
 
 
@@ -197,13 +208,11 @@ def test_staging_budget_too_small_fails_clearly_and_commits_nothing(tmp_path):
         saver.close()
 
 
-def test_timings_fill_in_phase_by_phase_and_both_ends_log_what_they_moved(
-    tmp_path, monkeypatch, caplog
-):
-    gate, _ = _gate(monkeypatch, "pwrite_all")
+def test_timings_fill_in_phase_by_phase_and_both_ends_log_what_they_moved(tmp_path, caplog):
+    storage, gate = _gated_writes(tmp_path / "ck")
     state = _big_state()
     with caplog.at_level("INFO", logger="slipstream"):
-        response = ss.async_save(state, tmp_path / "ck")
+        response = ss.async_save(state, storage)
         timings = response.timings
         assert timings.blocked is not None and timings.durable is None
         assert timings.nbytes == (2_000_000 + 3000) * 4  # the tensors' bytes, values aside

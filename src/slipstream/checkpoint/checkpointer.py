@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE, uncommit
 from .recycle import SPARE_DIR
@@ -105,14 +105,17 @@ class Checkpointer:
         return response
 
     def _remove_uncommitted(self, except_step: int) -> None:
-        for step, name in self._step_names().items():
-            location = self.storage.child(name)
-            if step != except_step and not location.exists(METADATA_FILE):
-                try:
+        """Remove steps that never committed, and unfinished uploads, except ``except_step``
+        (the save about to start). Cleaning up is best effort: a failure is logged, and the
+        save goes on."""
+        try:
+            for step, name in self._step_names().items():
+                location = self.storage.child(name)
+                if step != except_step and not location.exists(METADATA_FILE):
                     location.delete_all()
-                except OSError as exc:
-                    logger.warning("could not remove uncommitted %s: %s", location.url, exc)
-        self.storage.cleanup_incomplete(keep=f"step_{int(except_step)}")
+            self.storage.cleanup_incomplete(keep=f"step_{int(except_step)}")
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("could not clean up uncommitted saves under %s: %s", self.root, exc)
 
     def _retain(self) -> None:
         """Delete committed steps older than the last ``keep_last`` (runs after a commit).
@@ -127,7 +130,7 @@ class Checkpointer:
             try:
                 uncommit(location)
                 location.delete_all()
-            except OSError as exc:
+            except (OSError, SlipstreamError) as exc:
                 logger.warning("could not delete old checkpoint %s: %s", location.url, exc)
 
     def load(
