@@ -1,4 +1,36 @@
 import os
 import sys
+import uuid
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from storage_server import CREDENTIALS, UNSET, moto_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3 (moto's server, in a child process) for the session; yields its endpoint.
+
+    While it runs, ``AWS_ENDPOINT_URL`` and fake credentials are set in ``os.environ`` (so
+    processes the tests spawn inherit them) and variables that would redirect requests are
+    unset; all are restored at the end of the session.
+    """
+    with moto_server() as endpoint, pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", endpoint)
+        for name, value in CREDENTIALS.items():
+            env.setenv(name, value)
+        for name in UNSET:
+            env.delenv(name, raising=False)
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A new, empty bucket on :func:`s3_server`; ``s3://<name>`` addresses it."""
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return name

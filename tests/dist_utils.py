@@ -42,7 +42,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors):
+def _worker(rank, world_size, port, backend, fn, args, errors, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         import torch
@@ -81,13 +83,17 @@ def start_and_join(procs: list, timeout: float) -> list[int]:
 
 def run_workers(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes joined by a ``backend``
-    group (gloo unless a test needs NCCL); raise on failure."""
+    group (gloo unless a test needs NCCL); raise on failure. Workers get the test's
+    environment as it is now (the forkserver they fork from may have started before a
+    fixture set a variable, such as an S3 endpoint)."""
     ctx = worker_context()
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world_size, port, backend, fn, args, errors), daemon=True
+            target=_worker,
+            args=(r, world_size, port, backend, fn, args, errors, dict(os.environ)),
+            daemon=True,
         )
         for r in range(world_size)
     ]

@@ -33,7 +33,7 @@ def _current_store() -> dist.Store | None:
     return dist.distributed_c10d._get_default_store()
 
 
-def _saver(process_group, timeout: float) -> CheckpointSaver:
+def _saver(process_group, timeout: float | None) -> CheckpointSaver:
     key = _group_key(process_group)
     with _savers_lock:
         saver = _savers.get(key)
@@ -41,9 +41,9 @@ def _saver(process_group, timeout: float) -> CheckpointSaver:
             saver.close()  # the process group it coordinated through was destroyed
             saver = None
         if saver is None:
-            saver = CheckpointSaver(process_group, SaveOptions(timeout=timeout))
+            saver = CheckpointSaver(process_group, SaveOptions())
             _savers[key] = saver
-        saver.options.timeout = timeout
+        saver.options.timeout = SaveOptions.timeout if timeout is None else timeout
         return saver
 
 
@@ -60,7 +60,7 @@ def async_save(
     checkpoint_id: Location,
     process_group: dist.ProcessGroup | None = None,
     *,
-    timeout: float = 600.0,
+    timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> AsyncSaveResponse:
     """Save asynchronously; returns at once with ``staging_completion``/``upload_completion``.
@@ -69,6 +69,7 @@ def async_save(
     must call it with the same ``checkpoint_id``: a local path, ``file://``, ``s3://``,
     ``gs://``, ``az://`` or ``memory://`` URL, or a :class:`~slipstream.Storage`.
     ``storage_options`` override an object store's configuration (see docs/storage.md).
+    ``timeout`` bounds every wait on another rank; ``None`` means ``SaveOptions.timeout``.
     """
     return _saver(process_group, timeout).save(
         state_dict, checkpoint_id, storage_options=storage_options
@@ -80,7 +81,7 @@ def save(
     checkpoint_id: Location,
     process_group: dist.ProcessGroup | None = None,
     *,
-    timeout: float = 600.0,
+    timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Save and return once the checkpoint is durable and committed (see :func:`async_save`)."""

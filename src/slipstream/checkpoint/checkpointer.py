@@ -39,7 +39,7 @@ class Checkpointer:
         root: Location,
         keep_last: int | None = 3,
         process_group: dist.ProcessGroup | None = None,
-        timeout: float = 600.0,
+        timeout: float | None = None,
         options: SaveOptions | None = None,
         reuse_files: bool = True,
         storage_options: dict[str, Any] | None = None,
@@ -51,11 +51,16 @@ class Checkpointer:
         ``reuse_files``: on the local disk, the next save writes over the data files of the
         step retention deletes, where nothing else has them open, instead of freeing their
         blocks and allocating new ones (see docs/checkpoint.md). Between saves one step's
-        data files more stay on disk, in ``root/.spare``, until :meth:`close`."""
+        data files more stay on disk, in ``root/.spare``, until :meth:`close`.
+
+        ``timeout``, when given, overrides ``options.timeout``; every default is
+        :class:`SaveOptions`'s."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.keep_last = keep_last
-        opts = dataclasses.replace(options or SaveOptions(), timeout=timeout)
+        opts = dataclasses.replace(options or SaveOptions())
+        if timeout is not None:
+            opts.timeout = timeout
         self.storage: Storage = resolve_storage(
             root,
             storage_options,
