@@ -128,3 +128,112 @@ def test_checkpointer_retention_and_resume(object_url):
         assert torch.equal(target["w"], _state(3)["w"]) and target["step"] == 3
         with pytest.raises(ss.CheckpointError, match="not a committed checkpoint"):
             resumed.load(_state(0), step=1)
+
+
+_KILLED_WRITER = """
+import sys, torch, slipstream as ss
+from fault_storage import FaultStorage
+from slipstream.checkpoint.storage import resolve_storage
+
+url = sys.argv[1]
+with ss.Checkpointer(url, keep_last=2) as ck:
+    ck.save(1, {"w": torch.full((1000,), 1.0), "step": 1}).result(60)
+storage = FaultStorage(resolve_storage(url))
+storage.faults.gate("finish")  # parts go up, the upload is never completed
+ck = ss.Checkpointer(storage, keep_last=2)
+ck.save(2, {"w": torch.randn(4_000_000), "step": 2})
+print("saving", flush=True)
+ck.wait(60)
+"""
+
+
+def _uploads(bucket: str) -> list[str]:
+    import boto3
+
+    listing = boto3.client("s3").list_multipart_uploads(Bucket=bucket)
+    return [u["Key"] for u in listing.get("Uploads", [])]
+
+
+def test_sigkill_mid_upload_keeps_the_previous_step_and_the_next_save_cleans_up(s3_bucket):
+    import subprocess
+    import sys
+    import time
+
+    url = f"s3://{s3_bucket}/run"
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not _uploads(s3_bucket):
+            assert child.poll() is None, f"the writer exited with {child.returncode}"
+            assert time.monotonic() < deadline, "no multipart upload ever started"
+            time.sleep(0.05)
+        child.kill()
+    finally:
+        child.kill()
+        child.wait(10)
+    assert all("step_2/" in key for key in _uploads(s3_bucket))
+
+    with ss.Checkpointer(url, keep_last=2) as ck:
+        assert ck.steps() == [1]
+        target = _state(0)
+        assert ck.load(target) == 1 and torch.equal(target["w"], _state(1)["w"])
+        ck.save(3, _state(3)).result(60)
+        assert ck.steps() == [1, 3]
+    assert _uploads(s3_bucket) == []
+
+
+def test_unknown_scheme_is_refused_naming_it_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for url in ("foo://bucket/ck", "hdfs://namenode/ck"):
+        with pytest.raises(ss.CheckpointError, match=url.split(":")[0]):
+            ss.save({"w": torch.ones(3)}, url)
+        with pytest.raises(ss.CheckpointError, match=url.split(":")[0]):
+            ss.load({"w": torch.ones(3)}, url)
+    with pytest.raises(ss.CheckpointError, match="foo"):
+        ss.Checkpointer("foo://bucket/run")
+    assert os.listdir(tmp_path) == []
+
+
+def test_file_urls_are_local_paths(tmp_path):
+    ss.save({"w": torch.arange(4)}, f"file://{tmp_path}/ck")
+    got = {"w": torch.zeros(4, dtype=torch.int64)}
+    ss.load(got, tmp_path / "ck")
+    assert torch.equal(got["w"], torch.arange(4))
+
+
+def test_missing_bucket_fails_the_save_within_seconds_naming_it(s3_server):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ss.CheckpointError, match="no-such-bucket-here.*does not exist"):
+        ss.save({"w": torch.ones(3)}, "s3://no-such-bucket-here/ck")
+    with pytest.raises(ss.CheckpointError, match="no-such-bucket-here"):
+        ss.load({"w": torch.ones(3)}, "s3://no-such-bucket-here/ck")
+    assert time.monotonic() - started < 10
+
+
+def test_storage_options_override_the_environment_end_to_end(s3_bucket, s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    options = {"endpoint": s3_server}
+    url = f"s3://{s3_bucket}/opts"
+    ss.save({"w": torch.arange(5)}, url, storage_options=options)
+    got = {"w": torch.zeros(5, dtype=torch.int64)}
+    ss.load(got, url, storage_options=options)
+    assert torch.equal(got["w"], torch.arange(5))
+    with ss.Checkpointer(f"{url}/run", storage_options=options) as ck:
+        ck.save(1, {"w": torch.arange(5)}).result(60)
+        assert ck.steps() == [1]
+
+
+def test_cli_reads_checkpoints_on_s3(s3_bucket, capsys):
+    from slipstream.cli import main
+
+    url = f"s3://{s3_bucket}/cli"
+    ss.save({"model": {"w": torch.randn(8, 4)}, "step": 4}, url)
+    assert main(["inspect", url]) == 0
+    assert "model.w" in capsys.readouterr().out
+    assert main(["verify", url]) == 0
+    assert main(["inspect", f"s3://{s3_bucket}/absent"]) == 1
+    assert "not a committed checkpoint" in capsys.readouterr().err
