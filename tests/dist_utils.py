@@ -12,6 +12,7 @@ its rank, and a worker that does not finish in time fails the test instead of ha
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import traceback
 from datetime import timedelta
@@ -42,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors, environ):
+def _worker(rank, world_size, port, backend, fn, args, errors, environ, barrier):
     os.environ.clear()
     os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -58,7 +59,8 @@ def _worker(rank, world_size, port, backend, fn, args, errors, environ):
             timeout=timedelta(seconds=60),
         )
         fn(rank, world_size, *args)
-        dist.barrier()
+        if barrier:
+            dist.barrier()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
@@ -81,18 +83,26 @@ def start_and_join(procs: list, timeout: float) -> list[int]:
     return hung
 
 
-def run_workers(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+def run_workers(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    killed: tuple[int, ...] = (),
+) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes joined by a ``backend``
     group (gloo unless a test needs NCCL); raise on failure. Workers get the test's
     environment as it is now (the forkserver they fork from may have started before a
-    fixture set a variable, such as an S3 endpoint)."""
+    fixture set a variable, such as an S3 endpoint). Ranks in ``killed`` are meant to die
+    by SIGKILL: they must, and the survivors skip the closing barrier."""
     ctx = worker_context()
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, fn, args, errors, dict(os.environ)),
+            args=(r, world_size, port, backend, fn, args, errors, dict(os.environ), not killed),
             daemon=True,
         )
         for r in range(world_size)
@@ -106,6 +116,7 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120.0, backend: str
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    want = {r: -signal.SIGKILL if r in killed else 0 for r in range(world_size)}
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != want[r]]
     if bad:
         raise AssertionError(f"workers exited abnormally (rank, exit code): {bad}")

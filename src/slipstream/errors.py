@@ -21,6 +21,11 @@ class PeerTimeoutError(SlipstreamError, TimeoutError):
     """A rank or worker did not answer within its timeout; the message names it."""
 
 
+class PeerDiedError(PeerTimeoutError):
+    """A rank stopped answering (no heartbeat): it died or is stopped. The message names the
+    rank and what was waiting for it; found within seconds, whatever the timeout."""
+
+
 class SyncError(SlipstreamError):
     """A weight transfer failed or was rejected; the receiver holds no mixed version."""
 

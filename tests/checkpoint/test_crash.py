@@ -116,25 +116,38 @@ def _overwrite_same_path(rank: int, world: int, root: str) -> None:
         target = path
         if rank == 1:
 
-            def first_write_notes_commit_state(writer, name, start, end):
-                if not store.check(["test/rank1_wrote"]):
-                    committed = os.path.exists(os.path.join(path, METADATA_FILE))
-                    store.set("test/rank1_wrote", "committed" if committed else "uncommitted")
+            def first_write_loads_the_old_checkpoint(writer, name, start, end):
+                if store.check(["test/old_during_write"]):
+                    return
+                old = {"own0": torch.zeros(1000), "own1": torch.zeros(1000)}
+                try:
+                    ss.load(old, path)
+                    seen = f"{old['own0'][0].item()},{old['own1'][0].item()}"
+                except ss.CheckpointError as exc:
+                    seen = f"error: {exc}"
+                store.set("test/old_during_write", seen)
 
             target = FaultStorage(LocalStorage(path))
-            target.faults.hook("write", first_write_notes_commit_state)
+            target.faults.hook("write", first_write_loads_the_old_checkpoint)
         else:
-            store.wait(["test/rank1_wrote"], timedelta(seconds=30))
+            store.wait(["test/old_during_write"], timedelta(seconds=30))
         state[f"own{rank}"].add_(10)
         saver.save(state, target).result(30)
-        assert store.get("test/rank1_wrote") == b"uncommitted"
+        assert store.get("test/old_during_write") == b"0.0,1.0"
     finally:
         saver.close()
 
 
-def test_overwriting_a_checkpoint_uncommits_it_before_any_rank_writes_into_it(tmp_path):
+def test_overwriting_a_checkpoint_keeps_the_old_one_loadable_until_the_new_one_commits(tmp_path):
     run_workers(_overwrite_same_path, 2, str(tmp_path), timeout=60)
     target = {"own0": torch.zeros(1000), "own1": torch.zeros(1000)}
     ss.load(target, tmp_path / "ck")
     assert torch.equal(target["own0"], torch.full((1000,), 10.0))
     assert torch.equal(target["own1"], torch.full((1000,), 11.0))
+    # the old checkpoint's files went once the new one committed
+    assert sorted(os.listdir(tmp_path / "ck")) == [
+        ".metadata",
+        ".slipstream.g1.json",
+        "__0_0.g1.distcp",
+        "__1_0.g1.distcp",
+    ]

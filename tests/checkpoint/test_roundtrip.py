@@ -247,14 +247,19 @@ def test_dcp_save_over_a_slipstream_checkpoint_is_read_as_dcp_wrote_it(tmp_path)
     assert torch.equal(target["w"], torch.arange(1000.0) * 2) and target["step"] == 2
 
 
-def test_a_save_over_a_larger_checkpoint_writes_the_same_files_as_a_fresh_save(tmp_path):
-    # The data file is written over in place and cut to length at the end: nothing of the
-    # older, larger checkpoint may survive past the new file's end or inside it.
+def test_a_save_over_a_larger_uncommitted_file_writes_the_same_file_as_a_fresh_save(tmp_path):
+    # A data file left by a save that never committed is written over in place and cut to
+    # length at the end: nothing of the older, larger file may survive past the new end or
+    # inside it.
     large = {"w": torch.full((300_000,), 7.0), "v": torch.arange(5000.0), "note": "x" * 5000}
     small = {"w": _random_tensor(torch.float32, (1000, 3), seed=1), "note": "small"}
     ss.save(large, checkpoint_id=tmp_path / "reused")
+    for name in (".metadata", ".slipstream.json"):
+        (tmp_path / "reused" / name).unlink()
+    old_inode = (tmp_path / "reused" / "__0_0.distcp").stat().st_ino
     ss.save(small, checkpoint_id=tmp_path / "reused")
     ss.save(small, checkpoint_id=tmp_path / "fresh")
+    assert (tmp_path / "reused" / "__0_0.distcp").stat().st_ino == old_inode
     reused = sorted(p.name for p in (tmp_path / "reused").glob("*.distcp"))
     assert reused == sorted(p.name for p in (tmp_path / "fresh").glob("*.distcp"))
     for name in reused:

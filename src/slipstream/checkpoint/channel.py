@@ -8,6 +8,9 @@ background thread blocked in it would hold up the user's own calls to the same s
 Background threads may use it safely, and a missing rank is named in the timeout error
 instead of hanging.
 
+Each rank's channel beats (see :mod:`.liveness`): a wait notices a rank that died or
+stopped within seconds and names it, whatever its timeout.
+
 Every channel of a group gets a namespace of its own (the group's ranks and the
 channel's number among that group's channels in this process), so two savers of one
 group (a ``Checkpointer`` beside ``ss.async_save``) never read each other's messages.
@@ -25,7 +28,8 @@ import time
 import torch.distributed as dist
 
 from ..core.waits import Deadline
-from ..errors import PeerTimeoutError
+from ..errors import PeerDiedError, PeerTimeoutError
+from .liveness import Heartbeat, LivenessWatch
 
 #: Polls start this far apart and double up to ``_POLL_MAX_SECONDS``: a message that comes
 #: at once is seen within a millisecond or two, and a wait of half a second (a rank still
@@ -33,6 +37,8 @@ from ..errors import PeerTimeoutError
 #: which also wakes the store's server thread inside rank 0's training process.
 _POLL_FIRST_SECONDS = 0.001
 _POLL_MAX_SECONDS = 0.025
+LIVENESS_CHECK_SECONDS = 1.0
+"""How often a wait reads the heartbeats of the ranks it is still waiting for."""
 _channels_made: dict[tuple[int, ...], int] = {}
 _channels_lock = threading.Lock()
 
@@ -45,6 +51,12 @@ class RankChannel:
         self.rank = rank
         self.world_size = world_size
         self.namespace = namespace
+        self.dead: dict[int, str] = {}
+        """Ranks found dead by their silence, with what was waiting for them."""
+        self._heartbeat: Heartbeat | None = None
+        self._liveness = LivenessWatch(store, lambda r: self._key("alive", r))
+        if world_size > 1:
+            self._heartbeat = Heartbeat(store, self._key("alive", rank))
 
     @classmethod
     def for_group(cls, process_group: dist.ProcessGroup | None) -> RankChannel:
@@ -65,18 +77,48 @@ class RankChannel:
     def post(self, topic: str, payload: object) -> None:
         self.store.set(self._key(topic, self.rank), json.dumps(payload))
 
+    def _missing(self, ranks: list[int], keys: list[str]) -> list[int]:
+        return [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
+
     def _wait(self, topic: str, ranks: list[int], deadline: Deadline, what: str) -> None:
+        """Poll until every rank of ``ranks`` has posted ``topic``; fail naming the ranks
+        that did not, at the deadline, or as soon as one of them stops beating."""
         keys = [self._key(topic, r) for r in ranks]
         pause = _POLL_FIRST_SECONDS
+        next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
         while not self.store.check(keys):
             if deadline.expired():
-                missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
                 raise PeerTimeoutError(
-                    f"rank(s) {missing} did not {what} within {deadline.timeout:.1f} s "
-                    f"(waiting on rank {self.rank}); they may have died or be stuck"
+                    f"rank(s) {self._missing(ranks, keys)} did not {what} within "
+                    f"{deadline.timeout:.1f} s (waiting on rank {self.rank}); they may have "
+                    "died or be stuck"
                 )
+            if time.monotonic() >= next_liveness_check:
+                next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
+                silent = self._liveness.silent(self._missing(ranks, keys))
+                if silent:
+                    rank, seconds = min(silent.items())
+                    message = (
+                        f"rank {rank} died or stopped: no heartbeat for {seconds:.1f} s while "
+                        f"rank {self.rank} waited for it to {what}"
+                    )
+                    self.dead.update({r: message for r in silent})
+                    raise PeerDiedError(message)
             time.sleep(pause)
             pause = min(2 * pause, _POLL_MAX_SECONDS)
+
+    def known_dead(self) -> dict[int, str]:
+        """Ranks found dead that are still silent (a rank that beats again is forgiven)."""
+        if self.dead:
+            still = self._liveness.silent(list(self.dead))
+            self.dead = {r: m for r, m in self.dead.items() if r in still}
+        return dict(self.dead)
+
+    def close(self) -> None:
+        """Stop this rank's heartbeat."""
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
 
     def gather(self, topic: str, deadline: Deadline, what: str) -> list:
         """Every rank's payload for ``topic`` (index = rank)."""

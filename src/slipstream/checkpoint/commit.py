@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core.checksum import ALGORITHM, BLOCK_BYTES
+from .generations import GENERATIONS, data_file, index_file
 from .layout import dtype_from_name
 from .plan import SavePlan
 from .storage import Storage
 
 METADATA_FILE = ".metadata"
-INDEX_FILE = ".slipstream.json"
 DCP_VERSION = "1.0.0"
 
 
@@ -53,7 +53,8 @@ class CommitTemplate:
     paths: dict[str, tuple]
 
     @classmethod
-    def for_plan(cls, plan: SavePlan) -> CommitTemplate:
+    def for_plan(cls, plan: SavePlan, generation: int) -> CommitTemplate:
+        """The template of ``plan`` written in ``generation`` (see :mod:`.generations`)."""
         tensors = {
             fqn: TensorStorageMetadata(
                 properties=TensorProperties(dtype=dtype_from_name(dtype)),
@@ -66,7 +67,7 @@ class CommitTemplate:
         }
         records = {
             MetadataIndex(rec.chunk.fqn, torch.Size(rec.chunk.offsets), i): _StorageInfo(
-                rec.file, rec.offset, rec.length
+                data_file(rec.file, generation), rec.offset, rec.length
             )
             for recs in plan.records_by_rank
             for i, rec in enumerate(recs)
@@ -92,13 +93,13 @@ def build_metadata(template: CommitTemplate, done: list[dict], checkpoint_id: st
     )
 
 
-def build_index(plan: SavePlan, done: list[dict]) -> dict:
+def build_index(plan: SavePlan, done: list[dict], generation: int) -> dict:
     """slipstream's own index: where raw tensor bytes start and their block checksums."""
     records: dict[str, dict] = {}
     for rank, recs in enumerate(plan.records_by_rank):
         blocks = done[rank]["records"]
         for rec in recs:
-            records.setdefault(rec.file, {})[rec.chunk.record_key] = {
+            records.setdefault(data_file(rec.file, generation), {})[rec.chunk.record_key] = {
                 "offset": rec.offset,
                 "length": rec.length,
                 "data_offset": rec.data_offset,
@@ -119,19 +120,21 @@ def build_index(plan: SavePlan, done: list[dict]) -> dict:
     }
 
 
-def publish(storage: Storage, metadata: Metadata, index: dict) -> None:
-    """Write the index, then ``.metadata`` (the commit point), each atomically.
+def publish(storage: Storage, metadata: Metadata, index: dict, generation: int) -> None:
+    """Write the index of ``generation``, then ``.metadata`` (the commit point), each
+    atomically.
 
     The index carries the metadata's ``save_id``: a reader trusts it only for the
     ``.metadata`` it was written with, not for one another tool (``dcp.save`` into the
     same directory) wrote later.
     """
     index = {**index, "save_id": metadata.storage_meta.save_id}
-    storage.put_atomic(INDEX_FILE, json.dumps(index).encode())
+    storage.put_atomic(index_file(generation), json.dumps(index).encode())
     storage.put_atomic(METADATA_FILE, pickle.dumps(metadata))
 
 
 def uncommit(storage: Storage) -> None:
-    """Make an existing checkpoint at this location invisible before it is overwritten."""
-    for name in (METADATA_FILE, INDEX_FILE):
-        storage.delete(name)
+    """Make the checkpoint at this location invisible (before it is deleted)."""
+    storage.delete(METADATA_FILE)
+    for generation in range(GENERATIONS):
+        storage.delete(index_file(generation))

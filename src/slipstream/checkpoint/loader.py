@@ -41,7 +41,8 @@ from ..core.flatten import flatten, set_path
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
-from .commit import INDEX_FILE, METADATA_FILE
+from .commit import METADATA_FILE
+from .generations import generation_of, index_file
 from .layout import is_stateful, resolve_stateful
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
@@ -104,8 +105,9 @@ class CheckpointReader:
         An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
         ``dcp.save`` into the same directory) does not describe these files: ignored.
         """
-        path = self.file_path(INDEX_FILE)
-        data = self.storage.get(INDEX_FILE)
+        name = index_file(generation_of(self.metadata))
+        path = self.file_path(name)
+        data = self.storage.get(name)
         if data is None:
             return None
         try:

@@ -11,12 +11,15 @@ Pipeline of one save (each stage on a thread this object owns and joins in ``clo
    whose bytes are the head of the rank's data file (record headers already in place);
    on an accelerator the copy runs on a side stream that first waits on that event.
    Then ``staging_completion`` resolves: the caller may mutate the state.
-3. upload thread: remove an older commit of this location, then write the buffer in
-   parallel pieces through the storage backend's writer (``pwrite`` on the local disk,
-   multipart parts on an object store), block checksums, plain values appended, make it
-   durable; post the result; rank 0 gathers every rank's result and commits (metadata
-   last, atomically); every rank waits for that commit, then ``upload_completion``
-   resolves. A rank whose write fails aborts it: what it wrote is removed at once.
+3. upload thread: pick file names no committed checkpoint here uses (see
+   :mod:`.generations`: an older checkpoint stays loadable until this one commits), then
+   write the buffer in parallel pieces through the storage backend's writer (``pwrite``
+   on the local disk, multipart parts on an object store), block checksums, plain values
+   appended, make it durable; post the result; rank 0 gathers every rank's result and
+   commits (metadata last, atomically); every rank waits for that commit, then
+   ``upload_completion`` resolves; the older checkpoint's files are deleted after the
+   commit. A save that fails removes what it wrote at once (a rank's aborted write, its
+   file once the commit fails).
 
 Backpressure: one save in flight; a new save first waits for the previous one to finish
 (its staging buffer is about to be reused). Host memory: one staging buffer, for the
@@ -44,11 +47,13 @@ from ..core.copy import copy_in_slices, copy_to_address
 from ..core.handles import Watermark, completed_future, fail_unfinished
 from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline, wait_future
-from ..errors import CheckpointError, PeerTimeoutError, SlipstreamError
+from ..errors import CheckpointError, PeerDiedError, PeerTimeoutError, SlipstreamError
 from .channel import RankChannel
-from .commit import CommitTemplate, build_index, build_metadata, publish, uncommit
+from .commit import METADATA_FILE, CommitTemplate, build_index, build_metadata, publish
+from .generations import data_file, files_of, free_generation, generation_of, index_file
 from .layout import LocalLayout, ValueSerializer, dtype_from_name, local_layout
-from .plan import SavePlan, make_save_plan
+from .plan import SavePlan, data_file_name, make_save_plan
+from .safe_pickle import load_metadata
 from .storage import DataWriter, Location, Storage, resolve_storage
 
 logger = logging.getLogger(__name__)
@@ -122,7 +127,8 @@ class AsyncSaveResponse:
 @dataclass
 class _Job:
     plan: SavePlan
-    template: CommitTemplate
+    templates: dict[int, CommitTemplate]
+    """The plan's commit templates by generation, shared by its saves (made on rank 0)."""
     layout: LocalLayout
     values: dict[str, bytes]
     storage: Storage
@@ -135,6 +141,16 @@ class _Job:
     started: float = 0.0
     progress: Watermark = field(default_factory=Watermark)
     buffer: torch.Tensor | None = None
+    generation: int = 0
+    """The generation of file names this save writes (see :mod:`.generations`)."""
+    replaced: set[str] = field(default_factory=set)
+    """Data files of the committed checkpoint this save replaces, deleted after its commit."""
+    replaced_index: str | None = None
+
+    @property
+    def file(self) -> str:
+        """This rank's data file, as this save names it."""
+        return data_file(self.plan.file, self.generation)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -164,7 +180,7 @@ class CheckpointSaver:
         )
         self._pool = StagingPool(self.options.staging_budget_bytes)
         self._framed: dict[str, int] = {}
-        self._plans: dict[str, tuple[SavePlan, CommitTemplate]] = {}
+        self._plans: dict[str, tuple[SavePlan, dict[int, CommitTemplate]]] = {}
         self._serialize_values = ValueSerializer()
         self._seq = 0
         self._last: AsyncSaveResponse | None = None
@@ -196,6 +212,13 @@ class CheckpointSaver:
             raise CheckpointError("this saver is closed")
         started = time.perf_counter()
         self.wait_previous()
+        dead = self.channel.known_dead()
+        if dead:
+            rank, why = min(dead.items())
+            raise PeerDiedError(
+                f"rank {rank} is dead ({why}); saves fail at once until the job rebuilds its "
+                "process group"
+            )
         # Every rank numbers this save before anything can fail on its own thread, so a
         # save that fails on one rank only leaves the ranks' sequence numbers in step.
         seq = self._seq
@@ -204,7 +227,7 @@ class CheckpointSaver:
             storage = resolve_storage(
                 checkpoint_id, storage_options, direct_io=self.options.direct_io
             )
-            layout, values, plan, template = self._prepare(state_dict, seq, storage)
+            layout, values, plan, templates = self._prepare(state_dict, seq, storage)
         except BaseException as exc:
             self._announce_failure(seq, exc)
             raise
@@ -214,7 +237,7 @@ class CheckpointSaver:
         response = AsyncSaveResponse(Future(), Future())
         job = _Job(
             plan=plan,
-            template=template,
+            templates=templates,
             layout=layout,
             values=values,
             storage=storage,
@@ -235,23 +258,22 @@ class CheckpointSaver:
 
     def _prepare(
         self, state_dict: Mapping[str, Any], seq: int, storage: Storage
-    ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, CommitTemplate]:
-        """The caller's-thread part of save ``seq``: layout, serialized values, plan and its
-        commit template (made only for a new layout), and the location, prepared (each
-        rank's upload thread marks it uncommitted before writing into it)."""
+    ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, dict[int, CommitTemplate]]:
+        """The caller's-thread part of save ``seq``: layout, serialized values, plan (made
+        only for a new layout) with its commit templates, and the location, prepared."""
         layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
         cached = self._plans.get(signature)
         if cached is None:
             plan = self._make_plan(layout, seq, storage.url, Deadline(self.options.timeout))
-            cached = (plan, CommitTemplate.for_plan(plan))
+            cached = (plan, {})
             if len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[signature] = cached
-        plan, template = cached
+        plan, templates = cached
         storage.prepare()
-        return layout, values, plan, template
+        return layout, values, plan, templates
 
     def _announce_failure(self, seq: int, exc: BaseException) -> None:
         """Tell the other ranks that this rank's part of save ``seq`` failed before it was
@@ -276,9 +298,7 @@ class CheckpointSaver:
                     f"the previous save did not finish within {self.options.timeout} s"
                 ) from exc
 
-    def _make_plan(
-        self, layout: LocalLayout, seq: int, where: str, deadline: Deadline
-    ) -> SavePlan:
+    def _make_plan(self, layout: LocalLayout, seq: int, where: str, deadline: Deadline) -> SavePlan:
         channel = self.channel
         fingerprint = layout.fingerprint()
         channel.post(f"{seq}/layout", {"fp": fingerprint, "desc": layout.describe()})
@@ -402,15 +422,47 @@ class CheckpointSaver:
         itself fails it still runs the commit step, which posts the failure to every rank.
         """
         try:
-            # Every rank, not just rank 0, and before its first write: no rank may rewrite its
-            # data file while an older .metadata here still marks the old files committed.
-            uncommit(job.storage)
+            self._choose_generation(job)
             done = self._write_rank_file(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
             if self.rank == 0:
                 self._commit(job, Deadline(self.options.timeout))
             raise
+        try:
+            self._report_and_await_commit(job, done)
+        except BaseException:
+            self._discard_written(job)
+            raise
+
+    def _choose_generation(self, job: _Job) -> None:
+        """Name this save's files so that none is a file of the checkpoint committed here
+        (every rank reads the same ``.metadata``, so every rank picks the same names)."""
+        data = job.storage.get(METADATA_FILE)
+        if data is None:
+            return
+        committed = load_metadata(data, f"{job.storage.url}/{METADATA_FILE}")
+        job.replaced = files_of(committed)
+        job.replaced_index = index_file(generation_of(committed))
+        plan_files = [data_file_name(r) for r in range(job.plan.world_size)]
+        job.generation = free_generation(job.replaced, plan_files)
+
+    def _discard_written(self, job: _Job) -> None:
+        """After a failed commit: remove this rank's data file (and rank 0 the index), which
+        no committed checkpoint points to, so a failed save gives its space back at once."""
+        names = [job.file] + ([index_file(job.generation)] if self.rank == 0 else [])
+        for name in names:
+            if name in job.replaced or name == job.replaced_index:
+                continue
+            try:
+                job.storage.delete(name)
+            except (OSError, SlipstreamError) as exc:
+                logger.warning(
+                    "could not remove %s/%s of a failed save: %s", job.storage.url, name, exc
+                )
+
+    def _report_and_await_commit(self, job: _Job, done: dict) -> None:
+        """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
         self.channel.post(f"{job.seq}/done", done)
         deadline = Deadline(self.options.timeout)
         if self.rank == 0:
@@ -419,6 +471,8 @@ class CheckpointSaver:
             f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
         )
         if outcome.get("error"):
+            if outcome.get("dead"):
+                raise PeerDiedError(outcome["error"])
             raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
 
     def _write_piece(self, job: _Job, out: DataWriter, start: int, end: int) -> None:
@@ -433,10 +487,10 @@ class CheckpointSaver:
         staging copy (the phase the training loop may be waiting on) for a core.
         """
         plan = job.plan
-        where = f"{job.storage.url}/{plan.file}"
+        where = f"{job.storage.url}/{job.file}"
         job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {where}")
         image = byte_view(job.buffer)
-        with job.storage.open_writer(plan.file, image) as out:
+        with job.storage.open_writer(job.file, image) as out:
             try:
                 writes = [
                     self._io_pool.submit(self._write_piece, job, out, start, end)
@@ -466,7 +520,7 @@ class CheckpointSaver:
         for fqn in job.plan.my_values():
             data = job.values[fqn]
             out.append(memoryview(data), cursor)
-            values[fqn] = [job.plan.file, cursor, len(data), checksum(data)]
+            values[fqn] = [job.file, cursor, len(data), checksum(data)]
             cursor += len(data)
         return values
 
@@ -484,18 +538,43 @@ class CheckpointSaver:
                     f"rank(s) {changed} saved a state dict whose layout differs from the plan "
                     "made for this layout on rank 0; every rank must change layout together"
                 )
-            metadata = build_metadata(job.template, done, job.storage.url)
-            publish(job.storage, metadata, build_index(job.plan, done))
+            template = job.templates.get(job.generation)
+            if template is None:
+                template = job.templates[job.generation] = CommitTemplate.for_plan(
+                    job.plan, job.generation
+                )
+            metadata = build_metadata(template, done, job.storage.url)
+            publish(
+                job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
+            )
+            self._delete_replaced(job, files_of(metadata))
             if job.after_commit is not None:
                 job.after_commit()
             outcome: dict = {"error": None}
         except BaseException as exc:
-            outcome = {"error": str(exc), "timeout": isinstance(exc, PeerTimeoutError)}
+            outcome = {
+                "error": str(exc),
+                "timeout": isinstance(exc, PeerTimeoutError),
+                "dead": isinstance(exc, PeerDiedError),
+            }
         channel.post(f"{job.seq}/commit", outcome)
         channel.forget(topic)
         if job.seq > 0:
             channel.forget(f"{job.seq - 1}/commit", [0])
             channel.forget(f"{job.seq - 1}/layout")
+
+    @staticmethod
+    def _delete_replaced(job: _Job, kept: set[str]) -> None:
+        """Delete the files of the checkpoint this commit replaced (best effort: a file left
+        behind is unreferenced, never read)."""
+        stale = sorted(job.replaced - kept)
+        if job.replaced_index is not None and job.replaced_index != index_file(job.generation):
+            stale.append(job.replaced_index)
+        for name in stale:
+            try:
+                job.storage.delete(name)
+            except (OSError, SlipstreamError) as exc:
+                logger.warning("could not delete replaced %s/%s: %s", job.storage.url, name, exc)
 
     @staticmethod
     def _fail(job: _Job, exc: BaseException) -> None:
@@ -513,6 +592,7 @@ class CheckpointSaver:
         self._upload_thread.shutdown(wait=True)
         self._io_pool.shutdown(wait=True)
         self._pool.clear()
+        self.channel.close()
 
 
 def _join_writes(writes: list[Future], timeout: float, path: str) -> None:
