@@ -8,6 +8,7 @@ from . import fsdp, sync
 from .checkpoint import (
     AsyncSaveResponse,
     Checkpointer,
+    CheckpointHealth,
     DataWriter,
     SaveOptions,
     SaveTimings,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSaveResponse",
+    "CheckpointHealth",
     "Checkpointer",
     "DataWriter",
     "SaveOptions",

@@ -2,11 +2,13 @@
 
 from .api import async_save, load, save
 from .checkpointer import Checkpointer
+from .health import CheckpointHealth
 from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions, SaveTimings
 from .storage import DataWriter, Storage, register_storage
 
 __all__ = [
     "AsyncSaveResponse",
+    "CheckpointHealth",
     "CheckpointSaver",
     "Checkpointer",
     "DataWriter",

@@ -16,13 +16,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Literal
 
 import torch.distributed as dist
 
+from ..core.handles import completed_future
+from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE, uncommit
+from .health import CheckpointHealth, HealthTracker
 from .recycle import SPARE_DIR
 from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
 from .storage import Location, Storage, resolve_storage
@@ -43,6 +47,9 @@ class Checkpointer:
         options: SaveOptions | None = None,
         reuse_files: bool = True,
         storage_options: dict[str, Any] | None = None,
+        on_error: Literal["log", "raise"] = "log",
+        when_busy: Literal["wait", "skip"] = "wait",
+        max_lag_steps: int | None = None,
     ) -> None:
         """``root`` is a directory, an object store URL (``s3://bucket/run``, ``memory://``)
         or a :class:`~slipstream.checkpoint.storage.Storage`; ``storage_options`` configure
@@ -54,9 +61,29 @@ class Checkpointer:
         data files more stay on disk, in ``root/.spare``, until :meth:`close`.
 
         ``timeout``, when given, overrides ``options.timeout``; every default is
-        :class:`SaveOptions`'s."""
+        :class:`SaveOptions`'s.
+
+        Failures (see docs/checkpoint.md, "Failures"): with ``on_error="log"`` a save that
+        fails never raises into the training loop: its error is on its futures, in the log
+        and in :meth:`health`, and the next save retries. ``on_error="raise"`` makes
+        :meth:`save` raise a failure of its own call, and of the previous save.
+
+        ``when_busy``: what :meth:`save` does while the previous save is still running:
+        ``"wait"`` for it, or ``"skip"`` this step (logged, counted in :meth:`health`);
+        with ``max_lag_steps``, a save that would leave durability more than that many
+        steps behind waits instead of skipping. Rank 0 decides, so every rank skips the
+        same steps."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if on_error not in ("log", "raise"):
+            raise ValueError(f"on_error must be 'log' or 'raise', got {on_error!r}")
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        if max_lag_steps is not None and max_lag_steps < 0:
+            raise ValueError(f"max_lag_steps must be >= 0 or None, got {max_lag_steps}")
+        self.on_error = on_error
+        self.when_busy = when_busy
+        self.max_lag_steps = max_lag_steps
         self.keep_last = keep_last
         opts = dataclasses.replace(options or SaveOptions())
         if timeout is not None:
@@ -71,6 +98,9 @@ class Checkpointer:
         self.storage.prepare()
         self._saver = CheckpointSaver(process_group, opts)
         self._last: AsyncSaveResponse | None = None
+        self._saved = False
+        self._health = HealthTracker(self.root)
+        self._skip_topics: list[str] = []
 
     def path(self, step: int) -> str:
         """Where ``step`` is saved (a path or URL)."""
@@ -100,14 +130,64 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, step: int, state_dict: dict[str, Any]) -> AsyncSaveResponse:
-        """Start saving ``state_dict`` as ``step``; see :func:`slipstream.async_save`."""
-        self._saver.wait_previous()
-        if self._saver.rank == 0:
-            self._remove_uncommitted(except_step=step)
-        retain = self._retain if self._saver.rank == 0 else None
-        response = self._saver.save(state_dict, self._step(step), after_commit=retain)
+        """Start saving ``state_dict`` as ``step``; see :func:`slipstream.async_save`.
+
+        Returns the save's response; a skipped save's (``when_busy="skip"``) has
+        ``skipped`` set and resolved futures."""
+        if self.on_error == "raise" and self._last is not None:
+            previous, self._last = self._last, None
+            self._saver.wait_previous()
+            error = previous.upload_completion.exception()
+            if error is not None:
+                raise error
+        if self.when_busy == "skip" and self._skip(step):
+            self._health.skipped(step)
+            return AsyncSaveResponse(completed_future(), completed_future(), skipped=True)
+        self._saved = True
+        try:
+            self._saver.wait_previous()
+            if self._saver.rank == 0:
+                self._remove_uncommitted(except_step=step)
+            retain = self._retain if self._saver.rank == 0 else None
+            response = self._saver.save(state_dict, self._step(step), after_commit=retain)
+        except SlipstreamError as exc:
+            self._health.failed_to_start(step, exc)
+            if self.on_error == "raise":
+                raise
+            failed: Future = Future()
+            failed.set_exception(exc)
+            response = AsyncSaveResponse(failed, failed)
+            self._last = response
+            return response
+        self._health.started(step, response.upload_completion)
         self._last = response
         return response
+
+    def _skip(self, step: int) -> bool:
+        """Whether to skip the save of ``step`` because the previous one is still running,
+        as rank 0 decides (posted through the saver's channel for the other ranks)."""
+        channel = self._saver.channel
+        topic = f"skip/{int(step)}"
+        if channel.rank == 0:
+            busy = self._last is not None and not self._last.upload_completion.done()
+            durable = self._health.snapshot().last_durable_step
+            within_lag = self.max_lag_steps is None or (
+                durable is not None and step - durable <= self.max_lag_steps
+            )
+            decision = busy and within_lag
+            channel.post(topic, {"skip": decision})
+            self._skip_topics.append(topic)
+            if len(self._skip_topics) > 2:
+                channel.forget(self._skip_topics.pop(0), [0])
+            return decision
+        deadline = Deadline(self._saver.options.timeout)
+        message = channel.receive(topic, 0, deadline, f"decide whether to save step {step}")
+        return bool(message["skip"])
+
+    def health(self) -> CheckpointHealth:
+        """The last durable step, the last error, failed and skipped saves, and how many
+        steps durability lags (see :class:`CheckpointHealth`)."""
+        return self._health.snapshot()
 
     def _remove_uncommitted(self, except_step: int) -> None:
         """Remove steps that never committed, and unfinished uploads, except ``except_step``
@@ -156,9 +236,10 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the save in flight and join the threads; errors were already reported.
-        Rank 0 then deletes the spare data files."""
+        Rank 0 of a Checkpointer that saved then deletes the spare data files (one that
+        only read, such as a reader in another process, never deletes the writer's)."""
         self._saver.close()
-        if self._saver.rank == 0:
+        if self._saver.rank == 0 and self._saved:
             self.storage.discard_spares()
 
     def __enter__(self) -> Checkpointer:

@@ -483,8 +483,17 @@ def load(
         reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
         device_ready = _caller_events(reads)
         with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
-            for fut in [pool.submit(_read, reader, r, device_ready) for r in reads]:
-                fut.result()
+            try:
+                for fut in [pool.submit(_read, reader, r, device_ready) for r in reads]:
+                    fut.result()
+            except CorruptCheckpointError as exc:
+                if not reader.storage.exists(METADATA_FILE):
+                    raise CheckpointError(
+                        f"{reader.path} was deleted while it was being loaded (retention "
+                        "after a newer save, or another process): the state dict holds part "
+                        "of it; load again from a committed step"
+                    ) from exc
+                raise
         nbytes = sum(r.end - r.start for r in reads)
         for dest_view, src, fallback in copies:
             if src is None:

@@ -118,6 +118,8 @@ class AsyncSaveResponse:
     staging_completion: Future
     upload_completion: Future
     timings: SaveTimings = field(default_factory=SaveTimings)
+    skipped: bool = False
+    """The save was skipped (a ``Checkpointer`` with ``when_busy="skip"``): nothing written."""
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the save is durable and committed."""
