@@ -2,17 +2,23 @@
 
 :class:`ModuleTarget` checks the whole plan against the module before any byte is received
 (missing names, shape or dtype mismatches, non-contiguous parameters, all listed at once) and
-then copies each received slice straight into the parameter's bytes.
+then copies each received slice straight into the parameter's bytes. Every name of a sent
+tensor is applied (aliases: a tie sent once); names are looked up among the module's
+parameters and buffers under all the names they go by (``remove_duplicate=False``, the names
+``state_dict()`` uses), then, for what is still missing, in ``state_dict(keep_vars=True)``.
+A target tensor reached by several names of one sent tensor (a tie kept in the target) is
+written once.
 
 :class:`CallableTarget` hands ``load_weights`` whole tensors only: a tensor that fits in one
 slice is passed as a view of the receive buffer; a tensor split over several buckets is
 reassembled in a buffer kept for it (allocated once per plan) and passed after its last
-bucket. Tensors passed are valid only during the call: copy what you keep.
+bucket. A tensor sent under several names is passed under each (the same tensor). Tensors
+passed are valid only during the call: copy what you keep.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -42,31 +48,39 @@ class ModuleTarget:
     def __init__(self, module: nn.Module, name_map: NameMap = None) -> None:
         self.module = module
         self.name_map = name_map
-        self._dest: dict[int, torch.Tensor] = {}
+        self._dest: dict[int, list[torch.Tensor]] = {}
 
     def check(self, plan: BucketPlan) -> list[str]:
-        """Every problem between the plan and the module, as messages naming the tensors."""
-        own = dict(self.module.named_parameters())
-        own.update(dict(self.module.named_buffers()))
+        """Every problem between the plan and the module, as messages naming the tensors.
+
+        Every name of a sent tensor (its aliases too) is looked up; names that reach the
+        same target tensor (a tie in the target) are written once.
+        """
+        own = self._named_tensors(n for spec in plan.specs for n in spec.names)
         missing, shapes, dtypes, layout = [], [], [], []
         self._dest = {}
         for i, spec in enumerate(plan.specs):
-            name = map_name(self.name_map, spec.name)
-            if name is None:
-                continue
-            t = own.get(name)
-            if t is None:
-                missing.append(name if name == spec.name else f"{spec.name} -> {name}")
-            elif tuple(t.shape) != spec.shape:
-                shapes.append(f"{name}: sent {list(spec.shape)}, target {list(t.shape)}")
-            elif t.dtype != spec.torch_dtype:
-                dtypes.append(
-                    f"{name}: sent {spec.dtype}, target {str(t.dtype).removeprefix('torch.')}"
-                )
-            elif not t.is_contiguous():
-                layout.append(name)
-            else:
-                self._dest[i] = as_bytes(t.data)
+            dests: dict[tuple, torch.Tensor] = {}
+            for sent in spec.names:
+                name = map_name(self.name_map, sent)
+                if name is None:
+                    continue
+                t = own.get(name)
+                if t is None:
+                    missing.append(name if name == sent else f"{sent} -> {name}")
+                elif tuple(t.shape) != spec.shape:
+                    shapes.append(f"{name}: sent {list(spec.shape)}, target {list(t.shape)}")
+                elif t.dtype != spec.torch_dtype:
+                    dtypes.append(
+                        f"{name}: sent {spec.dtype}, target {str(t.dtype).removeprefix('torch.')}"
+                    )
+                elif not t.is_contiguous():
+                    layout.append(name)
+                else:
+                    dest = as_bytes(t.data)
+                    dests.setdefault((dest.device, dest.data_ptr(), dest.numel()), dest)
+            if dests:
+                self._dest[i] = list(dests.values())
         problems = []
         if missing:
             problems.append(f"not in the target: {missing}")
@@ -78,15 +92,39 @@ class ModuleTarget:
             problems.append(f"non-contiguous in the target: {layout}")
         return problems
 
+    def _named_tensors(self, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The module's parameters and buffers under every name they go by (tied ones under
+        each), and, if some of ``wanted`` (mapped) is not among them, the tensors of its
+        ``state_dict(keep_vars=True)`` under the names that uses."""
+        own: dict[str, torch.Tensor] = dict(self.module.named_parameters(remove_duplicate=False))
+        own.update(self.module.named_buffers(remove_duplicate=False))
+        names = (map_name(self.name_map, n) for n in wanted)
+        if any(n is not None and n not in own for n in names):
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                if isinstance(t, torch.Tensor):
+                    own.setdefault(name, t)
+        return own
+
     def direct_view(self, s: Slice) -> torch.Tensor | None:
-        """The bytes slice ``s`` goes to, for receiving it in place (``None``: not applied)."""
-        dest = self._dest.get(s.tensor)
-        return None if dest is None else dest[s.tensor_offset : s.tensor_offset + s.nbytes]
+        """The bytes slice ``s`` goes to, for receiving it in place (``None``: not applied).
+        A tensor with several destinations (aliases untied in the target) lands in the
+        first; :meth:`landed` copies it to the others."""
+        dests = self._dest.get(s.tensor)
+        return None if not dests else dests[0][s.tensor_offset : s.tensor_offset + s.nbytes]
 
     def write(self, s: Slice, data: torch.Tensor) -> None:
-        dest = self._dest.get(s.tensor)
-        if dest is None:
-            return
+        for dest in self._dest.get(s.tensor, ()):
+            self._copy(dest, s, data)
+
+    def landed(self, s: Slice) -> None:
+        """Slice ``s`` was received into :meth:`direct_view`: copy it to the other
+        destinations of its tensor, if any."""
+        dests = self._dest.get(s.tensor, ())
+        for dest in dests[1:]:
+            self._copy(dest, s, dests[0][s.tensor_offset : s.tensor_offset + s.nbytes])
+
+    @staticmethod
+    def _copy(dest: torch.Tensor, s: Slice, data: torch.Tensor) -> None:
         if dest.device.type == "cpu" and copy_to_address(dest.data_ptr() + s.tensor_offset, data):
             return
         copy_in_slices(dest[s.tensor_offset : s.tensor_offset + s.nbytes], data)
@@ -136,13 +174,18 @@ class CallableTarget:
     def write(self, s: Slice, data: torch.Tensor) -> None:
         return None
 
+    def landed(self, s: Slice) -> None:
+        return None
+
     def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
-        """Queue tensor ``i``; ``whole`` holds its bytes (else its reassembly buffer does)."""
-        name = map_name(self.name_map, spec.name)
-        if name is None:
-            return
+        """Queue tensor ``i`` under each of its names (aliases included, the same tensor for
+        each); ``whole`` holds its bytes (else its reassembly buffer does)."""
         data = whole if whole is not None else self._assembly[(self._plan_id, i)]
-        self._batch.append((name, data.view(spec.torch_dtype).view(spec.shape)))
+        tensor = data.view(spec.torch_dtype).view(spec.shape)
+        for sent in spec.names:
+            name = map_name(self.name_map, sent)
+            if name is not None:
+                self._batch.append((name, tensor))
 
     def flush(self) -> None:
         if self._batch:

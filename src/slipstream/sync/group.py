@@ -4,6 +4,12 @@ Trainer and rollout processes call :func:`init_group` with the same address, por
 size; rank 0 hosts a ``TCPStore``. Process groups over subsets of the ranks are built from
 that store on demand (:meth:`SyncGroup.subgroup`), so the process's default process group,
 if it has one, is never touched and no collective of the user's ever shares a group with ours.
+Each is built on a store connection of its own: its rendezvous blocks in the store, and must
+not hold the connection other threads poll with.
+
+Each publisher/subscriber set opens a channel (:meth:`SyncGroup.open_channel`): its keys and
+process groups are scoped under its name, given or numbered in creation order per (trainer
+ranks, rollout ranks), and a process opens a name at most once per group.
 
 Invariant: every wait on the store has a timeout, and its error names the ranks that did
 not answer.
@@ -15,6 +21,7 @@ import dataclasses
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +66,8 @@ class SyncGroup:
     _root_store: dist.Store
     channel_name: str = ""
     _subgroups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = field(default_factory=dict)
+    # shared by every channel view of this group (dataclasses.replace keeps the references)
+    _channels: _Channels = field(default_factory=lambda: _Channels(), repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +88,9 @@ class SyncGroup:
         if self.rank not in key:
             raise ValueError(f"rank {self.rank} is not a member of subgroup {list(key)}")
         name = f"pg/{self.channel_name}/" + "_".join(map(str, key)) + "/"
-        prefix = dist.PrefixStore(name, self._root_store)
+        # the rendezvous blocks in the store: on a client of its own, so that it never holds
+        # the one other threads (other channels, the publisher's worker) poll with
+        prefix = dist.PrefixStore(STORE_PREFIX + name, self._store_client())
         rank_in_group = key.index(self.rank)
         try:
             if self.backend == "gloo":
@@ -103,6 +114,19 @@ class SyncGroup:
         self._subgroups[(self.channel_name, key)] = pg
         return pg
 
+    def _store_client(self) -> dist.Store:
+        """A new connection to the group's store (its own lock, its own blocking waits)."""
+        clone = getattr(self._tcp_store, "clone", None)
+        if clone is not None:
+            return clone()
+        return dist.TCPStore(  # pragma: no cover - torch without Store.clone
+            self._tcp_store.host,
+            self._tcp_store.port,
+            is_master=False,
+            timeout=timedelta(seconds=self.timeout),
+            wait_for_workers=False,
+        )
+
     def channel(self, name: str) -> SyncGroup:
         """The same group with keys and process groups of its own, scoped under ``name``.
 
@@ -112,6 +136,18 @@ class SyncGroup:
         return dataclasses.replace(
             self, store=dist.PrefixStore(f"{name}/", self.store), channel_name=name
         )
+
+    def open_channel(
+        self, name: str | None, trainer_ranks: Sequence[int], rollout_ranks: Sequence[int]
+    ) -> SyncGroup:
+        """The channel of one publisher/subscriber set of ``trainer_ranks`` and
+        ``rollout_ranks``: ``name``, or when it is ``None`` the next default name for those
+        ranks (:func:`default_channel_name`, numbered in this process's creation order).
+
+        Raises ``ValueError`` when this process already opened a channel of that name on this
+        group: its store keys would meet the old set's (a closed set's keys stay behind).
+        """
+        return self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
 
     def set_json(self, key: str, value: object) -> None:
         self.store.set(key, json.dumps(value))
@@ -214,6 +250,43 @@ class SyncGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def default_channel_name(trainer_ranks: Sequence[int], rollout_ranks: Sequence[int], n: int) -> str:
+    """The name of the ``n``-th (from 0) channel opened without a name for these ranks."""
+    trainers = "_".join(map(str, trainer_ranks))
+    rollouts = "_".join(map(str, rollout_ranks))
+    return f"weights-{n}-t{trainers}-r{rollouts}"
+
+
+class _Channels:
+    """The channel names this process opened on one group, and how many it opened without a
+    name per (trainer ranks, rollout ranks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._used: set[str] = set()
+        self._unnamed: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+
+    def claim(
+        self, name: str | None, trainer_ranks: Sequence[int], rollout_ranks: Sequence[int]
+    ) -> str:
+        with self._lock:
+            if name is None:
+                key = (tuple(trainer_ranks), tuple(rollout_ranks))
+                n = self._unnamed.get(key, 0)
+                self._unnamed[key] = n + 1
+                name = default_channel_name(trainer_ranks, rollout_ranks, n)
+            if not name:
+                raise ValueError("a channel name must not be empty")
+            if name in self._used:
+                raise ValueError(
+                    f"channel {name!r} was already opened on this sync group by this process; "
+                    "every publisher/subscriber set needs a channel of its own (pass another "
+                    "channel= name, or leave it out to number them in creation order)"
+                )
+            self._used.add(name)
+            return name
 
 
 def process_alive(pid: int) -> bool:

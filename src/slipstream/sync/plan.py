@@ -10,6 +10,10 @@ the payload) and a payload holding the included slices back to back, each on an 
 boundary. When every slice is included, the payload is byte for byte the bucket's range of
 the stream.
 
+A tensor published under several names (aliases: the same storage, offset, shape and stride)
+is laid out once, under its first name; its spec lists the others (``TensorSpec.aliases``),
+and they are part of the layout, so of the plan id.
+
 Invariant: every rank that builds a plan from the same specs, bucket size and trainer ranks
 gets the same plan, with the same ``plan_id``; nothing else is exchanged per publish.
 """
@@ -36,11 +40,20 @@ def align(n: int) -> int:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A published tensor: its name, global shape and dtype."""
+    """A published tensor: its name, global shape and dtype, and ``aliases``: the other names
+    it was published under (tensors sharing its storage, offset, shape and stride, such as
+    an ``lm_head.weight`` tied to the input embedding). Its bytes are sent once; a rollout
+    applies them under every name."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the tensor goes by, its own first."""
+        return (self.name, *self.aliases)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -207,7 +220,10 @@ def layout_json(
     """The metadata that crosses the store once per layout."""
     return json.dumps(
         {
-            "specs": [[s.name, list(s.shape), s.dtype] for s in specs],
+            "specs": [
+                [s.name, list(s.shape), s.dtype, *([list(s.aliases)] if s.aliases else [])]
+                for s in specs
+            ],
             "bucket_bytes": bucket_bytes,
             "trainer_ranks": list(trainer_ranks),
         }
@@ -216,5 +232,8 @@ def layout_json(
 
 def plan_from_json(meta: str) -> BucketPlan:
     obj = json.loads(meta)
-    specs = [TensorSpec(n, tuple(shape), dt) for n, shape, dt in obj["specs"]]
+    specs = [
+        TensorSpec(n, tuple(shape), dt, tuple(aliases[0]) if aliases else ())
+        for n, shape, dt, *aliases in obj["specs"]
+    ]
     return BucketPlan.build(specs, obj["bucket_bytes"], obj["trainer_ranks"])

@@ -11,6 +11,9 @@ One publish is one *round* ``k`` (rounds are counted identically on every rank):
    rollout holds is left out;
 4. every rollout acknowledges with ``ack/{r}/{k}``; then ``delivered`` resolves.
 
+Every key lives under the publisher/subscriber set's channel (``channel/{name}/``), as do
+its process groups, so sets on one group never meet.
+
 A rollout may also ask again for the version the trainers hold in their caches (``cached``
 mode) without waiting for a publish: it writes ``again/{r}/{n}`` and bumps the counter
 ``again/requests``. Each trainer answers ``again/{r}/{n}/from/{t}`` with the version in
@@ -55,6 +58,7 @@ from .group import SyncGroup
 from .packing import (
     NO_BYTES,
     BucketSources,
+    is_dtensor,
     pack_slices,
     packs_any,
     payload_segments,
@@ -134,8 +138,52 @@ def named_items(named_tensors: Mapping | Iterable) -> list[tuple[str, torch.Tens
     return items
 
 
-def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
+def spec_of(name: str, t: torch.Tensor, aliases: Sequence[str] = ()) -> TensorSpec:
+    return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), tuple(aliases))
+
+
+def alias_key(t: torch.Tensor) -> tuple:
+    """Equal for two tensors exactly when they are the same bytes seen the same way: the same
+    storage, offset, shape, stride and dtype (a DTensor: the same local shard, global shape,
+    stride and placements). A tensor without bytes of its own is only its own alias."""
+    extra: tuple = ()
+    local = t
+    if is_dtensor(t):
+        local = t._local_tensor  # type: ignore[attr-defined]
+        extra = (tuple(t.stride()), tuple(map(str, t.placements)), id(t.device_mesh))
+    if local.numel() == 0 or local.device.type == "meta" or local.data_ptr() == 0:
+        return ("object", id(t))
+    return (
+        local.device,
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(local.shape),
+        tuple(local.stride()),
+        t.dtype,
+        tuple(t.shape),
+        extra,
+    )
+
+
+def unique_tensors(
+    items: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[TensorSpec], list[torch.Tensor]]:
+    """The specs and tensors to send: each tensor once, under the first name it appears with,
+    its spec listing its other names (aliases, e.g. tied embeddings) in order of appearance."""
+    index: dict[tuple, int] = {}
+    names: list[list[str]] = []
+    tensors: list[torch.Tensor] = []
+    for name, t in items:
+        key = alias_key(t)
+        i = index.get(key)
+        if i is None:
+            index[key] = len(tensors)
+            tensors.append(t)
+            names.append([name])
+        else:
+            names[i].append(name)
+    specs = [spec_of(ns[0], t, ns[1:]) for ns, t in zip(names, tensors, strict=True)]
+    return specs, tensors
 
 
 class WeightPublisher:
@@ -156,6 +204,16 @@ class WeightPublisher:
     slices are packed into buckets. ``"auto"`` means 1 MiB over relay and 16 MiB over
     broadcast (where a message costs more); ``None`` packs everything.
 
+    ``channel`` names this publisher/subscriber set: its store keys, process groups and
+    shared-memory ring are its own, so several sets (several models) run on one group at
+    once. Left out, it is numbered in creation order among this process's unnamed sets of the
+    same trainer and rollout ranks: every rank must then create them in the same order (or
+    pass the same names). :attr:`channel` holds the name.
+
+    Tensors published under several names (sharing storage, offset, shape, stride and
+    dtype, e.g. tied embeddings in ``model.state_dict()``) are sent once; the plan lists
+    their other names and the rollouts apply them under each.
+
     Invariants: versions strictly increase; a round starts only once every rollout asked
     for it; ``staged`` resolves only after the last byte this rank reads from the caller's
     tensors has been copied, sent or read by every rollout.
@@ -171,7 +229,7 @@ class WeightPublisher:
         transport: str = "auto",
         num_slots: int = 2,
         timeout: float | None = None,
-        channel: str = "weights",
+        channel: str | None = None,
         history: int = 8,
         separate_min_bytes: int | None | Literal["auto"] = "auto",
     ) -> None:
@@ -185,8 +243,8 @@ class WeightPublisher:
             raise ValueError("a rank cannot be both a trainer and a rollout")
         if num_slots < 2:
             raise ValueError("num_slots must be at least 2 to overlap packing and sending")
-        self.channel = channel
-        self.group = group.channel(f"channel/{channel}")
+        self.group = group.open_channel(channel, trainer_ranks, rollout_ranks)
+        self.channel = self.group.channel_name.removeprefix("channel/")
         self.rank = group.rank
         self.trainer_ranks = list(trainer_ranks)
         self.rollout_ranks = list(rollout_ranks)
@@ -379,8 +437,8 @@ class WeightPublisher:
         self._wait_previous_round()
         sent_before = self._sender.bytes_sent
         try:
-            plan = self._plan_for([spec_of(n, t) for n, t in items])
-            tensors = [t for _, t in items]
+            specs, tensors = unique_tensors(items)
+            plan = self._plan_for(specs)
             k = self._round
             self._round += 1
             self._last_version = version

@@ -48,7 +48,9 @@ class WeightSubscriber:
     """Receives the weights that ``trainer_ranks`` publish, on one of ``rollout_ranks``.
 
     Construct on every rollout rank while the trainers construct their publishers (each
-    side waits for the other up to the group's timeout).
+    side waits for the other up to the group's timeout), with the publishers' ``channel``:
+    left out on both sides, the n-th subscriber created for these trainer and rollout ranks
+    meets the n-th publisher (see :class:`.publisher.WeightPublisher`).
     """
 
     def __init__(
@@ -57,12 +59,12 @@ class WeightSubscriber:
         trainer_ranks: Sequence[int],
         rollout_ranks: Sequence[int],
         timeout: float | None = None,
-        channel: str = "weights",
+        channel: str | None = None,
     ) -> None:
         if group.rank not in rollout_ranks:
             raise ValueError(f"rank {group.rank} is not among rollout_ranks {list(rollout_ranks)}")
-        self.channel = channel
-        self.group = group.channel(f"channel/{channel}")
+        self.group = group.open_channel(channel, trainer_ranks, rollout_ranks)
+        self.channel = self.group.channel_name.removeprefix("channel/")
         self.rank = group.rank
         self.trainer_ranks = list(trainer_ranks)
         self.rollout_ranks = list(rollout_ranks)
@@ -396,7 +398,9 @@ class WeightSubscriber:
                         copy_in_slices(rnd.stream[start : start + s.nbytes], data)
                     rnd.slices.append((g, s))
                 elif into == "target":
-                    if not landed:
+                    if landed:
+                        sink.landed(s)
+                    else:
                         sink.write(s, data)
                     if isinstance(sink, CallableTarget):
                         if s.nbytes == plan.specs[s.tensor].nbytes:
