@@ -112,8 +112,9 @@ def run_workers(
     while not errors.empty():
         failures.append(errors.get())
     if failures:
-        rank, tb = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} failed:\n{tb}")
+        # every failed rank, lowest first: a rank that fails often takes the others down
+        # with it (a collective they were in fails), and its own error is the one that counts
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
     want = {r: -signal.SIGKILL if r in killed else 0 for r in range(world_size)}

@@ -100,7 +100,8 @@ class Checkpointer:
         self._last: AsyncSaveResponse | None = None
         self._saved = False
         self._health = HealthTracker(self.root)
-        self._skip_topics: list[str] = []
+        self._skip_topics: list[tuple[int, str]] = []
+        self._saved_step: int | None = None
 
     def path(self, step: int) -> str:
         """Where ``step`` is saved (a path or URL)."""
@@ -140,11 +141,12 @@ class Checkpointer:
             error = previous.upload_completion.exception()
             if error is not None:
                 raise error
-        if self.when_busy == "skip" and self._skip(step):
-            self._health.skipped(step)
-            return AsyncSaveResponse(completed_future(), completed_future(), skipped=True)
         self._saved = True
         try:
+            if self.when_busy == "skip" and self._skip(step):
+                self._health.skipped(step)
+                return AsyncSaveResponse(completed_future(), completed_future(), skipped=True)
+            self._saved_step = step
             self._saver.wait_previous()
             if self._saver.rank == 0:
                 self._remove_uncommitted(except_step=step)
@@ -175,10 +177,15 @@ class Checkpointer:
                 durable is not None and step - durable <= self.max_lag_steps
             )
             decision = busy and within_lag
+            if not busy and self._saved_step is not None:
+                # The last save that ran has finished on every rank, and every rank read
+                # each decision up to its step before joining it: those can go.
+                read = [(s, t) for s, t in self._skip_topics if s <= self._saved_step]
+                for _, old in read:
+                    channel.forget(old, [0])
+                self._skip_topics = [(s, t) for s, t in self._skip_topics if s > self._saved_step]
             channel.post(topic, {"skip": decision})
-            self._skip_topics.append(topic)
-            if len(self._skip_topics) > 2:
-                channel.forget(self._skip_topics.pop(0), [0])
+            self._skip_topics.append((int(step), topic))
             return decision
         deadline = Deadline(self._saver.options.timeout)
         message = channel.receive(topic, 0, deadline, f"decide whether to save step {step}")
@@ -210,7 +217,12 @@ class Checkpointer:
         """
         if self.keep_last is None:
             return
-        for step in self.steps()[: -self.keep_last]:
+        try:
+            old = self.steps()[: -self.keep_last]
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("could not list %s for retention: %s", self.root, exc)
+            return
+        for step in old:
             location = self._step(step)
             try:
                 uncommit(location)

@@ -25,6 +25,10 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
         raise CheckpointError(f"could not write {path}: {exc}") from exc
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -48,7 +52,12 @@ def pread_into(fd: int, out: memoryview, offset: int, path: str) -> None:
     """Fill ``out`` from ``offset``; a short file raises :class:`CorruptCheckpointError`."""
     done = 0
     while done < len(out):
-        n = os.preadv(fd, [out[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [out[done:]], offset + done)
+        except OSError as exc:
+            raise CheckpointError(
+                f"reading {path} at offset {offset + done} failed: {exc}"
+            ) from exc
         if n <= 0:
             raise CorruptCheckpointError(
                 f"{path} is truncated: needed bytes up to offset {offset + len(out)}, "

@@ -10,7 +10,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.dtypes import dtype_name
-from .loader import CheckpointReader, load
+from .loader import load
+from .reader import CheckpointReader
 
 
 @dataclass(frozen=True)

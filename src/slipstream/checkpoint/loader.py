@@ -1,53 +1,41 @@
 """Loading in place, resharding, straight from the bytes each rank needs.
 
 For every tensor (or DTensor shard) in the target state dict, the saved chunks that
-overlap it are found from the metadata and only the overlapping byte ranges are read,
-with ``preadv`` straight into the destination tensor's memory whenever the range is
-contiguous on both sides (the usual case, including ``Shard(0)`` resharding). Reads go
-through the storage backend (see :mod:`.storage`): ``preadv`` on the local disk, parallel
-ranged GETs on an object store. No collective runs: each rank reads what it needs, so
-N -> M ranks costs no planning.
+overlap it are found from the metadata and only the overlapping byte ranges are planned
+as reads, each straight into the destination tensor's memory whenever the range is
+contiguous on both sides (the usual case, including ``Shard(0)`` resharding);
+:mod:`.reader` carries them out through the storage backend. No collective runs: each
+rank reads what it needs, so N -> M ranks costs no planning.
 
 Checks that need no data (missing/unexpected keys, dtype, global shape, committed
 metadata, truncated files) all run before the first byte lands in the state dict. Block
-checksums from slipstream's index are verified on every read; a reader of part of a
-record reads the surrounding blocks whole so that it can verify them.
+checksums from slipstream's index are verified on every read.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 from torch.distributed.tensor import DTensor
 
-from ..core import streams
 from ..core.buffers import as_bytes, byte_view
-from ..core.checksum import checksum
 from ..core.flatten import flatten, set_path
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
-from .commit import METADATA_FILE
-from .generations import generation_of, index_file
 from .layout import is_stateful, resolve_stateful
-from .records import TensorLayout, locate_tensor_data
-from .safe_pickle import load_metadata, load_value
+from .reader import CheckpointReader, ReadRequest, read_all
 from .shards import local_chunks
-from .storage import Location, resolve_storage
+from .storage import Location
 
 logger = logging.getLogger(__name__)
 
@@ -55,162 +43,6 @@ READ_PIECE_BYTES = 64 * 1024 * 1024
 MAX_IO_THREADS = 16
 OBJECT_STORE_IO_THREADS = 16
 """Parallel ranged reads from an object store, where each waits on a round trip."""
-
-
-@dataclass(frozen=True)
-class SourceRecord:
-    """Where one saved chunk's raw bytes are, and how to verify them."""
-
-    file: str
-    data_offset: int
-    nbytes: int
-    blocks: list[int] | None
-    block_bytes: int
-
-
-@dataclass
-class _Read:
-    source: SourceRecord
-    key: str
-    start: int
-    end: int
-    out: memoryview | None
-    device_out: torch.Tensor | None = None
-    """For a destination on an accelerator: its bytes as a flat ``uint8`` device tensor,
-    filled through a pinned buffer (``out`` is then ``None``)."""
-
-
-class CheckpointReader:
-    """A committed checkpoint opened for reading (metadata, index, the storage backend)."""
-
-    def __init__(
-        self, checkpoint_id: Location, storage_options: dict[str, Any] | None = None
-    ) -> None:
-        self.storage = resolve_storage(checkpoint_id, storage_options)
-        self.path = self.storage.url
-        meta_path = self.file_path(METADATA_FILE)
-        data = self.storage.get(METADATA_FILE)
-        if data is None:
-            raise CheckpointError(
-                f"{self.path} is not a committed checkpoint: it has no {METADATA_FILE} "
-                "(the save never finished, or this is not a checkpoint directory)"
-            )
-        self.metadata: Metadata = load_metadata(data, meta_path)
-        self.index = self._read_index()
-        self._layouts: dict[tuple[str, int], TensorLayout] = {}
-
-    def _read_index(self) -> dict | None:
-        """slipstream's index of this checkpoint, or ``None`` if it has none.
-
-        An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
-        ``dcp.save`` into the same directory) does not describe these files: ignored.
-        """
-        name = index_file(generation_of(self.metadata))
-        path = self.file_path(name)
-        data = self.storage.get(name)
-        if data is None:
-            return None
-        try:
-            index = json.loads(data)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from exc
-        if index.get("format") != "slipstream-index":
-            raise CorruptCheckpointError(f"{path} is not a slipstream index")
-        storage_meta = self.metadata.storage_meta
-        if storage_meta is None or index.get("save_id") != storage_meta.save_id:
-            return None
-        return index
-
-    def file_path(self, relative_path: str) -> str:
-        """Where ``relative_path`` of this checkpoint is, for messages."""
-        return f"{self.path.rstrip('/')}/{relative_path}"
-
-    def read_into(self, relative_path: str, offset: int, out: memoryview) -> None:
-        self.storage.read_into(relative_path, offset, out)
-
-    def read_bytes(self, relative_path: str, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self.storage.read_into(relative_path, offset, memoryview(buf))
-        return bytes(buf)
-
-    def close(self) -> None:
-        self.storage.close()
-
-    def check_file_sizes(self) -> None:
-        """Fail early if a data file is shorter than the metadata says.
-
-        The error names the file, its size and the first record (key and offset) that
-        runs past its end.
-        """
-        sizes: dict[str, int] = {}
-        cut: tuple[int, int, str, str] | None = None
-        for index, info in self.metadata.storage_data.items():
-            rel = info.relative_path
-            if rel not in sizes:
-                sizes[rel] = self.storage.size(rel)
-            end = info.offset + info.length
-            if end > sizes[rel] and (cut is None or (rel, info.offset) < (cut[2], cut[0])):
-                cut = (info.offset, end, rel, index.fqn)
-        if cut is not None:
-            offset, end, rel, fqn = cut
-            raise CorruptCheckpointError(
-                f"{self.file_path(rel)} is truncated: {sizes[rel]} bytes, but {fqn!r} is "
-                f"stored at offset {offset} up to {end}"
-            )
-
-    def source(
-        self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype
-    ) -> SourceRecord:
-        info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
-        key = f"{fqn}@{','.join(map(str, offsets))}"
-        if self.index is not None:
-            entry = self.index["records"].get(info.relative_path, {}).get(key)
-            if entry is not None and entry["offset"] == info.offset:
-                return SourceRecord(
-                    info.relative_path,
-                    entry["data_offset"],
-                    entry["nbytes"],
-                    entry["blocks"],
-                    self.index["block_bytes"],
-                )
-        layout = self._layout(info)
-        nbytes = _numel(sizes) * dtype.itemsize
-        if layout.dtype != dtype or layout.size != tuple(sizes) or not layout.is_compact:
-            return SourceRecord(info.relative_path, -1, nbytes, None, 0)
-        return SourceRecord(info.relative_path, info.offset + layout.data_offset, nbytes, None, 0)
-
-    def _layout(self, info) -> TensorLayout:
-        cache_key = (info.relative_path, info.offset)
-        layout = self._layouts.get(cache_key)
-        if layout is None:
-            path = self.file_path(info.relative_path)
-
-            def read(offset: int, n: int) -> bytes:
-                n = max(0, min(n, info.length - offset))
-                return self.read_bytes(info.relative_path, info.offset + offset, n)
-
-            layout = locate_tensor_data(read, info.length, f"{path} at offset {info.offset}")
-            self._layouts[cache_key] = layout
-        return layout
-
-    def read_record_tensor(self, fqn: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        """Whole-record fallback for records whose data is not compact row-major."""
-        import io
-
-        info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
-        data = self.read_bytes(info.relative_path, info.offset, info.length)
-        return torch.load(io.BytesIO(data), weights_only=True)
-
-    def read_value(self, fqn: str) -> Any:
-        info = self.metadata.storage_data[MetadataIndex(fqn)]
-        path = self.file_path(info.relative_path)
-        data = self.read_bytes(info.relative_path, info.offset, info.length)
-        if self.index is not None and fqn in self.index["values"]:
-            if checksum(data) != self.index["values"][fqn]["checksum"]:
-                raise CorruptCheckpointError(
-                    f"{path}: checksum mismatch in value {fqn!r} at offset {info.offset}"
-                )
-        return load_value(data, fqn, path)
 
 
 def _numel(sizes) -> int:
@@ -291,7 +123,7 @@ def _plan_reads(
     fqn: str,
     value: torch.Tensor,
     md: TensorStorageMetadata,
-    reads: list,
+    reads: list[ReadRequest],
     copies: list,
 ) -> None:
     """Queue the reads (and copies) that fill ``value`` from the saved chunks of ``fqn``.
@@ -338,13 +170,13 @@ def _plan_reads(
                     piece_end = min(end, piece + step)
                     part = out[piece - start : piece_end - start]
                     reads.append(
-                        _Read(src, fqn, piece, piece_end, part)
+                        ReadRequest(src, fqn, piece, piece_end, part)
                         if on_host
-                        else _Read(src, fqn, piece, piece_end, None, part)
+                        else ReadRequest(src, fqn, piece, piece_end, None, part)
                     )
             else:
                 scratch = torch.empty(count, dtype=dtype)
-                reads.append(_Read(src, fqn, start, end, byte_view(scratch)))
+                reads.append(ReadRequest(src, fqn, start, end, byte_view(scratch)))
                 copies.append((dest_view, scratch.as_strided(extent, strides), None))
         if covered != _numel(t_size):
             raise CorruptCheckpointError(
@@ -352,95 +184,6 @@ def _plan_reads(
                 f"{_numel(t_size)} elements at offsets {list(t_off)}, size {list(t_size)}; "
                 "the checkpoint is missing part of this tensor"
             )
-
-
-def _check_block(job: _Read, i: int, got: int, path: str) -> None:
-    src = job.source
-    if i >= len(src.blocks) or got != src.blocks[i]:
-        start = src.data_offset + i * src.block_bytes
-        end = src.data_offset + min((i + 1) * src.block_bytes, src.nbytes)
-        raise CorruptCheckpointError(
-            f"{path}: checksum mismatch in {job.key!r} (bytes {start}-{end} of the file); "
-            "the checkpoint is corrupted"
-        )
-
-
-_scratch = threading.local()
-
-
-def _scratch_view(nbytes: int) -> memoryview:
-    """This thread's scratch memory, at least ``nbytes``, reused across blocks: a fresh
-    buffer per block would be zeroed and page-faulted in every time."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _scratch.buf = bytearray(nbytes)
-    return memoryview(buf)[:nbytes]
-
-
-def _read_partial_block(reader: CheckpointReader, job: _Read, i: int) -> None:
-    """Read block ``i`` whole into scratch memory, verify it, copy out the part needed."""
-    src, a, b, out = job.source, job.start, job.end, job.out
-    path = reader.file_path(src.file)
-    bs, be = i * src.block_bytes, min((i + 1) * src.block_bytes, src.nbytes)
-    lo, hi = max(bs, a), min(be, b)
-    whole = _scratch_view(be - bs)
-    reader.read_into(src.file, src.data_offset + bs, whole)
-    _check_block(job, i, checksum(whole), path)
-    out[lo - a : hi - a] = whole[lo - bs : hi - bs]
-
-
-def _read(reader: CheckpointReader, job: _Read, device_ready: dict[torch.device, Any]) -> None:
-    """Carry out one read: straight into host memory, or through a pinned buffer."""
-    if job.device_out is None:
-        _read_verified(reader, job)
-        return
-
-    def into(view: memoryview) -> None:
-        _read_verified(reader, replace(job, out=view))
-
-    bounce.read_to_device(into, job.device_out, device_ready[job.device_out.device])
-
-
-def _read_verified(reader: CheckpointReader, job: _Read) -> None:
-    """Read ``job``'s bytes into its destination, verifying every block they touch.
-
-    Blocks the read covers whole land straight in the destination. Where small reads are
-    cheap (a local file) each is read on its own and hashed right away, while it is still
-    in this core's cache: hashing re-reads every byte, and from cache that pass costs about
-    half what it does from memory. On an object store, where every read is a round trip,
-    they are read in one request and hashed after. A block the read covers only in part
-    is read whole into scratch memory, verified, and the part needed copied out.
-    """
-    src, a, b, out = job.source, job.start, job.end, job.out
-    path = reader.file_path(src.file)
-    if b <= a:
-        return
-    if src.blocks is None:
-        reader.read_into(src.file, src.data_offset + a, out)
-        return
-    block = src.block_bytes
-    whole = []
-    for i in range(a // block, (b - 1) // block + 1):
-        bs, be = i * block, min((i + 1) * block, src.nbytes)
-        if bs < a or be > b:
-            _read_partial_block(reader, job, i)
-        elif reader.storage.small_reads_are_cheap:
-            piece = out[bs - a : be - a]
-            reader.read_into(src.file, src.data_offset + bs, piece)
-            _check_block(job, i, checksum(piece), path)
-        else:
-            whole.append((i, bs, be))
-    if whole:
-        lo, hi = whole[0][1], whole[-1][2]
-        reader.read_into(src.file, src.data_offset + lo, out[lo - a : hi - a])
-        for i, bs, be in whole:
-            _check_block(job, i, checksum(out[bs - a : be - a]), path)
-
-
-def _caller_events(reads: list[_Read]) -> dict[torch.device, Any]:
-    """Per device the reads go to, an event at the tail of the caller's stream there."""
-    devices = {r.device_out.device for r in reads if r.device_out is not None}
-    return {d: streams.record_event(streams.current_stream(d)) for d in devices}
 
 
 def load(
@@ -467,47 +210,12 @@ def load(
             else OBJECT_STORE_IO_THREADS
         )
     try:
-        resolved = resolve_stateful(state_dict)
-        flat, paths = flatten(resolved)
-        _check_keys(flat, reader.metadata, strict, reader.path)
-        reader.check_file_sizes()
-        reads: list[_Read] = []
-        copies: list = []
-        values: dict[str, Any] = {}
-        for fqn, value in flat.items():
-            md = reader.metadata.state_dict_metadata[fqn]
-            if isinstance(value, torch.Tensor):
-                _plan_reads(reader, fqn, value, md, reads, copies)
-            else:
-                values[fqn] = reader.read_value(fqn)
-        reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
-        device_ready = _caller_events(reads)
-        with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
-            try:
-                for fut in [pool.submit(_read, reader, r, device_ready) for r in reads]:
-                    fut.result()
-            except CorruptCheckpointError as exc:
-                if not reader.storage.exists(METADATA_FILE):
-                    raise CheckpointError(
-                        f"{reader.path} was deleted while it was being loaded (retention "
-                        "after a newer save, or another process): the state dict holds part "
-                        "of it; load again from a committed step"
-                    ) from exc
-                raise
-        nbytes = sum(r.end - r.start for r in reads)
-        for dest_view, src, fallback in copies:
-            if src is None:
-                fqn, s_off, src_box = fallback
-                whole = reader.read_record_tensor(fqn, s_off)
-                src = whole[src_box] if src_box else whole
-            dest_view.copy_(src)
-        for fqn, value in values.items():
-            set_path(resolved, paths[fqn], value)
-        for key, value in state_dict.items():
-            if is_stateful(value):
-                value.load_state_dict(resolved[key])
-            elif key in resolved and resolved[key] is not value:
-                state_dict[key] = resolved[key]
+        nbytes = _load_into(reader, state_dict, strict, io_threads)
+    except CorruptCheckpointError as exc:
+        gone = reader.vanished(exc)
+        if gone is exc:
+            raise
+        raise gone from exc
     finally:
         reader.close()
     seconds = time.perf_counter() - started
@@ -518,3 +226,39 @@ def load(
         seconds,
         nbytes / 2**30 / max(seconds, 1e-9),
     )
+
+
+def _load_into(
+    reader: CheckpointReader, state_dict: dict[str, Any], strict: bool, io_threads: int
+) -> int:
+    """The body of :func:`load`; returns the bytes read."""
+    resolved = resolve_stateful(state_dict)
+    flat, paths = flatten(resolved)
+    _check_keys(flat, reader.metadata, strict, reader.path)
+    reader.check_file_sizes()
+    reads: list[ReadRequest] = []
+    copies: list = []
+    values: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        md = reader.metadata.state_dict_metadata[fqn]
+        if isinstance(value, torch.Tensor):
+            _plan_reads(reader, fqn, value, md, reads, copies)
+        else:
+            values[fqn] = reader.read_value(fqn)
+    reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
+    read_all(reader, reads, io_threads)
+    nbytes = sum(r.end - r.start for r in reads)
+    for dest_view, src, fallback in copies:
+        if src is None:
+            fqn, s_off, src_box = fallback
+            whole = reader.read_record_tensor(fqn, s_off)
+            src = whole[src_box] if src_box else whole
+        dest_view.copy_(src)
+    for fqn, value in values.items():
+        set_path(resolved, paths[fqn], value)
+    for key, value in state_dict.items():
+        if is_stateful(value):
+            value.load_state_dict(resolved[key])
+        elif key in resolved and resolved[key] is not value:
+            state_dict[key] = resolved[key]
+    return nbytes

@@ -549,10 +549,8 @@ class CheckpointSaver:
             publish(
                 job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
             )
-            self._delete_replaced(job, files_of(metadata))
-            if job.after_commit is not None:
-                job.after_commit()
             outcome: dict = {"error": None}
+            self._after_publish(job, files_of(metadata))
         except BaseException as exc:
             outcome = {
                 "error": str(exc),
@@ -564,6 +562,16 @@ class CheckpointSaver:
         if job.seq > 0:
             channel.forget(f"{job.seq - 1}/commit", [0])
             channel.forget(f"{job.seq - 1}/layout")
+
+    def _after_publish(self, job: _Job, kept: set[str]) -> None:
+        """Once committed, a save succeeds whatever happens next: deleting the files of the
+        checkpoint it replaced, and ``after_commit`` (retention), fail only into the log."""
+        self._delete_replaced(job, kept)
+        if job.after_commit is not None:
+            try:
+                job.after_commit()
+            except Exception as exc:
+                logger.warning("after the commit of %s: %s", job.storage.url, exc)
 
     @staticmethod
     def _delete_replaced(job: _Job, kept: set[str]) -> None:

@@ -34,6 +34,49 @@ def _memmove_in_slices(to: int, frm: int, nbytes: int) -> None:
         ctypes.memmove(to + start, frm + start, min(SLICE_BYTES, nbytes - start))
 
 
+class _Buffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_Buffer), ctypes.c_int)
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = (ctypes.POINTER(_Buffer),)
+_PYBUF_C_CONTIGUOUS = 0x0020 | 0x0008
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (equal lengths, C-contiguous; ``src`` may be read-only)
+    with ``memmove`` in slices, without the GIL: a slice assignment between memoryviews
+    holds it for the whole copy, so parallel readers would copy one at a time."""
+    if len(dst) != len(src):
+        raise ValueError(f"copy_bytes length mismatch: {len(dst)} vs {len(src)}")
+    if not len(src):
+        return
+    views = (_Buffer(), _Buffer())
+    _get_buffer(dst, ctypes.byref(views[0]), _PYBUF_C_CONTIGUOUS | 0x0001)
+    try:
+        _get_buffer(src, ctypes.byref(views[1]), _PYBUF_C_CONTIGUOUS)
+        try:
+            _memmove_in_slices(views[0].buf, views[1].buf, len(src))
+        finally:
+            _release_buffer(ctypes.byref(views[1]))
+    finally:
+        _release_buffer(ctypes.byref(views[0]))
+
+
 def copy_to_address(address: int, src: torch.Tensor) -> bool:
     """Copy the bytes of ``src`` to host memory at ``address`` (which must hold them) with
     ``memmove`` in slices, when ``src`` is a contiguous CPU tensor whose bytes are its values

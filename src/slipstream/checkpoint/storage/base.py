@@ -86,6 +86,13 @@ class Storage(ABC):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``name`` from ``offset`` on."""
 
+    def read(self, name: str, offset: int, length: int) -> memoryview:
+        """The bytes ``[offset, offset + length)`` of ``name``, as a (possibly read-only)
+        view the backend may hand over without a copy; same errors as :meth:`read_into`."""
+        out = memoryview(bytearray(length))
+        self.read_into(name, offset, out)
+        return out
+
     @abstractmethod
     def size(self, name: str) -> int:
         """The size of object ``name`` in bytes; raises ``CorruptCheckpointError`` if absent."""

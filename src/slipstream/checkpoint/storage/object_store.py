@@ -38,6 +38,7 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
+from ...core.copy import copy_bytes
 from ...errors import CheckpointError, CorruptCheckpointError
 from .base import DataWriter, Storage
 
@@ -176,12 +177,17 @@ class ObjectStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
-        if not len(out):
-            return
-        end = offset + len(out)
+        if len(out):
+            copy_bytes(out, self.read(name, offset, len(out)))
+
+    def read(self, name: str, offset: int, length: int) -> memoryview:
+        """One ranged GET; the response's bytes, without a copy."""
+        if not length:
+            return memoryview(b"")
+        end = offset + length
         where = self._where(name)
         try:
-            data = self._obs.get_range(self._store, self._key(name), start=offset, length=len(out))
+            data = self._obs.get_range(self._store, self._key(name), start=offset, length=length)
         except Exception as exc:
             if _is_not_found(exc):
                 raise CorruptCheckpointError(
@@ -194,9 +200,9 @@ class ObjectStorage(Storage):
             if size is not None and size < end:
                 raise _truncated(where, end, size) from exc
             raise self._error(exc, f"reading {where} at offset {offset}") from exc
-        if len(data) < len(out):
+        if len(data) < length:
             raise _truncated(where, end, offset + len(data))
-        out[:] = memoryview(data)
+        return memoryview(data)
 
     def _head(self, name: str) -> int | None:
         """The size of object ``name``, or ``None`` where it does not exist."""
