@@ -30,7 +30,7 @@ import slipstream as ss
 from slipstream.checkpoint import saver as saver_module
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.recycle import SPARE_DIR
-from slipstream.checkpoint.storage import LocalStorage, Storage, resolve_storage
+from slipstream.checkpoint.storage import LocalStorage, MemoryStorage, Storage, resolve_storage
 
 OLD_FILES = [".metadata", ".slipstream.json", "__0_0.distcp"]
 """A checkpoint saved into an empty location (generation 0)."""
@@ -143,16 +143,19 @@ def _fail_in_the_os(point: str, directory: str) -> Iterator[None]:
 
 
 def _object_names(storage: Storage) -> list[str]:
-    """Every object under an ``ObjectStorage``'s prefix, relative to it."""
-    import obstore
-
+    """Every object under an object store location's prefix, relative to it (listed with
+    the store's own client for S3, from the bucket itself for memory://)."""
     inner = storage.inner if isinstance(storage, FaultStorage) else storage
     cut = len(inner.prefix) + 1
-    return sorted(
-        meta["path"][cut:]
-        for batch in obstore.list(inner._store, prefix=inner.prefix)
-        for meta in batch
-    )
+    if isinstance(inner, MemoryStorage):
+        keys = list(inner._bucket.objects)
+    else:
+        import obstore
+
+        keys = [
+            m["path"] for batch in obstore.list(inner._store, prefix=inner.prefix) for m in batch
+        ]
+    return sorted(k[cut:] for k in keys if k.startswith(inner.prefix + "/"))
 
 
 def _s3_uploads(bucket: str) -> list[str]:

@@ -1,6 +1,7 @@
-"""ObjectStorage, the obstore backend, on its own: against moto's S3 server over HTTP
-(``s3_bucket``, configured only through the AWS_* environment the fixture sets) and against
-``memory://``. Objects are a few MiB: parts are the 5 MiB S3 minimum, so 12 MiB is 3 parts.
+"""The object-store backends on their own: ObjectStorage (obstore) against moto's S3 server
+over HTTP (``s3_bucket``, configured only through the AWS_* environment the fixture sets),
+and MemoryStorage (``memory://``) where the behaviour is shared. Objects are a few MiB:
+parts are the 5 MiB S3 minimum, so 12 MiB is 3 parts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import boto3
 import pytest
 from storage_server import enforce_auth
 
+from slipstream.checkpoint.storage import MemoryStorage, Storage, resolve_storage
 from slipstream.checkpoint.storage.object_store import MIN_PART_BYTES, ObjectStorage
 from slipstream.errors import CheckpointError, CorruptCheckpointError
 
@@ -42,10 +44,10 @@ def s3(s3_server):
 
 
 @pytest.fixture(params=["s3", "memory"])
-def storage(request) -> ObjectStorage:
+def storage(request) -> Storage:
     if request.param == "s3":
         return ObjectStorage(f"s3://{request.getfixturevalue('s3_bucket')}/run", part_bytes=PART)
-    return ObjectStorage(f"memory://test-{uuid.uuid4().hex[:8]}/run", part_bytes=PART)
+    return MemoryStorage(f"memory://test-{uuid.uuid4().hex[:8]}/run")
 
 
 # -- the data writer ----------------------------------------------------------------------
@@ -141,7 +143,7 @@ def test_append_must_continue_the_object(storage):
 
 
 def test_memory_objects_do_not_alias_the_callers_buffers():
-    storage = ObjectStorage(f"memory://alias-{uuid.uuid4().hex[:8]}/run")
+    storage = MemoryStorage(f"memory://alias-{uuid.uuid4().hex[:8]}/run")
     image = bytearray(b"a" * 100)
     with storage.open_writer("d", memoryview(image)) as writer:
         writer.write(0, 100)
@@ -199,7 +201,7 @@ def test_put_get_exists_delete(storage):
 
 def test_list_children_and_delete_all_stay_inside_the_prefix(storage):
     root = storage.url.rsplit("/", 1)[0]
-    sibling = ObjectStorage(f"{root}/run-2", part_bytes=PART)  # "run" is a string prefix of it
+    sibling = resolve_storage(f"{root}/run-2")  # "run" is a string prefix of it
     sibling.put_atomic("k", b"s")
     for name in ["step-1/a", "step-1/sub/b", "step-2/c", "loose"]:
         storage.put_atomic(name, b"x")
@@ -214,12 +216,13 @@ def test_list_children_and_delete_all_stay_inside_the_prefix(storage):
 
 
 def test_delete_all_refuses_a_whole_bucket(storage):
-    root = ObjectStorage(storage.url.rsplit("/", 1)[0])
+    root = resolve_storage(storage.url.rsplit("/", 1)[0])
     with pytest.raises(CheckpointError, match="refusing to delete everything"):
         root.delete_all()
 
 
-def test_children_and_equal_urls_share_one_store(storage):
+def test_children_and_equal_urls_share_one_store(s3_bucket):
+    storage = ObjectStorage(f"s3://{s3_bucket}/run", part_bytes=PART)
     child = storage.child("step-3")
     assert child.url == f"{storage.url}/step-3"
     assert child._store is storage._store
@@ -228,9 +231,9 @@ def test_children_and_equal_urls_share_one_store(storage):
 
 def test_memory_stores_are_shared_by_name_only():
     name = f"shared-{uuid.uuid4().hex[:8]}"
-    ObjectStorage(f"memory://{name}/a").put_atomic("k", b"v")
-    assert ObjectStorage(f"memory://{name}/a").get("k") == b"v"
-    assert ObjectStorage(f"memory://{name}-other/a").get("k") is None
+    MemoryStorage(f"memory://{name}/a").put_atomic("k", b"v")
+    assert MemoryStorage(f"memory://{name}/a").get("k") == b"v"
+    assert MemoryStorage(f"memory://{name}-other/a").get("k") is None
 
 
 def test_cleanup_incomplete_aborts_only_uploads_under_the_prefix(s3_bucket, s3):

@@ -4,8 +4,9 @@
 
 * a :class:`Storage` instance: used as it is (a backend of your own);
 * ``scheme://...`` for a scheme registered with :func:`register_storage`;
-* ``s3://``, ``gs://``, ``az://``, ``abfs://``, ``memory://``: :class:`ObjectStorage`
-  (needs ``pip install "slipstream[s3]"``);
+* ``s3://``, ``gs://``, ``az://``, ``abfs://``: :class:`ObjectStorage` (needs
+  ``pip install "slipstream[s3]"``);
+* ``memory://name/prefix``: :class:`MemoryStorage`, an object store in this process;
 * ``file://path`` or a plain path: :class:`LocalStorage`.
 
 Any other ``scheme://`` raises, naming it, before anything is written.
@@ -22,8 +23,9 @@ from typing import Any
 from ...errors import CheckpointError
 from .base import DataWriter, Storage
 from .local import LocalStorage
+from .memory import MemoryStorage
 
-OBJECT_STORE_SCHEMES = ("s3", "gs", "az", "abfs", "memory")
+OBJECT_STORE_SCHEMES = ("s3", "gs", "az", "abfs")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _registered: dict[str, Callable[[str, dict[str, Any]], Storage]] = {}
 
@@ -59,8 +61,12 @@ def resolve_storage(
         from .object_store import ObjectStorage
 
         return ObjectStorage(text, options)
+    if scheme == "memory":
+        if options:
+            raise CheckpointError(f"storage_options {sorted(options)} do not apply to {text!r}")
+        return MemoryStorage(text)
     if scheme not in (None, "file"):
-        known = sorted({"file", *OBJECT_STORE_SCHEMES, *_registered})
+        known = sorted({"file", "memory", *OBJECT_STORE_SCHEMES, *_registered})
         raise CheckpointError(
             f"unknown storage scheme {scheme!r} in {text!r}; known schemes: "
             f"{', '.join(s + '://' for s in known)} or a local path"
@@ -79,6 +85,7 @@ __all__ = [
     "DataWriter",
     "LocalStorage",
     "Location",
+    "MemoryStorage",
     "OBJECT_STORE_SCHEMES",
     "Storage",
     "register_storage",

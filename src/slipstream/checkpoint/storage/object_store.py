@@ -1,8 +1,6 @@
-"""Checkpoints in an object store (S3, GCS, Azure Blob, or in-process memory) via obstore.
+"""Checkpoints in an object store (S3, GCS, Azure Blob) via obstore.
 
-``ObjectStorage("s3://bucket/prefix")`` is one prefix of a bucket; ``memory://name/prefix``
-is a prefix of an in-process store, one per ``name``, that every ``ObjectStorage`` of this
-process naming it shares (a save and a later load in one process see the same objects).
+``ObjectStorage("s3://bucket/prefix")`` is one prefix of a bucket.
 
 Configuration comes from where the cloud's own tools look for it. For S3 that is
 ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``), ``AWS_ACCESS_KEY_ID``,
@@ -44,7 +42,7 @@ from .base import DataWriter, Storage
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "memory"})
+SCHEMES = frozenset({"s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl"})
 """URL schemes :class:`ObjectStorage` serves."""
 
 PART_BYTES = 16 * 1024 * 1024
@@ -90,8 +88,7 @@ _BOTO3_KEYS = {
 
 _lock = threading.Lock()
 _stores: dict[tuple, Any] = {}
-"""Shared obstore stores: (scheme, bucket, options, environment) -> store; ``memory``
-stores are keyed by name alone and live as long as the process."""
+"""Shared obstore stores: (scheme, bucket, options, environment) -> store."""
 
 
 class ObjectStorage(Storage):
@@ -112,9 +109,9 @@ class ObjectStorage(Storage):
         if not sep or scheme not in SCHEMES:
             raise CheckpointError(f"{url}: not an object store URL ({', '.join(sorted(SCHEMES))})")
         bucket, _, prefix = rest.partition("/")
-        if not bucket and scheme != "memory":
+        if not bucket:
             raise CheckpointError(f"{url}: the URL names no bucket")
-        if part_bytes < MIN_PART_BYTES and scheme != "memory":
+        if part_bytes < MIN_PART_BYTES:
             raise CheckpointError(f"{url}: part_bytes must be at least {MIN_PART_BYTES}")
         self.scheme = scheme
         self.bucket = bucket
@@ -168,7 +165,6 @@ class ObjectStorage(Storage):
     def put_atomic(self, name: str, data: bytes) -> None:
         """One PUT (never multipart), so the object appears whole or not at all."""
         try:
-            # bytes(): a memory store keeps the buffer it is given, so give it immutable bytes
             self._obs.put(self._store, self._key(name), bytes(data), use_multipart=False)
         except Exception as exc:
             raise self._error(exc, f"writing {self._where(name)}") from exc
@@ -273,7 +269,7 @@ class ObjectStorage(Storage):
         obstore cannot list multipart uploads, so on S3 this uses boto3, configured from the
         same environment and ``storage_options``; without boto3 it logs and does nothing.
         Elsewhere it does nothing: Azure drops uncommitted blocks after 7 days, and GCS
-        and memory stores need a lifecycle rule or nothing.
+        needs a lifecycle rule.
         """
         if self.scheme not in ("s3", "s3a"):
             return
@@ -483,13 +479,8 @@ def _import_obstore(scheme: str) -> ModuleType:
 
 def _shared_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
     """The process's store for this bucket and configuration, made on first use."""
-    if scheme == "memory":
-        key: tuple = ("memory", bucket)
-    else:
-        environment = tuple(
-            sorted(kv for kv in os.environ.items() if kv[0].startswith(_ENV_PREFIXES))
-        )
-        key = (scheme, bucket, json.dumps(options, sort_keys=True, default=repr), environment)
+    environment = tuple(sorted(kv for kv in os.environ.items() if kv[0].startswith(_ENV_PREFIXES)))
+    key = (scheme, bucket, json.dumps(options, sort_keys=True, default=repr), environment)
     with _lock:
         store = _stores.get(key)
         if store is None:
@@ -498,10 +489,8 @@ def _shared_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
 
 
 def _make_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
-    from obstore.store import MemoryStore, from_url
+    from obstore.store import from_url
 
-    if scheme == "memory":
-        return MemoryStore()
     config = {k: v for k, v in options.items() if k not in ("client_options", "retry_config")}
     client_options = {**DEFAULT_CLIENT_OPTIONS, **options.get("client_options", {})}
     endpoint = _endpoint(scheme, options, url)
