@@ -10,7 +10,7 @@ import torch.distributed as dist
 from dist_utils import free_port, run_workers, worker_context
 
 import slipstream as ss
-from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
 
 
 def test_plan_is_made_once_per_layout(tmp_path):

@@ -17,11 +17,11 @@ from fault_storage import FaultStorage
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import slipstream as ss
-from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
+from slipstream.checkpoint import writer as writer_module
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.recycle import SPARE_DIR
 from slipstream.checkpoint.safe_pickle import load_metadata
-from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
 
@@ -233,7 +233,7 @@ def test_full_disk_while_publishing_metadata_leaves_the_step_uncommitted(tmp_pat
 
 
 def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(saver_module, "WRITE_PIECE_BYTES", 64 * 1024)
+    monkeypatch.setattr(writer_module, "WRITE_PIECE_BYTES", 64 * 1024)
     failed = threading.Event()
     fstat_after_failure: list[bool] = []
 

@@ -27,7 +27,7 @@ from dist_utils import run_workers
 from fault_storage import Faults, FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint import saver as saver_module
+from slipstream.checkpoint import writer as writer_module
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.recycle import SPARE_DIR
 from slipstream.checkpoint.storage import LocalStorage, MemoryStorage, Storage, resolve_storage
@@ -290,7 +290,7 @@ def test_sigkill_mid_write_over_a_checkpoint_keeps_it_loadable(tmp_path, backend
 def test_a_failed_save_removes_its_partial_data_file_before_returning(
     tmp_path, monkeypatch, fail_at
 ):
-    monkeypatch.setattr(saver_module, "WRITE_PIECE_BYTES", 64 * 1024)
+    monkeypatch.setattr(writer_module, "WRITE_PIECE_BYTES", 64 * 1024)
     directory = tmp_path / "ck"
     ss.save(_state(1), directory)
     state = dict(_state(2), big=torch.randn(256 * 1024))  # 1 MiB: 16 pieces

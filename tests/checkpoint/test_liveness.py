@@ -20,8 +20,8 @@ from dist_utils import run_workers
 from fault_storage import FaultStorage
 
 import slipstream as ss
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.recycle import SPARE_DIR
-from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
 NOTICE_BOUND_S = 12.0

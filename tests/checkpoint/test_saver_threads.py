@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import slipstream as ss
-from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice")
 
@@ -20,7 +20,12 @@ def test_saver_threads_run_below_the_callers_priority(tmp_path):
     saver = CheckpointSaver(options=SaveOptions(thread_nice=2))
     try:
         saver.save({"w": torch.ones(1000)}, tmp_path / "ck").upload_completion.result(30)
-        pools = (saver._stage_thread, saver._tail_copier, saver._upload_thread, saver._io_pool)
+        pools = (
+            saver._stage_thread,
+            saver._stager._tail_copier,
+            saver._upload_thread,
+            saver._writer._io_pool,
+        )
         for pool in pools:
             assert pool.submit(_own_nice).result(10) == min(19, caller + 2)
         assert _own_nice() == caller
@@ -34,7 +39,12 @@ def test_idle_saver_threads_run_under_sched_idle_and_still_save(tmp_path):
     try:
         state = {"w": torch.arange(1000.0)}
         saver.save(state, tmp_path / "ck").upload_completion.result(30)
-        pools = (saver._stage_thread, saver._tail_copier, saver._upload_thread, saver._io_pool)
+        pools = (
+            saver._stage_thread,
+            saver._stager._tail_copier,
+            saver._upload_thread,
+            saver._writer._io_pool,
+        )
         for pool in pools:
             assert pool.submit(lambda: os.sched_getscheduler(0)).result(10) == os.SCHED_IDLE
         assert os.sched_getscheduler(0) != os.SCHED_IDLE

@@ -14,8 +14,8 @@ import torch
 from fault_storage import FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint import saver as saver_module
-from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
+from slipstream.checkpoint import staging as staging_module
 from slipstream.checkpoint.storage import LocalStorage
 from slipstream.core.buffers import StagingBudgetError
 from slipstream.errors import CheckpointError
@@ -44,7 +44,7 @@ def _gate(monkeypatch, name: str) -> tuple[threading.Event, list[int]]:
     """Make ``saver.<name>`` wait for the returned event; record the calling threads."""
     gate = threading.Event()
     callers: list[int] = []
-    real = getattr(saver_module, name)
+    real = getattr(staging_module, name)
 
     def gated(*args, **kwargs):
         callers.append(threading.get_ident())
@@ -52,7 +52,7 @@ def _gate(monkeypatch, name: str) -> tuple[threading.Event, list[int]]:
             raise TimeoutError(f"test gate on {name} was never opened")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(saver_module, name, gated)
+    monkeypatch.setattr(staging_module, name, gated)
     return gate, callers
 
 
@@ -158,17 +158,17 @@ def test_saves_of_the_same_layout_reuse_one_staging_buffer(tmp_path, saver):
         state["w"].add_(1)
         state["step"] = i
         saver.save(state, tmp_path / f"s{i}").upload_completion.result(60)
-    assert saver._pool.allocations == 1
+    assert saver._stager._pool.allocations == 1
     assert torch.equal(_load_fresh(tmp_path / "s2")["w"], state["w"])
     state["extra"] = torch.ones(10)
     saver.save(state, tmp_path / "new_layout").upload_completion.result(60)
-    assert saver._pool.allocations == 2
+    assert saver._stager._pool.allocations == 2
 
 
 def test_tensor_resized_before_staging_fails_the_save_naming_it(tmp_path, monkeypatch):
     gate, entered = threading.Event(), threading.Event()
     first: list[int] = []
-    real = saver_module.copy_to_address
+    real = staging_module.copy_to_address
 
     def gated(address: int, src: torch.Tensor) -> bool:
         if not first:
@@ -177,7 +177,7 @@ def test_tensor_resized_before_staging_fails_the_save_naming_it(tmp_path, monkey
             assert gate.wait(GATE_TIMEOUT), "test gate never opened"
         return real(address, src)
 
-    monkeypatch.setattr(saver_module, "copy_to_address", gated)
+    monkeypatch.setattr(staging_module, "copy_to_address", gated)
     state = {"x": torch.ones(1000), "y": torch.ones(1000)}
     response = ss.async_save(state, tmp_path / "ck")
     assert entered.wait(GATE_TIMEOUT), "staging never started"

@@ -5,8 +5,8 @@ import io
 import torch
 import torch.distributed.checkpoint as dcp
 
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.records import locate_tensor_data, tensor_frame
-from slipstream.checkpoint.saver import CheckpointSaver, SaveOptions
 
 
 def _state():

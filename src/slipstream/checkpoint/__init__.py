@@ -3,7 +3,9 @@
 from .api import async_save, load, save
 from .checkpointer import Checkpointer
 from .health import CheckpointHealth
-from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions, SaveTimings
+from .options import SaveOptions
+from .save_job import AsyncSaveResponse, SaveTimings
+from .saver import CheckpointSaver
 from .storage import DataWriter, Storage, register_storage
 
 __all__ = [

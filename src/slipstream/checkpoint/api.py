@@ -13,7 +13,9 @@ from typing import Any
 import torch.distributed as dist
 
 from . import loader
-from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+from .options import SaveOptions
+from .save_job import AsyncSaveResponse
+from .saver import CheckpointSaver
 from .storage import Location
 
 _savers: dict[tuple, CheckpointSaver] = {}

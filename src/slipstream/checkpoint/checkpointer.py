@@ -27,8 +27,10 @@ from ..errors import CheckpointError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE, uncommit
 from .health import CheckpointHealth, HealthTracker
+from .options import SaveOptions
 from .recycle import SPARE_DIR
-from .saver import AsyncSaveResponse, CheckpointSaver, SaveOptions
+from .save_job import AsyncSaveResponse
+from .saver import CheckpointSaver
 from .storage import Location, Storage, resolve_storage
 
 logger = logging.getLogger(__name__)

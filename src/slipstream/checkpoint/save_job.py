@@ -1,0 +1,84 @@
+"""One save as its stages see it: the job the saver hands to staging, writing and commit,
+and the response the caller holds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.handles import Watermark
+from .commit import CommitTemplate
+from .generations import data_file
+from .layout import LocalLayout
+from .plan import SavePlan
+from .storage import Storage
+
+
+@dataclass
+class SaveTimings:
+    """Where one save's time went on this rank, in seconds from the call; each field is
+    filled in when its phase ends (``None`` until then, or if the save failed)."""
+
+    nbytes: int = 0
+    """Tensor bytes this rank staged and wrote."""
+    blocked: float | None = None
+    """Time the caller's thread spent in the call (waiting for the previous save included)."""
+    staged: float | None = None
+    """Until ``staging_completion``: the state may be mutated from then on."""
+    durable: float | None = None
+    """Until ``upload_completion``: written, fsync'd and committed on every rank."""
+
+
+@dataclass
+class AsyncSaveResponse:
+    """The two phases of a save, as futures (same names as DCP's ``AsyncSaveResponse``),
+    and this rank's :class:`SaveTimings` of it."""
+
+    staging_completion: Future
+    upload_completion: Future
+    timings: SaveTimings = field(default_factory=SaveTimings)
+    skipped: bool = False
+    """The save was skipped (a ``Checkpointer`` with ``when_busy="skip"``): nothing written."""
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the save is durable and committed."""
+        self.upload_completion.result(timeout)
+
+
+@dataclass
+class SaveJob:
+    """Everything the stages of one save share; ``progress`` is how far staging got."""
+
+    plan: SavePlan
+    templates: dict[int, CommitTemplate]
+    """The plan's commit templates by generation, shared by its saves (made on rank 0)."""
+    layout: LocalLayout
+    values: dict[str, bytes]
+    storage: Storage
+    seq: int
+    fingerprint: str
+    ready_event: Any
+    device: torch.device | None
+    response: AsyncSaveResponse
+    after_commit: Callable[[], None] | None
+    started: float = 0.0
+    progress: Watermark = field(default_factory=Watermark)
+    buffer: torch.Tensor | None = None
+    generation: int = 0
+    """The generation of file names this save writes (see :mod:`.generations`)."""
+    replaced: set[str] = field(default_factory=set)
+    """Data files of the committed checkpoint this save replaces, deleted after its commit."""
+    replaced_index: str | None = None
+
+    @property
+    def file(self) -> str:
+        """This rank's data file, as this save names it."""
+        return data_file(self.plan.file, self.generation)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
