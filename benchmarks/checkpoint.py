@@ -8,9 +8,14 @@ a warm memcpy and a raw fsync'd write of the same bytes (the floors are set agai
 those; the memcpy also runs in the rounds of the saves and loads, for per-round ratios),
 peak memory of each peer measured in a fresh subprocess, a 1 -> 4 rank resharding
 load, and the cost of checkpointing every step of the demo model's training loop.
+The ``object_store`` section (``object_store.py``) does the same on S3, against a moto
+server it starts, and on ``memory://``.
 
-    python benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json
-    python benchmarks/checkpoint.py --quick       # smoke test, ~30 s
+    python benchmarks/checkpoint.py               # every section, one result file
+    python benchmarks/checkpoint.py --quick       # smoke test, ~1 min
+    python benchmarks/checkpoint.py --sections local --out benchmarks/results/checkpoint.json
+    python benchmarks/checkpoint.py --sections object_store \\
+        --out benchmarks/results/object_store.json   # as `make bench` splits them
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ SAVE_PEERS = [
 #: same writes took 0.65 - 0.97x the raw write's in eight of eight.
 SHUFFLE_SEED = 0
 LOAD_PEERS = ["torch.load", "safetensors", "dcp.load", "ss.load", "ss.load (dcp-written)"]
+SECTIONS = ("local", "object_store")
 
 
 @dataclass
@@ -84,7 +90,13 @@ class BenchOptions:
     train_batch: int = 4
     reshard_ranks: int = 4
     skip: tuple[str, ...] = ()
-    """Optional sections left out: any of ``memory``, ``reshard``, ``train``."""
+    """Optional parts left out: any of ``memory`` (peak RSS, in every section),
+    ``reshard``, ``train``."""
+    sections: tuple[str, ...] = SECTIONS
+    """What runs: ``local`` (saves and loads on the local disk, with their memory,
+    resharding and training-loop parts) and ``object_store`` (S3 on moto, memory://)."""
+    object_store_gib: float = 0.5
+    object_store_tensors: int = 128
 
     @property
     def nbytes(self) -> int:
@@ -1114,20 +1126,45 @@ def run(opts: BenchOptions) -> Result:
     workdir = Path(opts.workdir)
     clear(workdir)
     workdir.mkdir(parents=True)
+    if "local" in opts.sections:
+        result = Result(
+            "checkpoint",
+            "asynchronous checkpoints: slipstream vs torch.save, safetensors, DCP, torchsnapshot",
+        )
+    else:
+        result = Result(
+            "object_store",
+            "checkpoints on object storage: slipstream vs DCP (s3fs, fsspec memory), "
+            "torchsnapshot and raw boto3 on a local S3 (moto), and memory://",
+        )
+    result.setup["load average at start"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    if "local" in opts.sections:
+        run_local(result, opts)
+    if "object_store" in opts.sections:
+        import object_store
+
+        object_store.run_section(result, opts)
+    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    clear(workdir)
+    return result
+
+
+def run_local(result: Result, opts: BenchOptions) -> None:
+    """The local disk: saves, loads, references, and the memory, resharding and training-loop
+    parts not skipped; the saves and loads tables go first in ``result``."""
+    workdir = Path(opts.workdir)
     state = make_state(opts.nbytes, opts.tensors)
     sizes = sorted(t.numel() * 4 for t in state.values())
-    result = Result(
-        "checkpoint",
-        "asynchronous checkpoints: slipstream vs torch.save, safetensors, DCP, torchsnapshot",
-        setup={
+    result.setup.update(
+        {
             "state": f"{state_bytes(state) / GIB:.2f} GiB fp32 in {len(state)} tensors "
             f"({sizes[0] / 1024:.0f} KiB - {sizes[-1] / MIB:.0f} MiB)",
             "repetitions": f"1 warm-up + {opts.repeats}, interleaved, saves and loads in a "
             f"new order each round (seed {SHUFFLE_SEED}), medians",
             "directory": str(workdir.resolve()),
-            "load average at start": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
-        },
+        }
     )
+    first_table = len(result.tables)
     print("references ...", flush=True)
     refs = measure_references(state, opts.repeats)
     print("saves ...", flush=True)
@@ -1146,7 +1183,10 @@ def run(opts: BenchOptions) -> Result:
     if "train" not in opts.skip:
         print("training loop ...", flush=True)
         run_train(result, opts, extra)
-    result.tables[0:0] = [save_table(saves, memory), load_table(loads, memory, refs)]
+    result.tables[first_table:first_table] = [
+        save_table(saves, memory),
+        load_table(loads, memory, refs),
+    ]
     result.tables.append(
         Table(
             "References (same bytes, medians)",
@@ -1155,14 +1195,11 @@ def run(opts: BenchOptions) -> Result:
         )
     )
     record_floors(result, saves, loads, extra)
-    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     result.notes += NOTES
     result.notes += measured_notes(loads, refs, extra)
     figure = plot(saves, Path(opts.out).with_suffix(".png"))
     if figure:
         result.notes.append(f"Figure: `{figure}`.")
-    clear(workdir)
-    return result
 
 
 NOTES = [
@@ -1231,6 +1268,11 @@ def measured_notes(loads: dict, refs: dict, extra: dict) -> list[str]:
 def child_main(spec: str, opts: BenchOptions) -> None:
     if spec == "train":
         out = train_child(opts)
+    elif spec.startswith("object_store:"):
+        import object_store
+
+        _, kind, peer = spec.split(":", 2)
+        out = object_store.child_memory(kind, peer, opts)
     else:
         _, kind, peer = spec.split(":", 2)
         out = child_memory(kind, peer, opts)
@@ -1244,7 +1286,17 @@ def parse() -> tuple[BenchOptions, str | None]:
     p.add_argument("--repeats", type=int, default=3, help="repetitions after the warm-up")
     p.add_argument("--out", default="benchmarks/results/checkpoint.json")
     p.add_argument("--workdir", default="/tmp/slipstream-bench/checkpoint", help="scratch dir")
-    p.add_argument("--skip", default="", help="comma list of sections: memory,reshard,train")
+    p.add_argument("--skip", default="", help="comma list of parts: memory,reshard,train")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma list of sections to run: local (the disk), object_store (S3 on a "
+        "local moto server, memory://); default both",
+    )
+    p.add_argument("--object-store-gib", type=float, default=0.5, help="object store section: GiB")
+    p.add_argument(
+        "--object-store-tensors", type=int, default=128, help="object store section: tensors"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes: a ~30 s smoke test")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--options", help=argparse.SUPPRESS)
@@ -1253,11 +1305,23 @@ def parse() -> tuple[BenchOptions, str | None]:
         return BenchOptions(**json.loads(args.options)), args.child
     opts = BenchOptions(args.gib, args.tensors, args.repeats, args.out, args.workdir)
     opts.skip = tuple(s for s in args.skip.split(",") if s)
+    opts.sections = tuple(s for s in args.sections.split(",") if s)
+    unknown = set(opts.sections) - set(SECTIONS)
+    if unknown or not opts.sections:
+        p.error(f"--sections: choose from {', '.join(SECTIONS)} (got {args.sections!r})")
+    opts.object_store_gib, opts.object_store_tensors = (
+        args.object_store_gib,
+        args.object_store_tensors,
+    )
+    name = "checkpoint" if "local" in opts.sections else "object_store"
     if args.quick:
         opts.gib, opts.tensors, opts.repeats, opts.quick = 0.03, 24, 1, True
+        opts.object_store_gib, opts.object_store_tensors = 0.03, 24
         opts.train_steps, opts.train_batch = 2, 1
         if args.out == p.get_default("out"):
-            opts.out = "/tmp/slipstream-bench/checkpoint_quick.json"
+            opts.out = f"/tmp/slipstream-bench/{name}_quick.json"
+    elif args.out == p.get_default("out"):
+        opts.out = f"benchmarks/results/{name}.json"
     return opts, args.child
 
 
