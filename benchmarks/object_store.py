@@ -19,12 +19,8 @@ import contextlib
 import io
 import os
 import re
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,19 +45,12 @@ from checkpoint import (
 )
 from common import Result, Table, interleave, median
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from storage_server import CREDENTIALS, UNSET, moto_server  # noqa: E402
+
 from slipstream.core.buffers import byte_view
 
 BUCKET = "slipstream-bench"
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-"""What the server accepts (it checks no credentials); set beside ``AWS_ENDPOINT_URL``."""
-UNSET = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_REGION", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-"""Variables that would send the clients' requests elsewhere or sign them differently."""
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 RAW_THREADS = 8
 RAW_PART = 16 * MIB
 
@@ -101,56 +90,15 @@ MEMCPY = "warm memcpy, faster of two (reference)"
 # The server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answers(endpoint: str) -> bool:
-    try:
-        urllib.request.urlopen(f"{endpoint}/moto-api/data.json", timeout=1).close()
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
 @contextlib.contextmanager
-def moto_server(log_path: Path) -> Iterator[str]:
-    """Run moto's standalone server for the block, its request log in ``log_path``; yield
-    its endpoint. Objects it spools to files go to ``/dev/shm`` where there is one, so the
+def moto_server_logged(log_path: Path) -> Iterator[str]:
+    """The tests' moto server (``tests/storage_server.py``), its request log in
+    ``log_path``. Objects it spools to files go to ``/dev/shm`` where there is one, so the
     server writes nothing to the host's disk (DCP's fallback for an fsspec stream without a
-    file descriptor is ``os.sync()``, which would otherwise flush the server's files). The
-    process is terminated (killed if it does not exit in time) and waited for on exit."""
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if os.path.isdir("/dev/shm"):
-        env["TMPDIR"] = "/dev/shm"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not _answers(endpoint):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"moto server on port {port} did not start:\n{tail}")
-                time.sleep(0.05)
-            yield endpoint
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(STOP_TIMEOUT_S)
+    file descriptor is ``os.sync()``, which would otherwise flush the server's files)."""
+    spool = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with open(log_path, "wb") as log, moto_server(log, spool) as endpoint:
+        yield endpoint
 
 
 @contextlib.contextmanager
@@ -618,7 +566,7 @@ def run_section(result: Result, opts) -> None:
     memory: dict = {}
     started = time.perf_counter()
     log = RequestLog(workdir / "moto.log")
-    with moto_server(log.path) as endpoint, s3_environment(endpoint):
+    with moto_server_logged(log.path) as endpoint, s3_environment(endpoint):
         peers = S3Peers(state)
         peers.client.create_bucket(Bucket=BUCKET)
         log.since_last()

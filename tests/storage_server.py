@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import BinaryIO
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -47,17 +48,24 @@ def _answers(endpoint: str) -> bool:
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """Run a moto server for the block; yield its endpoint URL. The process is terminated
-    (killed if it does not exit in :data:`STOP_TIMEOUT_S`) and waited for on exit."""
-    with tempfile.TemporaryFile() as log:
+def moto_server(log: BinaryIO | None = None, spool_dir: str | None = None) -> Iterator[str]:
+    """Run a moto server for the block; yield its endpoint URL. Its output (one line per
+    request) goes to ``log`` (a temporary file by default); objects it spools to files go
+    to ``spool_dir`` when given. The process is terminated (killed if it does not exit in
+    :data:`STOP_TIMEOUT_S`) and waited for on exit. The benchmarks use it too."""
+    with contextlib.ExitStack() as stack:
+        if log is None:
+            log = stack.enter_context(tempfile.TemporaryFile())
         port = _free_port()
         endpoint = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if spool_dir is not None:
+            env["TMPDIR"] = spool_dir
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=env,
         )
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
