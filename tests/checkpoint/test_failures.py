@@ -27,6 +27,7 @@ from dist_utils import run_workers
 from fault_storage import Faults, FaultStorage
 
 import slipstream as ss
+from slipstream.checkpoint import CheckpointSaver
 from slipstream.checkpoint import writer as writer_module
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.recycle import SPARE_DIR
@@ -456,3 +457,27 @@ def test_fault_matrix_commits_nothing_incomplete_and_loses_nothing_committed(
     assert steps[-1] == 4
     leftovers = {n for n in inner.list_children() if n != SPARE_DIR}
     assert leftovers == {f"step_{s}" for s in steps}, leftovers
+
+
+def _rank0_dies_right_after_publishing(rank: int, world: int, root: str) -> None:
+    """Rank 0 publishes ``.metadata`` and is killed before it can tell rank 1 (the store,
+    which rank 0 hosts, dies with it): rank 1's save fails, and it must keep its file."""
+    directory = os.path.join(root, "ck")
+    saver = CheckpointSaver()
+    try:
+        state = {f"own{rank}": torch.full((1000,), float(rank + 1))}
+        after_commit = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if rank == 0 else None
+        response = saver.save(state, directory, after_commit=after_commit)
+        with pytest.raises(ss.SlipstreamError):
+            response.result(60)
+        assert os.path.exists(os.path.join(directory, "__1_0.distcp"))
+    finally:
+        saver.close()
+
+
+def test_a_rank_that_cannot_hear_the_commit_keeps_its_committed_file(tmp_path):
+    run_workers(_rank0_dies_right_after_publishing, 2, str(tmp_path), timeout=90, killed=(0,))
+    target = {"own0": torch.zeros(1000), "own1": torch.zeros(1000)}
+    ss.load(target, tmp_path / "ck")
+    assert torch.equal(target["own0"], torch.full((1000,), 1.0))
+    assert torch.equal(target["own1"], torch.full((1000,), 2.0))

@@ -266,8 +266,20 @@ class CheckpointSaver:
         job.generation = free_generation(job.replaced, plan_files)
 
     def _discard_written(self, job: SaveJob) -> None:
-        """After a failed commit: remove this rank's data file (and rank 0 the index), which
-        no committed checkpoint points to, so a failed save gives its space back at once."""
+        """After a failed save: remove this rank's data file (and rank 0 the index), unless a
+        committed ``.metadata`` here points to it. A rank that could not hear the commit's
+        outcome (rank 0 died after publishing, the store gone with it) must not take a
+        committed checkpoint's file away; when in doubt, the file stays (unreferenced, it is
+        written over or cleaned up by a later save)."""
+        try:
+            data = job.storage.get(METADATA_FILE)
+            if data is not None:
+                where = f"{job.storage.url}/{METADATA_FILE}"
+                if job.file in files_of(load_metadata(data, where)):
+                    return
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("kept %s/%s of a failed save: %s", job.storage.url, job.file, exc)
+            return
         names = [job.file] + ([index_file(job.generation)] if self.rank == 0 else [])
         for name in names:
             if name in job.replaced or name == job.replaced_index:
