@@ -117,9 +117,7 @@ class CheckpointReader:
         self.storage.read_into(relative_path, offset, out)
 
     def read_bytes(self, relative_path: str, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self.storage.read_into(relative_path, offset, memoryview(buf))
-        return bytes(buf)
+        return bytes(self.storage.read(relative_path, offset, n))
 
     def close(self) -> None:
         self.storage.close()

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..core import streams
 from ..core.handles import fail_unfinished
@@ -151,8 +152,9 @@ class CheckpointSaver:
     def _prepare(
         self, state_dict: Mapping[str, Any], seq: int, storage: Storage
     ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, dict[int, CommitTemplate]]:
-        """The caller's-thread part of save ``seq``: layout, serialized values, plan (made
-        only for a new layout) with its commit templates, and the location, prepared."""
+        """The caller's-thread part of save ``seq``: layout, serialized values, and the plan
+        (made only for a new layout) with its commit templates. No storage request runs
+        here: the location is prepared on the upload thread."""
         layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
@@ -164,7 +166,6 @@ class CheckpointSaver:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[signature] = cached
         plan, templates = cached
-        storage.prepare()
         return layout, values, plan, templates
 
     def _announce_failure(self, seq: int, exc: BaseException) -> None:
@@ -240,6 +241,7 @@ class CheckpointSaver:
         itself fails it still runs the commit step, which posts the failure to every rank.
         """
         try:
+            job.storage.prepare()
             self._choose_generation(job)
             done = self._writer.write(job)
         except BaseException as exc:
@@ -256,10 +258,9 @@ class CheckpointSaver:
     def _choose_generation(self, job: SaveJob) -> None:
         """Name this save's files so that none is a file of the checkpoint committed here
         (every rank reads the same ``.metadata``, so every rank picks the same names)."""
-        data = job.storage.get(METADATA_FILE)
-        if data is None:
+        committed = _committed(job.storage)
+        if committed is None:
             return
-        committed = load_metadata(data, f"{job.storage.url}/{METADATA_FILE}")
         job.replaced = files_of(committed)
         job.replaced_index = index_file(generation_of(committed))
         plan_files = [data_file_name(r) for r in range(job.plan.world_size)]
@@ -272,11 +273,9 @@ class CheckpointSaver:
         committed checkpoint's file away; when in doubt, the file stays (unreferenced, it is
         written over or cleaned up by a later save)."""
         try:
-            data = job.storage.get(METADATA_FILE)
-            if data is not None:
-                where = f"{job.storage.url}/{METADATA_FILE}"
-                if job.file in files_of(load_metadata(data, where)):
-                    return
+            committed = _committed(job.storage)
+            if committed is not None and job.file in files_of(committed):
+                return
         except (OSError, SlipstreamError) as exc:
             logger.warning("kept %s/%s of a failed save: %s", job.storage.url, job.file, exc)
             return
@@ -381,6 +380,12 @@ class CheckpointSaver:
         self._stager.close()
         self._writer.close()
         self.channel.close()
+
+
+def _committed(storage: Storage) -> Metadata | None:
+    """The metadata of the checkpoint committed at ``storage``, if there is one."""
+    data = storage.get(METADATA_FILE)
+    return None if data is None else load_metadata(data, f"{storage.url}/{METADATA_FILE}")
 
 
 def _accelerator_of(layout: LocalLayout) -> torch.device | None:

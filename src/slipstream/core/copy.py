@@ -54,7 +54,9 @@ _get_buffer = ctypes.pythonapi.PyObject_GetBuffer
 _get_buffer.argtypes = (ctypes.py_object, ctypes.POINTER(_Buffer), ctypes.c_int)
 _release_buffer = ctypes.pythonapi.PyBuffer_Release
 _release_buffer.argtypes = (ctypes.POINTER(_Buffer),)
-_PYBUF_C_CONTIGUOUS = 0x0020 | 0x0008
+_PYBUF_SIMPLE = 0
+"""A plain contiguous byte buffer; a non-contiguous exporter refuses it."""
+_PYBUF_WRITABLE = 0x0001
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
@@ -66,9 +68,9 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
     if not len(src):
         return
     views = (_Buffer(), _Buffer())
-    _get_buffer(dst, ctypes.byref(views[0]), _PYBUF_C_CONTIGUOUS | 0x0001)
+    _get_buffer(dst, ctypes.byref(views[0]), _PYBUF_WRITABLE)
     try:
-        _get_buffer(src, ctypes.byref(views[1]), _PYBUF_C_CONTIGUOUS)
+        _get_buffer(src, ctypes.byref(views[1]), _PYBUF_SIMPLE)
         try:
             _memmove_in_slices(views[0].buf, views[1].buf, len(src))
         finally:

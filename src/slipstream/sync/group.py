@@ -116,16 +116,7 @@ class SyncGroup:
 
     def _store_client(self) -> dist.Store:
         """A new connection to the group's store (its own lock, its own blocking waits)."""
-        clone = getattr(self._tcp_store, "clone", None)
-        if clone is not None:
-            return clone()
-        return dist.TCPStore(  # pragma: no cover - torch without Store.clone
-            self._tcp_store.host,
-            self._tcp_store.port,
-            is_master=False,
-            timeout=timedelta(seconds=self.timeout),
-            wait_for_workers=False,
-        )
+        return self._tcp_store.clone()
 
     def channel(self, name: str) -> SyncGroup:
         """The same group with keys and process groups of its own, scoped under ``name``.
