@@ -54,7 +54,9 @@ def summarize(checkpoint_id: str | os.PathLike[str]) -> tuple[list[EntrySummary]
         reader.close()
 
 
-def read_all(checkpoint_id: str | os.PathLike[str], keys: list[str] | None = None) -> dict[str, Any]:
+def read_all(
+    checkpoint_id: str | os.PathLike[str], keys: list[str] | None = None
+) -> dict[str, Any]:
     """Every entry (or ``keys``) as full CPU tensors / values, flat-keyed; verifies checksums."""
     reader = CheckpointReader(checkpoint_id)
     try:
