@@ -424,12 +424,12 @@ class _UploadWriter(DataWriter):
         """The object's bytes in order, each range once queued, in slices of at most
         ``part`` bytes (obstore's concurrency limit is checked once per slice)."""
         pos = 0
+
+        def ready() -> bool:  # reads ``pos`` when called: the offset awaited now
+            return self._cancelled or pos in self._queued or self._input_done
+
         while True:
             with self._cond:
-
-                def ready(pos: int = pos) -> bool:
-                    return self._cancelled or pos in self._queued or self._input_done
-
                 arrived = self._cond.wait_for(ready, timeout=PIECE_TIMEOUT_S)
                 if self._cancelled:
                     raise CheckpointError(f"upload of {self.path} aborted")
