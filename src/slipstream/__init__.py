@@ -4,6 +4,8 @@ Public API lives here (and in the ``sync`` and ``fsdp`` subpackages it exports);
 else may change between releases.
 """
 
+from importlib import metadata as _metadata
+
 from . import fsdp, sync
 from .checkpoint import (
     AsyncSaveResponse,
@@ -30,7 +32,12 @@ from .errors import (
 )
 from .sync import WeightPublisher, WeightSubscriber
 
-__version__ = "0.1.0"
+# The version lives only in pyproject.toml; a source tree that was never installed has no
+# metadata to read and says so instead of guessing.
+try:
+    __version__ = _metadata.version("slipstream")
+except _metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
 
 __all__ = [
     "AsyncSaveResponse",

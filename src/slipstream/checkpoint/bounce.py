@@ -25,12 +25,12 @@ SLOT_BYTES = 16 * 1024 * 1024
 SLOTS = 4
 WAIT_SECONDS = 600.0
 
-_slots: queue.Queue | None = None
+_slots: queue.Queue[torch.Tensor] | None = None
 _slots_lock = threading.Lock()
 _thread = threading.local()
 
 
-def _free_slots() -> queue.Queue:
+def _free_slots() -> queue.Queue[torch.Tensor]:
     global _slots
     with _slots_lock:
         if _slots is None:
@@ -40,13 +40,14 @@ def _free_slots() -> queue.Queue:
         return _slots
 
 
-def _side_stream(device: torch.device):
+def _side_stream(device: torch.device) -> torch.Stream:
     cached = getattr(_thread, "streams", None)
     if cached is None:
         cached = _thread.streams = {}
     if device not in cached:
         cached[device] = streams.new_stream(device)
-    return cached[device]
+    stream: torch.Stream = cached[device]  # bounced reads go to accelerators only
+    return stream
 
 
 def read_to_device(

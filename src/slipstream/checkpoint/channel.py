@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -120,15 +121,16 @@ class RankChannel:
             self._heartbeat.close()
             self._heartbeat = None
 
-    def gather(self, topic: str, deadline: Deadline, what: str) -> list:
+    def gather(self, topic: str, deadline: Deadline, what: str) -> list[dict[str, Any]]:
         """Every rank's payload for ``topic`` (index = rank)."""
         ranks = list(range(self.world_size))
         self._wait(topic, ranks, deadline, what)
         return [json.loads(self.store.get(self._key(topic, r))) for r in ranks]
 
-    def receive(self, topic: str, from_rank: int, deadline: Deadline, what: str) -> object:
+    def receive(self, topic: str, from_rank: int, deadline: Deadline, what: str) -> dict[str, Any]:
         self._wait(topic, [from_rank], deadline, what)
-        return json.loads(self.store.get(self._key(topic, from_rank)))
+        message: dict[str, Any] = json.loads(self.store.get(self._key(topic, from_rank)))
+        return message
 
     def forget(self, topic: str, ranks: list[int] | None = None) -> None:
         for r in range(self.world_size) if ranks is None else ranks:

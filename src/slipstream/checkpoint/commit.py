@@ -13,10 +13,12 @@ import json
 import pickle
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core.checksum import ALGORITHM, BLOCK_BYTES
+from ..core.flatten import Path
 from .generations import GENERATIONS, data_file, index_file
 from .layout import dtype_from_name
 from .plan import SavePlan
@@ -50,7 +53,7 @@ class CommitTemplate:
 
     tensors: dict[str, TensorStorageMetadata]
     records: dict[MetadataIndex, _StorageInfo]
-    paths: dict[str, tuple]
+    paths: dict[str, Path]
 
     @classmethod
     def for_plan(cls, plan: SavePlan, generation: int) -> CommitTemplate:
@@ -75,11 +78,13 @@ class CommitTemplate:
         return cls(tensors, records, dict(plan.paths))
 
 
-def build_metadata(template: CommitTemplate, done: list[dict], checkpoint_id: str) -> Metadata:
+def build_metadata(
+    template: CommitTemplate, done: list[dict[str, Any]], checkpoint_id: str
+) -> Metadata:
     """DCP metadata for a save of ``template``'s plan whose ranks reported ``done`` (index =
     rank): the template's tensor entries, shared, and the entries of this save's values."""
-    state_dict_metadata: dict = dict(template.tensors)
-    storage_data: dict = dict(template.records)
+    state_dict_metadata: dict[str, STORAGE_TYPES] = dict(template.tensors)
+    storage_data: dict[MetadataIndex, _StorageInfo] = dict(template.records)
     for msg in done:
         for fqn, (file, offset, length, _checksum) in msg["values"].items():
             state_dict_metadata[fqn] = BytesStorageMetadata()
@@ -93,9 +98,9 @@ def build_metadata(template: CommitTemplate, done: list[dict], checkpoint_id: st
     )
 
 
-def build_index(plan: SavePlan, done: list[dict], generation: int) -> dict:
+def build_index(plan: SavePlan, done: list[dict[str, Any]], generation: int) -> dict[str, Any]:
     """slipstream's own index: where raw tensor bytes start and their block checksums."""
-    records: dict[str, dict] = {}
+    records: dict[str, dict[str, dict[str, Any]]] = {}
     for rank, recs in enumerate(plan.records_by_rank):
         blocks = done[rank]["records"]
         for rec in recs:
@@ -120,7 +125,7 @@ def build_index(plan: SavePlan, done: list[dict], generation: int) -> dict:
     }
 
 
-def publish(storage: Storage, metadata: Metadata, index: dict, generation: int) -> None:
+def publish(storage: Storage, metadata: Metadata, index: dict[str, Any], generation: int) -> None:
     """Write the index of ``generation``, then ``.metadata`` (the commit point), each
     atomically.
 
@@ -128,6 +133,7 @@ def publish(storage: Storage, metadata: Metadata, index: dict, generation: int) 
     ``.metadata`` it was written with, not for one another tool (``dcp.save`` into the
     same directory) wrote later.
     """
+    assert metadata.storage_meta is not None, "build_metadata always sets storage_meta"
     index = {**index, "save_id": metadata.storage_meta.save_id}
     storage.put_atomic(index_file(generation), json.dumps(index).encode())
     storage.put_atomic(METADATA_FILE, pickle.dumps(metadata))

@@ -60,7 +60,7 @@ class HealthTracker:
         self._failed = 0
         self._skipped = 0
 
-    def started(self, step: int, done: Future) -> None:
+    def started(self, step: int, done: Future[None]) -> None:
         """A save of ``step`` started; ``done`` resolves when it is durable or failed."""
         with self._lock:
             self._requested = step
@@ -83,7 +83,7 @@ class HealthTracker:
             self._requested = step
         self._record_failure(step, error)
 
-    def _ended(self, step: int, done: Future) -> None:
+    def _ended(self, step: int, done: Future[None]) -> None:
         error = done.exception()
         with self._lock:
             if self._in_flight == step:

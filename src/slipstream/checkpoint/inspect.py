@@ -26,7 +26,7 @@ class EntrySummary:
     nbytes: int
 
 
-def summarize(checkpoint_id: str | os.PathLike) -> tuple[list[EntrySummary], bool]:
+def summarize(checkpoint_id: str | os.PathLike[str]) -> tuple[list[EntrySummary], bool]:
     """The entries of a committed checkpoint and whether it carries slipstream checksums."""
     reader = CheckpointReader(checkpoint_id)
     try:
@@ -54,7 +54,9 @@ def summarize(checkpoint_id: str | os.PathLike) -> tuple[list[EntrySummary], boo
         reader.close()
 
 
-def read_all(checkpoint_id: str | os.PathLike, keys: list[str] | None = None) -> dict[str, Any]:
+def read_all(
+    checkpoint_id: str | os.PathLike[str], keys: list[str] | None = None
+) -> dict[str, Any]:
     """Every entry (or ``keys``) as full CPU tensors / values, flat-keyed; verifies checksums."""
     reader = CheckpointReader(checkpoint_id)
     try:

@@ -47,6 +47,10 @@ class ChunkSpec:
         return f"{self.fqn}@{','.join(map(str, self.offsets))}"
 
 
+LayoutSignature = tuple[tuple[ChunkSpec, ...], tuple[str, ...]]
+"""What decides a save plan: a layout's chunk specs and value keys."""
+
+
 @dataclass
 class LocalLayout:
     """A rank's flattened state: chunk specs with their tensors, and plain values."""
@@ -57,7 +61,7 @@ class LocalLayout:
     paths: dict[str, Path]
 
     @property
-    def signature(self) -> tuple:
+    def signature(self) -> LayoutSignature:
         """Everything that decides the plan, as a hashable tuple (the plan cache's key)."""
         return (tuple(self.chunks), tuple(self.values))
 
@@ -72,7 +76,7 @@ class LocalLayout:
         )
         return hashlib.sha256(desc.encode()).hexdigest()[:32]
 
-    def describe(self) -> list:
+    def describe(self) -> dict[str, Any]:
         """A JSON-able description sent to other ranks when planning."""
         return {
             "chunks": [

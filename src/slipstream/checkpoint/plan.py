@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
+from ..core.flatten import Path
 from ..errors import CheckpointError
 from .layout import ChunkSpec, dtype_from_name
 from .records import tensor_frame
@@ -47,7 +49,7 @@ class SavePlan:
     image_bytes_by_rank: list[int]
     value_owner: dict[str, int]
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]]
-    paths: dict[str, tuple]
+    paths: dict[str, Path]
 
     @property
     def records(self) -> list[RecordPlan]:
@@ -74,7 +76,7 @@ def _align(n: int) -> int:
     return (n + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
 
 
-def _parse(desc: dict) -> tuple[list[ChunkSpec], list[str], dict[str, tuple]]:
+def _parse(desc: dict[str, Any]) -> tuple[list[ChunkSpec], list[str], dict[str, Path]]:
     chunks = [
         ChunkSpec(fqn, dtype, tuple(shape), tuple(offsets), tuple(sizes), replicated)
         for fqn, dtype, shape, offsets, sizes, replicated in desc["chunks"]
@@ -83,14 +85,16 @@ def _parse(desc: dict) -> tuple[list[ChunkSpec], list[str], dict[str, tuple]]:
     return chunks, list(desc["values"]), paths
 
 
-def make_save_plan(rank: int, descriptions: list[dict], fingerprints: list[str]) -> SavePlan:
+def make_save_plan(
+    rank: int, descriptions: list[dict[str, Any]], fingerprints: list[str]
+) -> SavePlan:
     """Build the plan from every rank's :meth:`LocalLayout.describe` (index = rank)."""
     world_size = len(descriptions)
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
     specs: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkSpec] = {}
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]] = {}
     value_holders: dict[str, list[int]] = {}
-    paths: dict[str, tuple] = {}
+    paths: dict[str, Path] = {}
     for r, desc in enumerate(descriptions):
         chunks, values, rank_paths = _parse(desc)
         paths.update(rank_paths)

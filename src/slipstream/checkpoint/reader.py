@@ -26,6 +26,7 @@ from math import prod
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..core import streams
@@ -87,7 +88,7 @@ class CheckpointReader:
         self.index = self._read_index()
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
 
-    def _read_index(self) -> dict | None:
+    def _read_index(self) -> dict[str, Any] | None:
         """slipstream's index of this checkpoint, or ``None`` if it has none.
 
         An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
@@ -99,7 +100,7 @@ class CheckpointReader:
         if data is None:
             return None
         try:
-            index = json.loads(data)
+            index: dict[str, Any] = json.loads(data)
         except ValueError as exc:
             raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from exc
         if index.get("format") != "slipstream-index":
@@ -157,7 +158,7 @@ class CheckpointReader:
             )
 
     def source(
-        self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype
+        self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype
     ) -> SourceRecord:
         info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
         key = f"{fqn}@{','.join(map(str, offsets))}"
@@ -177,7 +178,7 @@ class CheckpointReader:
             return SourceRecord(info.relative_path, -1, nbytes, None, 0)
         return SourceRecord(info.relative_path, info.offset + layout.data_offset, nbytes, None, 0)
 
-    def _layout(self, info) -> TensorLayout:
+    def _layout(self, info: _StorageInfo) -> TensorLayout:
         cache_key = (info.relative_path, info.offset)
         layout = self._layouts.get(cache_key)
         if layout is None:
@@ -197,7 +198,8 @@ class CheckpointReader:
 
         info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
         data = self.read_bytes(info.relative_path, info.offset, info.length)
-        return torch.load(io.BytesIO(data), weights_only=True)
+        tensor: torch.Tensor = torch.load(io.BytesIO(data), weights_only=True)
+        return tensor
 
     def read_value(self, fqn: str) -> Any:
         info = self.metadata.storage_data[MetadataIndex(fqn)]
@@ -213,6 +215,7 @@ class CheckpointReader:
 
 def _check_block(job: ReadRequest, i: int, got: int, path: str) -> None:
     src = job.source
+    assert src.blocks is not None, "only records with block checksums are checked"
     if i >= len(src.blocks) or got != src.blocks[i]:
         start = src.data_offset + i * src.block_bytes
         end = src.data_offset + min((i + 1) * src.block_bytes, src.nbytes)
@@ -237,6 +240,7 @@ def _scratch_view(nbytes: int) -> memoryview:
 def _read_partial_block(reader: CheckpointReader, job: ReadRequest, i: int) -> None:
     """Read block ``i`` whole into scratch memory, verify it, copy out the part needed."""
     src, a, b, out = job.source, job.start, job.end, job.out
+    assert out is not None, "a host read (a device read is given a pinned view)"
     path = reader.file_path(src.file)
     bs, be = i * src.block_bytes, min((i + 1) * src.block_bytes, src.nbytes)
     lo, hi = max(bs, a), min(be, b)
@@ -271,6 +275,7 @@ def _read_verified(reader: CheckpointReader, job: ReadRequest) -> None:
     is read whole into scratch memory, verified, and the part needed copied out.
     """
     src, a, b, out = job.source, job.start, job.end, job.out
+    assert out is not None, "a host read (a device read is given a pinned view)"
     path = reader.file_path(src.file)
     if b <= a:
         return
@@ -358,6 +363,7 @@ def _read_span(reader: CheckpointReader, span: _Span) -> None:
                 bs = i * src.block_bytes - first
                 be = min((i + 1) * src.block_bytes, src.nbytes) - first
                 _check_block(job, i, checksum(fetched[bs:be]), path)
+        assert job.out is not None, "spans are made of host reads only"
         copy_bytes(job.out, fetched[job.start - first : job.end - first])
 
 

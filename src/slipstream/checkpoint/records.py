@@ -19,6 +19,7 @@ import io
 import pickle
 import struct
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ class _FrameRecorder:
         self.pieces: list[tuple[int, bytes]] = []
         self.gaps: list[tuple[int, int]] = []
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         chunk = bytes(data)
         self.pieces.append((self.pos, chunk))
         self.pos += len(chunk)
@@ -81,7 +82,7 @@ def tensor_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordFrame:
     nbytes = probe.numel() * probe.element_size()
     sink = _FrameRecorder()
     with torch.serialization.skip_data():
-        torch.save(probe, sink)
+        torch.save(probe, sink)  # type: ignore[arg-type]  # any writable, seekable object works
     head = b"".join(chunk for pos, chunk in sink.pieces if pos < _gap_start(sink, nbytes))
     tail = b"".join(chunk for pos, chunk in sink.pieces if pos >= _gap_start(sink, nbytes))
     return RecordFrame(prefix=head, suffix=tail, nbytes=nbytes)
@@ -163,7 +164,8 @@ def _entry_data_offset(head: bytes, header_offset: int, where: str) -> int:
     if head[header_offset : header_offset + 4] != _LOCAL_HEADER:
         raise CorruptCheckpointError(f"{where}: damaged zip entry header at {header_offset}")
     name_len, extra_len = struct.unpack_from("<HH", head, header_offset + 26)
-    return header_offset + _LOCAL_HEADER_BYTES + name_len + extra_len
+    offset: int = header_offset + _LOCAL_HEADER_BYTES + name_len + extra_len
+    return offset
 
 
 @dataclass(frozen=True)
@@ -197,17 +199,24 @@ def _storage_dtype(storage_type: object) -> torch.dtype:
         return torch.uint8
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return getattr(torch, storage_type).dtype
+        dtype: torch.dtype = getattr(torch, storage_type).dtype
+        return dtype
 
 
-def _rebuild_layout(storage, storage_offset, size, stride, *_rest):
+def _rebuild_layout(
+    storage: _StorageRef,
+    storage_offset: int,
+    size: Iterable[int],
+    stride: Iterable[int],
+    *_rest: object,
+) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]:
     return (storage.dtype, tuple(size), tuple(stride), int(storage_offset))
 
 
 class _RecordPickleReader(pickle.Unpickler):
     """Reads a tensor record's ``data.pkl`` into a layout tuple; refuses everything else."""
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_layout
         if (module, name) == ("collections", "OrderedDict"):
@@ -222,13 +231,15 @@ class _RecordPickleReader(pickle.Unpickler):
             f"tensor record refers to {module}.{name}, which is not allowed"
         )
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
             raise CorruptCheckpointError(f"unexpected persistent id in tensor record: {pid!r}")
         return _StorageRef(_storage_dtype(pid[1]))
 
 
-def locate_tensor_data(read, record_length: int, where: str) -> TensorLayout:
+def locate_tensor_data(
+    read: Callable[[int, int], bytes], record_length: int, where: str
+) -> TensorLayout:
     """Find a tensor record's layout and raw data offset without deserializing it.
 
     ``read(offset, n)`` returns ``n`` bytes of the record from ``offset`` (record-relative).

@@ -39,8 +39,8 @@ class AsyncSaveResponse:
     """The two phases of a save, as futures (same names as DCP's ``AsyncSaveResponse``),
     and this rank's :class:`SaveTimings` of it."""
 
-    staging_completion: Future
-    upload_completion: Future
+    staging_completion: Future[None]
+    upload_completion: Future[None]
     timings: SaveTimings = field(default_factory=SaveTimings)
     skipped: bool = False
     """The save was skipped (a ``Checkpointer`` with ``when_busy="skip"``): nothing written."""

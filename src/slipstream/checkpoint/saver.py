@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..core import streams
@@ -45,7 +46,7 @@ from ..errors import CheckpointError, PeerDiedError, PeerTimeoutError, Slipstrea
 from .channel import RankChannel
 from .commit import METADATA_FILE, CommitTemplate, build_index, build_metadata, publish
 from .generations import files_of, free_generation, generation_of, index_file
-from .layout import LocalLayout, ValueSerializer, local_layout
+from .layout import LayoutSignature, LocalLayout, ValueSerializer, local_layout
 from .options import SaveOptions
 from .plan import SavePlan, data_file_name, make_save_plan
 from .safe_pickle import load_metadata
@@ -62,7 +63,9 @@ MAX_CACHED_PLANS = 8
 class CheckpointSaver:
     """Owns the threads, staging buffers and cached plans of saves for one process group."""
 
-    def __init__(self, process_group=None, options: SaveOptions | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, options: SaveOptions | None = None
+    ) -> None:
         self.options = options or SaveOptions()
         self.channel = RankChannel.for_group(process_group)
         priority = (self.options.thread_nice, self.options.idle_threads)
@@ -74,7 +77,7 @@ class CheckpointSaver:
         )
         self._stager = Stager(self.channel.rank, self.options, priority)
         self._writer = RankWriter(self.options, priority)
-        self._plans: dict[str, tuple[SavePlan, dict[int, CommitTemplate]]] = {}
+        self._plans: dict[LayoutSignature, tuple[SavePlan, dict[int, CommitTemplate]]] = {}
         self._serialize_values = ValueSerializer()
         self._seq = 0
         self._last: AsyncSaveResponse | None = None
@@ -290,7 +293,7 @@ class CheckpointSaver:
                     "could not remove %s/%s of a failed save: %s", job.storage.url, name, exc
                 )
 
-    def _report_and_await_commit(self, job: SaveJob, done: dict) -> None:
+    def _report_and_await_commit(self, job: SaveJob, done: dict[str, Any]) -> None:
         """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
         self.channel.post(f"{job.seq}/done", done)
         deadline = Deadline(self.options.timeout)
@@ -327,7 +330,7 @@ class CheckpointSaver:
             publish(
                 job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
             )
-            outcome: dict = {"error": None}
+            outcome: dict[str, Any] = {"error": None}
             self._after_publish(job, files_of(metadata))
         except BaseException as exc:
             outcome = {

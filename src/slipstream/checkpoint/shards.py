@@ -36,7 +36,8 @@ def local_chunks(
     simple = _simple_chunk(value, local_shape)
     if simple is not None:
         return [simple]
-    return [(tuple(c.offsets), tuple(c.sizes)) for c in value.__create_chunk_list__()]
+    chunks = value.__create_chunk_list__()  # type: ignore[no-untyped-call]  # unannotated in torch
+    return [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]
 
 
 def _simple_chunk(

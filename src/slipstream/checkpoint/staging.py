@@ -24,9 +24,9 @@ from ..core.handles import completed_future
 from ..core.threads import lower_thread_priority
 from ..core.waits import wait_future
 from ..errors import CheckpointError
-from .layout import LocalLayout, dtype_from_name
+from .layout import ChunkSpec, LocalLayout, dtype_from_name
 from .options import SaveOptions
-from .plan import SavePlan
+from .plan import RecordPlan, SavePlan
 from .records import tensor_frame
 from .save_job import SaveJob
 
@@ -81,7 +81,8 @@ class Stager:
             if job.device is not None:
                 side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
                 streams.wait_event(side, job.ready_event)
-            head, tail = job.plan.records, []
+            head: list[RecordPlan] = job.plan.records
+            tail: list[RecordPlan] = []
             if side is None and self.options.split_copy:
                 head, tail = _split_by_bytes(job.plan.records)
             tail_copy = (
@@ -105,9 +106,12 @@ class Stager:
             raise
 
     @staticmethod
-    def _copy_records(job: SaveJob, records: list, side, advance: bool) -> None:
+    def _copy_records(
+        job: SaveJob, records: list[RecordPlan], side: torch.Stream | None, advance: bool
+    ) -> None:
         """Copy ``records`` into the staging buffer; with ``advance``, move the watermark
         past each one as it lands (only for a run that starts at the head of the file)."""
+        assert job.buffer is not None, "stage() sets the buffer before copying"
         base = job.buffer.data_ptr()
         for rec in records:
             src = job.layout.tensors[rec.chunk.record_key]
@@ -135,7 +139,7 @@ class Stager:
         self._pool.clear()
 
 
-def _split_by_bytes(records: list) -> tuple[list, list]:
+def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[RecordPlan]]:
     """Records cut in two runs of about equal bytes, in file order."""
     half = sum(rec.nbytes for rec in records) / 2
     copied = 0
@@ -146,7 +150,7 @@ def _split_by_bytes(records: list) -> tuple[list, list]:
     return records, []
 
 
-def _data_view(buf: torch.Tensor, offset: int, nbytes: int, chunk) -> torch.Tensor:
+def _data_view(buf: torch.Tensor, offset: int, nbytes: int, chunk: ChunkSpec) -> torch.Tensor:
     return buf[offset : offset + nbytes].view(dtype_from_name(chunk.dtype)).view(chunk.sizes)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from typing import Any
 
 from ..core.buffers import byte_view
 from ..core.checksum import block_checksums, checksum
@@ -40,7 +41,7 @@ class RankWriter:
         job.progress.wait_for(end, self.options.timeout, f"staging of {out.path}")
         out.write(start, end)
 
-    def write(self, job: SaveJob) -> dict:
+    def write(self, job: SaveJob) -> dict[str, Any]:
         """Write the staged image as it fills, then the values; make it durable; return the
         report. A failure aborts the writer, removing what it wrote.
 
@@ -50,6 +51,7 @@ class RankWriter:
         plan = job.plan
         where = f"{job.storage.url}/{job.file}"
         job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {where}")
+        assert job.buffer is not None, "staging sets the buffer before the watermark's 0"
         image = byte_view(job.buffer)
         with job.storage.open_writer(job.file, image) as out:
             try:
@@ -75,9 +77,9 @@ class RankWriter:
         return {"fp": job.fingerprint, "records": records, "values": values, "error": None}
 
     @staticmethod
-    def _append_values(job: SaveJob, out: DataWriter, cursor: int) -> dict[str, list]:
+    def _append_values(job: SaveJob, out: DataWriter, cursor: int) -> dict[str, list[str | int]]:
         """Write this rank's plain values after its tensor records; return their index."""
-        values = {}
+        values: dict[str, list[str | int]] = {}
         for fqn in job.plan.my_values():
             data = job.values[fqn]
             out.append(memoryview(data), cursor)
@@ -89,7 +91,7 @@ class RankWriter:
         self._io_pool.shutdown(wait=True)
 
 
-def _join_writes(writes: list[Future], timeout: float, path: str) -> None:
+def _join_writes(writes: list[Future[None]], timeout: float, path: str) -> None:
     """Wait for every write of a file, then raise the first failure.
 
     Waiting for all of them, failed or not, is what keeps a write from running after its

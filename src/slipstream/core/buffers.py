@@ -44,7 +44,8 @@ def memory_at(address: int, nbytes: int) -> memoryview:
     keeps that memory alive while the view is in use."""
     if nbytes == 0:
         return memoryview(bytearray(0))
-    return _memory_view(address, nbytes, _PYBUF_WRITE)
+    view: memoryview = _memory_view(address, nbytes, _PYBUF_WRITE)
+    return view
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

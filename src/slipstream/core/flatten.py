@@ -64,11 +64,12 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Pa
     return flat, paths
 
 
-def set_path(root: dict, path: Path, value: Any) -> None:
+def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
     """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed."""
     node: Any = root
     for here, nxt in zip(path[:-1], path[1:], strict=True):
         if isinstance(node, list):
+            assert isinstance(here, int), f"list index {here!r} in path {path}"
             while len(node) <= here:
                 node.append(None)
             if node[here] is None:
@@ -80,6 +81,7 @@ def set_path(root: dict, path: Path, value: Any) -> None:
             node = node[here]
     last = path[-1]
     if isinstance(node, list):
+        assert isinstance(last, int), f"list index {last!r} in path {path}"
         while len(node) <= last:
             node.append(None)
     node[last] = value

@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 from ..errors import PeerTimeoutError
 
 
-def fail_unfinished(exc: BaseException, *phases: Future) -> None:
+def fail_unfinished(exc: BaseException, *phases: Future[Any]) -> None:
     """Fail whichever of ``phases`` have not finished yet with ``exc``."""
     for fut in phases:
         if not fut.done():
             fut.set_exception(exc)
 
 
-def completed_future(value: object = None) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
+def completed_future() -> Future[None]:
+    fut: Future[None] = Future()
+    fut.set_result(None)
     return fut
 
 

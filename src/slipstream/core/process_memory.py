@@ -16,7 +16,7 @@ import ctypes
 import errno
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
-def _bind():
+def _bind() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None, use_errno=True)
@@ -44,7 +44,8 @@ def _bind():
         ctypes.c_ulong,
         ctypes.c_ulong,
     ]
-    return fn
+    readv: Callable[..., int] = fn
+    return readv
 
 
 _process_vm_readv = _bind()
@@ -56,6 +57,7 @@ class RemoteReadError(OSError):
 
 def _read_batch(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
     """One call for matching lists of (address, length); retried for what a call left."""
+    assert _process_vm_readv is not None, "read_into checks it is bound"
     while local:
         n = len(local)
         liov = (_IoVec * n)(*[_IoVec(a, m) for a, m in local])

@@ -50,7 +50,7 @@ def wait_event(stream: torch.Stream | None, event: torch.Event | None) -> None:
         stream.wait_event(event)
 
 
-def on_stream(stream: torch.Stream | None) -> AbstractContextManager:
+def on_stream(stream: torch.Stream | None) -> AbstractContextManager[object]:
     """Context in which queued work goes to ``stream`` (a no-op context on CPU)."""
     if stream is None:
         return nullcontext()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from typing import TypeVar
 
 from ..errors import PeerTimeoutError
 
+_T = TypeVar("_T")
 
-def wait_future(fut: concurrent.futures.Future, timeout: float | None, who: str) -> object:
+
+def wait_future(fut: concurrent.futures.Future[_T], timeout: float | None, who: str) -> _T:
     """``fut.result(timeout)``, raising :class:`PeerTimeoutError` naming ``who`` on expiry."""
     try:
         return fut.result(timeout=timeout)

@@ -24,6 +24,7 @@ import signal
 import socket
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     base_ms = statistics.median(r.seconds for r in _steady(reference)) * 1e3
     with_ms = statistics.median(r.seconds for r in saving) * 1e3
     blocked_ms = statistics.median(r.save_blocked for r in saving) * 1e3
-    ckpt_mib = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file())
+    ckpt_mib: float = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file())
     ckpt_mib /= 2**20 * max(1, len(list((out / "checkpoints").glob("step_*"))))
     print()
     print(f"checkpoint size per step: {ckpt_mib:.0f} MiB (model + AdamW state, DCP format)")
@@ -155,14 +156,18 @@ def main(argv: list[str] | None = None) -> int:
 def run_rl(out: Path, cfg: ModelConfig, args: argparse.Namespace) -> int:
     """Phase 4: trainers publish to a rollout process; its generations must match theirs."""
     with Checkpointer(out / "checkpoints") as ck:
-        start = ck.latest() + 1
+        latest = ck.latest()
+    if latest is None:
+        print("FAILED: no committed checkpoint to start the rl phase from")
+        return 1
+    start = latest + 1
     phase = RlPhase(str(out), WORLD_SIZE, args.rl_steps, args.publish_every, cfg, args.batch_size)
     print(
         f"\n== 4/4 rl: {args.rl_steps} more steps, weights published every "
         f"{args.publish_every} steps to a rollout process that generates with them"
     )
     train_port, sync_port = _free_port(), _free_port()
-    targets = {
+    targets: dict[str, tuple[Callable[..., None], tuple[object, ...]]] = {
         f"trainer-rank{r}": (trainer, (r, train_port, sync_port, phase)) for r in range(WORLD_SIZE)
     }
     targets["rollout"] = (rollout, (sync_port, start, phase))

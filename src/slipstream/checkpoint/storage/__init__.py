@@ -29,7 +29,7 @@ OBJECT_STORE_SCHEMES = ("s3", "gs", "az", "abfs")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _registered: dict[str, Callable[[str, dict[str, Any]], Storage]] = {}
 
-Location = str | os.PathLike | Storage
+Location = str | os.PathLike[str] | Storage
 
 
 def register_storage(scheme: str, factory: Callable[[str, dict[str, Any]], Storage]) -> None:

@@ -60,7 +60,7 @@ class DataWriter(ABC):
     def __enter__(self) -> DataWriter:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

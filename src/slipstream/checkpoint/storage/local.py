@@ -30,7 +30,7 @@ class LocalStorage(Storage):
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, spare_dir: Path | None = None, direct_io: bool = True
+        self, path: str | os.PathLike[str], *, spare_dir: Path | None = None, direct_io: bool = True
     ) -> None:
         self.path = Path(path)
         self.url = os.fspath(path)

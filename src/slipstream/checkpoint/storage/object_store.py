@@ -34,11 +34,14 @@ import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ...core.copy import copy_bytes
 from ...errors import CheckpointError, CorruptCheckpointError
 from .base import DataWriter, Storage
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ _BOTO3_KEYS = {
 }
 
 _lock = threading.Lock()
-_stores: dict[tuple, Any] = {}
+_stores: dict[tuple[str, str, str, tuple[tuple[str, str], ...]], Any] = {}
 """Shared obstore stores: (scheme, bucket, options, environment) -> store."""
 
 
@@ -203,7 +206,8 @@ class ObjectStorage(Storage):
     def _head(self, name: str) -> int | None:
         """The size of object ``name``, or ``None`` where it does not exist."""
         try:
-            return self._obs.head(self._store, self._key(name))["size"]
+            size: int = self._obs.head(self._store, self._key(name))["size"]
+            return size
         except Exception as exc:
             if _is_not_found(exc):
                 return None
@@ -420,12 +424,13 @@ class _UploadWriter(DataWriter):
         """The object's bytes in order, each range once queued, in slices of at most
         ``part`` bytes (obstore's concurrency limit is checked once per slice)."""
         pos = 0
+
+        def ready() -> bool:  # reads ``pos`` when called: the offset awaited now
+            return self._cancelled or pos in self._queued or self._input_done
+
         while True:
             with self._cond:
-                arrived = self._cond.wait_for(
-                    lambda pos=pos: self._cancelled or pos in self._queued or self._input_done,
-                    timeout=PIECE_TIMEOUT_S,
-                )
+                arrived = self._cond.wait_for(ready, timeout=PIECE_TIMEOUT_S)
                 if self._cancelled:
                     raise CheckpointError(f"upload of {self.path} aborted")
                 if not arrived:
@@ -477,7 +482,7 @@ def _import_obstore(scheme: str) -> ModuleType:
     return obstore
 
 
-def _shared_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
+def _shared_store(scheme: str, bucket: str, options: dict[str, Any], url: str) -> Any:
     """The process's store for this bucket and configuration, made on first use."""
     environment = tuple(sorted(kv for kv in os.environ.items() if kv[0].startswith(_ENV_PREFIXES)))
     key = (scheme, bucket, json.dumps(options, sort_keys=True, default=repr), environment)
@@ -488,7 +493,7 @@ def _shared_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
         return store
 
 
-def _make_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
+def _make_store(scheme: str, bucket: str, options: dict[str, Any], url: str) -> Any:
     from obstore.store import from_url
 
     config = {k: v for k, v in options.items() if k not in ("client_options", "retry_config")}
@@ -500,15 +505,16 @@ def _make_store(scheme: str, bucket: str, options: dict, url: str) -> Any:
     try:
         return from_url(
             f"{scheme}://{bucket}",
-            client_options=client_options,
-            retry_config=retry_config,
+            # the user's options, checked by obstore when it parses them
+            client_options=cast("ClientConfig", client_options),
+            retry_config=cast("RetryConfig", retry_config),
             **config,
         )
     except Exception as exc:
         raise CheckpointError(f"{url}: bad storage configuration: {_first_line(exc)}") from exc
 
 
-def _endpoint(scheme: str, options: dict, url: str) -> str | None:
+def _endpoint(scheme: str, options: dict[str, Any], url: str) -> str | None:
     """The endpoint the store will use, as far as it is configured, in obstore's order:
     ``storage_options``, then (S3) ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT``, except that
     obstore prefers ``AWS_ENDPOINT_URL_S3`` even to ``storage_options``: a conflict raises."""
