@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench report clean
+.PHONY: setup demo check lint typecheck test bench report clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +18,18 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python -m slipstream.demo
 
+# The check command of the README and of CI: lint, types, then the tests.
+check: lint typecheck test
+
 test: setup
 	$(BIN)/python -m pytest
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+
+typecheck: setup
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python benchmarks/checkpoint.py --sections local --out benchmarks/results/checkpoint.json
