@@ -6,6 +6,7 @@ from .health import CheckpointHealth
 from .options import SaveOptions
 from .save_job import AsyncSaveResponse, SaveTimings
 from .saver import CheckpointSaver
+from .snapshot import StagedState, stage
 from .storage import DataWriter, Storage, register_storage
 
 __all__ = [
@@ -16,9 +17,11 @@ __all__ = [
     "DataWriter",
     "SaveOptions",
     "SaveTimings",
+    "StagedState",
     "Storage",
     "async_save",
     "load",
     "register_storage",
     "save",
+    "stage",
 ]

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from .generations import data_file
 from .layout import LocalLayout
 from .plan import SavePlan
 from .storage import Storage
+
+if TYPE_CHECKING:
+    from .snapshot import StagedState
 
 
 @dataclass
@@ -74,6 +77,9 @@ class SaveJob:
     replaced: set[str] = field(default_factory=set)
     """Data files of the committed checkpoint this save replaces, deleted after its commit."""
     replaced_index: str | None = None
+    snapshot: StagedState | None = None
+    """The snapshot (:func:`~.snapshot.stage`) saved, held until the save's writes are done."""
+    snapshot_hold: int | None = None
 
     @property
     def file(self) -> str:

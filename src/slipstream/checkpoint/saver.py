@@ -51,6 +51,7 @@ from .options import SaveOptions
 from .plan import SavePlan, data_file_name, make_save_plan
 from .safe_pickle import load_metadata
 from .save_job import AsyncSaveResponse, SaveJob
+from .snapshot import StagedState
 from .staging import Stager
 from .storage import Location, Storage, resolve_storage
 from .writer import RankWriter
@@ -124,6 +125,8 @@ class CheckpointSaver:
                 checkpoint_id, storage_options, direct_io=self.options.direct_io
             )
             layout, values, plan, templates = self._prepare(state_dict, seq, storage)
+            snapshot = state_dict if isinstance(state_dict, StagedState) else None
+            hold = snapshot.hold(f"save to {storage.url}") if snapshot is not None else None
         except BaseException as exc:
             self._announce_failure(seq, exc)
             raise
@@ -144,6 +147,8 @@ class CheckpointSaver:
             response=response,
             after_commit=after_commit,
             started=started,
+            snapshot=snapshot,
+            snapshot_hold=hold,
         )
         response.timings.nbytes = plan.data_bytes
         self._stage_thread.submit(self._stage, job)
@@ -158,7 +163,10 @@ class CheckpointSaver:
         """The caller's-thread part of save ``seq``: layout, serialized values, and the plan
         (made only for a new layout) with its commit templates. No storage request runs
         here: the location is prepared on the upload thread."""
-        layout = local_layout(state_dict)
+        if isinstance(state_dict, StagedState) and not state_dict.path:
+            layout = state_dict.layout
+        else:
+            layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
         cached = self._plans.get(signature)

@@ -74,6 +74,9 @@ class Stager:
         side stream has finished.
         """
         try:
+            if job.snapshot is not None and job.snapshot.image_matches(job.plan):
+                self._stage_snapshot(job)
+                return
             buf = self._buffer(job)
             job.buffer = buf
             job.progress.advance(0)
@@ -130,9 +133,22 @@ class Stager:
             if on_host and advance and side is None:
                 job.progress.advance(rec.offset + rec.length)
 
+    @staticmethod
+    def _stage_snapshot(job: SaveJob) -> None:
+        """A snapshot laid out as this rank's image is written as it is: nothing to copy."""
+        assert job.snapshot is not None
+        job.buffer = job.snapshot.buffer
+        job.layout = LocalLayout([], {}, {}, {})
+        job.progress.advance(job.plan.image_bytes)
+        job.response.timings.staged = job.elapsed()
+        job.response.staging_completion.set_result(None)
+
     def release(self, job: SaveJob) -> None:
-        """The save's writes are done: its buffer may serve the next save."""
+        """The save's writes are done: its buffer (or snapshot) may serve the next save."""
         self._pool.release(job.fingerprint)
+        if job.snapshot is not None and job.snapshot_hold is not None:
+            job.snapshot.release(job.snapshot_hold)
+            job.snapshot_hold = None
 
     def close(self) -> None:
         self._tail_copier.shutdown(wait=True)
