@@ -3,6 +3,7 @@
 slipstream inspect CKPT_DIR            keys, dtypes, shapes, sizes
 slipstream verify CKPT_DIR             read every byte and check every checksum
 slipstream convert CKPT_DIR OUT.safetensors   consolidate tensors into one safetensors file
+slipstream export CKPT_DIR OUT_DIR     the model's weights as a Hugging Face model directory
 """
 
 from __future__ import annotations
@@ -60,6 +61,47 @@ def _convert(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from .checkpoint.hf_export import export_hf
+
+    start = time.perf_counter()
+    result = export_hf(
+        args.checkpoint,
+        args.output,
+        prefix=args.prefix,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        config=args.config,
+    )
+    print(
+        f"wrote {len(result.weight_map)} tensors ({result.total_size / 2**20:.1f} MiB) from "
+        f"the prefix {result.prefix!r} to {result.output_description()} in "
+        f"{time.perf_counter() - start:.2f} s"
+    )
+    if result.tied:
+        print(f"tied weights written once: {', '.join(sorted(result.tied))}")
+    if result.architecture is not None:
+        print(f"names and shapes match {result.architecture}")
+    elif args.config is not None:
+        print("transformers is not installed: names not checked against the config")
+    if result.skipped:
+        print(f"left out {len(result.skipped)} other checkpoint entries (e.g. optimizer state)")
+    return 0
+
+
+def _add_export(sub) -> None:
+    cmd = sub.add_parser("export", help="write the model's weights as a Hugging Face directory")
+    cmd.add_argument("checkpoint", help="a checkpoint directory (slipstream or DCP)")
+    cmd.add_argument("output", help="the directory to write (created if needed)")
+    cmd.add_argument(
+        "--prefix", help="checkpoint key prefix of the model's weights, e.g. 'model.' (found)"
+    )
+    cmd.add_argument("--dtype", help="cast floating tensors: bf16, fp16 or fp32")
+    cmd.add_argument("--max-shard-size", default="5GB", help="largest file, e.g. 5GB (5GB)")
+    cmd.add_argument("--config", help="a config.json to copy beside the weights and check")
+    cmd.set_defaults(fn=_export)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "convert":
             cmd.add_argument("output", help="the .safetensors file to write")
         cmd.set_defaults(fn=fn)
+    _add_export(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

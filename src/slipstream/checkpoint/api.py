@@ -12,11 +12,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import loader
+from . import hf_import, loader
 from .options import SaveOptions
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
-from .storage import Location
+from .storage import Location, resolve_storage
 
 _savers: dict[tuple, CheckpointSaver] = {}
 _savers_lock = threading.Lock()
@@ -105,7 +105,12 @@ def load(
 
     Resharding is implicit: each rank reads the parts of the saved chunks its tensors
     and DTensor shards cover. ``process_group`` is accepted for DCP compatibility; loading
-    needs no communication.
+    needs no communication. A directory of Hugging Face safetensors (and no DCP checkpoint)
+    is read by :func:`~slipstream.load_hf`, its name prefix found from the keys.
     """
     del process_group
-    loader.load(state_dict, checkpoint_id, strict=strict, storage_options=storage_options)
+    storage = resolve_storage(checkpoint_id, storage_options)
+    if hf_import.is_hf_directory(storage):
+        hf_import.load_hf(state_dict, storage, strict=strict)
+        return
+    loader.load(state_dict, storage, strict=strict)
