@@ -1,0 +1,185 @@
+"""Export of a training checkpoint as a Hugging Face model directory.
+
+The reference is transformers itself: what ``save_pretrained`` writes for the same model
+(names, tied weights, shard layout, index) and what ``from_pretrained`` loads back (no
+missing or unexpected keys, the same logits as the model that was checkpointed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from hf_models import config, logits, trained
+from safetensors import safe_open
+
+import slipstream as ss
+from slipstream.cli import main
+
+MODELS = ["gpt2", "llama", "llama-tied", "qwen2", "qwen2-tied"]
+
+
+def _file_keys(directory) -> dict[str, torch.dtype]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), "pt") as f:
+                out.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    return out
+
+
+def _training_checkpoint(tmp_path, name: str):
+    model, optim = trained(name)
+    ckpt = tmp_path / "ckpt"
+    ss.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": 7}, ckpt)
+    config(name).save_pretrained(tmp_path / "cfg")
+    return model, ckpt, tmp_path / "cfg" / "config.json"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_export_loads_in_from_pretrained_with_every_key_and_equal_logits(tmp_path, name):
+    model, ckpt, cfg = _training_checkpoint(tmp_path, name)
+    out = tmp_path / "hf"
+    result = ss.export_hf(ckpt, out, config=cfg)
+    assert result.prefix == "model."
+    assert result.files == ["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+    assert torch.equal(logits(loaded), logits(model))
+
+    model.save_pretrained(tmp_path / "reference")
+    assert _file_keys(out).keys() == _file_keys(tmp_path / "reference").keys()
+    tied = config(name).tie_word_embeddings
+    assert ("lm_head.weight" in _file_keys(out)) is not tied
+    embedding = "transformer.wte.weight" if name == "gpt2" else "model.embed_tokens.weight"
+    assert result.tied == ({"lm_head.weight": embedding} if tied else {})
+    assert not any(k.startswith("optim") or "exp_avg" in k for k in _file_keys(out))
+
+
+def test_sharded_export_matches_the_index_and_shards_save_pretrained_writes(tmp_path):
+    model, ckpt, cfg = _training_checkpoint(tmp_path, "llama")
+    result = ss.export_hf(ckpt, tmp_path / "hf", config=cfg, max_shard_size="40KB")
+    model.save_pretrained(tmp_path / "reference", max_shard_size="40KB")
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    reference = json.loads((tmp_path / "reference" / "model.safetensors.index.json").read_text())
+    assert index == reference
+    assert (
+        len(result.files) > 2
+        and result.files[0] == f"model-00001-of-{len(result.files):05d}.safetensors"
+    )
+    shards = sorted(f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors"))
+    assert shards == sorted(result.files)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_reexport_as_one_file_removes_the_shards_of_the_earlier_export(tmp_path):
+    _, ckpt, cfg = _training_checkpoint(tmp_path, "gpt2")
+    ss.export_hf(ckpt, tmp_path / "hf", config=cfg, max_shard_size="40KB")
+    ss.export_hf(ckpt, tmp_path / "hf", config=cfg)
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+
+
+def test_export_casts_floating_tensors_to_the_dtype_asked_for(tmp_path):
+    model, ckpt, cfg = _training_checkpoint(tmp_path, "qwen2")
+    ss.export_hf(ckpt, tmp_path / "hf", config=cfg, dtype="bf16")
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        for key, value in model.state_dict().items():
+            got = f.get_tensor(key)
+            assert got.dtype == torch.bfloat16, key
+            assert torch.equal(got, value.to(torch.bfloat16)), key
+
+
+def test_wrong_config_fails_naming_the_keys_and_writes_nothing(tmp_path):
+    _, ckpt, _ = _training_checkpoint(tmp_path, "gpt2")
+    deeper = config("gpt2")
+    deeper.n_layer = 3
+    deeper.save_pretrained(tmp_path / "deeper")
+    with pytest.raises(ss.CheckpointError, match=r"missing 12: 'transformer\.h\.2\.ln_1\.weight'"):
+        ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "deeper" / "config.json")
+    assert not (tmp_path / "hf").exists()
+
+    config("llama").save_pretrained(tmp_path / "other")
+    with pytest.raises(ss.CheckpointError, match=r"do not match LlamaForCausalLM.*unexpected"):
+        ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "other" / "config.json")
+
+
+def test_wrong_shape_in_config_fails_naming_the_tensor(tmp_path):
+    _, ckpt, _ = _training_checkpoint(tmp_path, "llama")
+    wider = config("llama")
+    wider.vocab_size = 100
+    wider.save_pretrained(tmp_path / "wider")
+    with pytest.raises(ss.CheckpointError, match=r"shape mismatch.*'lm_head.weight' \(checkpoint"):
+        ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "wider" / "config.json")
+
+
+def test_prefix_found_without_a_config_for_a_training_state_and_a_bare_model(tmp_path):
+    model, ckpt, _ = _training_checkpoint(tmp_path, "llama")
+    result = ss.export_hf(ckpt, tmp_path / "hf")
+    assert result.prefix == "model." and result.architecture is None
+    assert _file_keys(tmp_path / "hf").keys() == model.state_dict().keys()
+
+    ss.save(model.state_dict(), tmp_path / "bare")
+    result = ss.export_hf(tmp_path / "bare", tmp_path / "hf_bare")
+    assert result.prefix == ""
+    assert _file_keys(tmp_path / "hf_bare").keys() == model.state_dict().keys()
+
+
+def test_explicit_prefix_and_unknown_prefix(tmp_path):
+    model, ckpt, _ = _training_checkpoint(tmp_path, "llama")
+    result = ss.export_hf(ckpt, tmp_path / "hf", prefix="model.model.")
+    assert set(result.weight_map) == {
+        k.removeprefix("model.") for k in model.state_dict() if k.startswith("model.")
+    }
+    with pytest.raises(
+        ss.CheckpointError, match=r"no tensors .* under the prefix 'net\.'.*'optim'"
+    ):
+        ss.export_hf(ckpt, tmp_path / "hf2", prefix="net.")
+
+
+def test_bad_sizes_and_dtypes_are_refused(tmp_path):
+    _, ckpt, _ = _training_checkpoint(tmp_path, "gpt2")
+    with pytest.raises(ss.CheckpointError, match="cannot read the size '5 parsecs'"):
+        ss.export_hf(ckpt, tmp_path / "hf", max_shard_size="5 parsecs")
+    with pytest.raises(ss.CheckpointError, match="unknown dtype 'int3'"):
+        ss.export_hf(ckpt, tmp_path / "hf", dtype="int3")
+
+
+def test_cli_export_writes_shards_config_and_says_what_it_did(tmp_path, capsys):
+    model, ckpt, cfg = _training_checkpoint(tmp_path, "gpt2")
+    out = tmp_path / "hf"
+    code = main(["export", str(ckpt), str(out), "--config", str(cfg), "--max-shard-size", "100KB"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "from the prefix 'model.'" in text and "shards" in text
+    assert "tied weights written once: lm_head.weight" in text
+    assert "names and shapes match GPT2LMHeadModel" in text
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_cli_export_error_is_one_line(tmp_path, capsys):
+    _, ckpt, _ = _training_checkpoint(tmp_path, "gpt2")
+    assert main(["export", str(ckpt), str(tmp_path / "hf"), "--dtype", "int3"]) == 1
+    assert "error: unknown dtype 'int3'" in capsys.readouterr().err
+
+
+def test_progress_reports_every_byte(tmp_path):
+    _, ckpt, cfg = _training_checkpoint(tmp_path, "gpt2")
+    seen = []
+    result = ss.export_hf(
+        ckpt, tmp_path / "hf", config=cfg, progress=lambda d, t: seen.append((d, t))
+    )
+    assert seen[-1] == (result.total_size, result.total_size)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
