@@ -60,7 +60,9 @@ from .storage.local import LocalStorage
 logger = logging.getLogger(__name__)
 
 HEAD_BYTES = 256 * 1024
-"""Bytes fetched first from each file: the whole header of nearly every model's file."""
+"""Bytes fetched first from each file of an object store, where every request is a round
+trip: the whole header of nearly every model's file. From a local file, the 8 bytes of
+the header's length are read first, then the header, and no tensor byte."""
 MAX_NAMES_IN_ERRORS = 20
 
 
@@ -105,7 +107,8 @@ def _weight_map(storage: Storage) -> dict[str, str] | None:
 def _read_file_header(storage: Storage, file: str) -> dict[str, SafetensorsEntry]:
     path = f"{storage.url.rstrip('/')}/{file}"
     size = storage.size(file)
-    head = bytes(storage.read(file, 0, min(size, HEAD_BYTES)))
+    first = 8 if storage.small_reads_are_cheap else HEAD_BYTES
+    head = bytes(storage.read(file, 0, min(size, first)))
     length = header_length(head, path)
     if 8 + length > size:
         raise CorruptCheckpointError(
