@@ -64,6 +64,7 @@ HEAD_BYTES = 256 * 1024
 trip: the whole header of nearly every model's file. From a local file, the 8 bytes of
 the header's length are read first, then the header, and no tensor byte."""
 MAX_NAMES_IN_ERRORS = 20
+BYTES_PER_THREAD = 64 * 1024 * 1024
 
 
 def _names(keys: Iterable[str]) -> str:
@@ -139,8 +140,13 @@ def read_entries(storage: Storage, io_threads: int) -> dict[str, SafetensorsEntr
             raise CorruptCheckpointError(
                 f"{storage.url.rstrip('/')}/{INDEX_FILE} names {file}, which does not exist"
             )
-    with ThreadPoolExecutor(min(io_threads, len(files)), thread_name_prefix="slipstream-hf") as p:
-        headers = list(p.map(lambda f: _read_file_header(storage, f), files))
+    if storage.small_reads_are_cheap or len(files) == 1:
+        headers = [_read_file_header(storage, f) for f in files]
+    else:
+        with ThreadPoolExecutor(
+            min(io_threads, len(files)), thread_name_prefix="slipstream-hf"
+        ) as p:
+            headers = list(p.map(lambda f: _read_file_header(storage, f), files))
     entries: dict[str, SafetensorsEntry] = {}
     for header in headers:
         for name, entry in header.items():
@@ -301,6 +307,17 @@ def _targets(
     return targets
 
 
+def _default_threads(storage: Storage, nbytes: int) -> int:
+    """Read threads for ``nbytes``: on an object store ``OBJECT_STORE_IO_THREADS``; on the
+    local disk one per ``BYTES_PER_THREAD`` of reads, at most one more than the usable
+    cores (see :func:`slipstream.checkpoint.loader.load`). Starting a thread costs more than
+    copying a few MiB, and ranks that share a host (each loading its shards) share its
+    cores: a rank with little to read reads it in the caller's thread."""
+    if not storage.small_reads_are_cheap:
+        return OBJECT_STORE_IO_THREADS
+    return max(1, min(MAX_IO_THREADS, usable_cores() + 1, -(-nbytes // BYTES_PER_THREAD)))
+
+
 def load_hf(
     state_dict: dict[str, Any],
     checkpoint_id: Location,
@@ -314,18 +331,13 @@ def load_hf(
 
     ``prefix``: the part of the state dict's keys the files' names lack (``"model."`` for
     ``{"model": model.state_dict()}``); ``None`` finds it. ``strict``: tensors of the files
-    the state dict lacks are an error. ``io_threads`` as for :func:`slipstream.load`.
+    the state dict lacks are an error. ``io_threads``: parallel reads (default: one per
+    64 MiB to read, at most one more than the usable cores; 16 on an object store).
     """
     started = time.perf_counter()
     storage = resolve_storage(checkpoint_id, storage_options)
-    if io_threads is None:
-        io_threads = (
-            min(MAX_IO_THREADS, usable_cores() + 1)
-            if storage.small_reads_are_cheap
-            else OBJECT_STORE_IO_THREADS
-        )
     try:
-        entries = read_entries(storage, io_threads)
+        entries = read_entries(storage, io_threads or OBJECT_STORE_IO_THREADS)
         reader = SafetensorsReader(storage, entries)
         nbytes = _load_into(reader, state_dict, prefix, strict, io_threads)
     finally:
@@ -344,7 +356,7 @@ def _load_into(
     state_dict: dict[str, Any],
     prefix: str | None,
     strict: bool,
-    io_threads: int,
+    io_threads: int | None,
 ) -> int:
     """The body of :func:`load_hf`; returns the bytes read."""
     resolved = resolve_stateful(state_dict)
@@ -360,7 +372,8 @@ def _load_into(
             assert isinstance(md, TensorStorageMetadata)
             _plan_reads(reader, t.name, t.read_into, md, reads, copies)
         reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
-        read_all(reader, reads, io_threads)
+        nbytes = sum(r.end - r.start for r in reads)
+        read_all(reader, reads, io_threads or _default_threads(reader.storage, nbytes))
         for dest_view, src, _fallback in copies:
             dest_view.copy_(src)
         for t in targets:
@@ -371,4 +384,4 @@ def _load_into(
     for key, value in state_dict.items():
         if is_stateful(value):
             value.load_state_dict(resolved[key])
-    return sum(r.end - r.start for r in reads)
+    return nbytes

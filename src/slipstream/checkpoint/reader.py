@@ -377,6 +377,10 @@ def read_all(reader: CheckpointReader, reads: list[ReadRequest], io_threads: int
         host = [r for r in reads if r.device_out is None]
         tasks = [partial(_read_span, reader, span) for span in _spans(host)]
         tasks += [partial(_read, reader, r, device_ready) for r in reads if r.out is None]
+    if io_threads <= 1 or len(tasks) <= 1:
+        for task in tasks:  # in the caller: no thread to start for one stream of reads
+            task()
+        return
     with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
         for fut in [pool.submit(task) for task in tasks]:
             fut.result()
