@@ -183,3 +183,36 @@ def test_progress_reports_every_byte(tmp_path):
     )
     assert seen[-1] == (result.total_size, result.total_size)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+class TrainState:
+    """Model, optimizer and step as one Stateful, through DCP's state-dict helpers."""
+
+    def __init__(self, model, optim) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd, "step": 3}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise NotImplementedError
+
+
+def test_prefix_found_under_a_stateful_and_beside_other_training_state(tmp_path):
+    model, optim = trained("gpt2")
+    ss.save({"train": TrainState(model, optim)}, tmp_path / "nested")
+    result = ss.export_hf(tmp_path / "nested", tmp_path / "hf")
+    assert result.prefix == "train.model."
+    assert set(result.weight_map) == set(model.state_dict())
+    assert any(k.startswith("train.optim.state.") for k in result.skipped)
+
+    rng = torch.get_rng_state()
+    ss.save(
+        {"model": model.state_dict(), "optim": optim.state_dict(), "rng": rng}, tmp_path / "rng"
+    )
+    result = ss.export_hf(tmp_path / "rng", tmp_path / "hf_rng")
+    assert result.prefix == "model." and "rng" in result.skipped
+    assert set(result.weight_map) == set(model.state_dict())

@@ -134,40 +134,50 @@ def _tensor_specs(
 
 
 def _optimizer_groups(keys: list[str]) -> set[str]:
-    """Top-level names whose keys look like an optimizer's (``<g>.state.``,
-    ``<g>.param_groups.``)."""
+    """Where optimizer state sits among ``keys``: the path before a ``state`` or
+    ``param_groups`` segment (``optim`` of ``optim.state.0.exp_avg``, ``train.optim`` of
+    ``train.optim.state.layer.weight.exp_avg``)."""
     groups = set()
     for key in keys:
-        parts = key.split(".", 2)
-        if len(parts) > 2 and parts[1] in _OPTIMIZER_PARTS:
-            groups.add(parts[0])
+        parts = key.split(".")
+        for i in range(1, len(parts) - 1):
+            if parts[i] in _OPTIMIZER_PARTS:
+                groups.add(".".join(parts[:i]))
+                break
     return groups
 
 
-def _choose_prefix(keys: list[str], arch: Architecture | None, had_optimizer: bool) -> str:
+def _choose_prefix(keys: list[str], arch: Architecture | None, optimizer: set[str]) -> str:
     """The prefix of the model's weights among ``keys`` (optimizer state already left out).
 
-    Against an architecture: the prefix (none, or the first one or two name segments)
-    under which most names are the model's. Without one: the one top-level name all keys
-    share; else ``model.`` when the checkpoint is a training state (it has optimizer
-    state) with a ``model`` entry; else none.
+    Against an architecture: the prefix (none, or up to the first three name segments)
+    under which most names are the model's. Without one: the leading segments all keys
+    share, then ``model.`` where a ``model`` entry sits beside optimizer state (a training
+    state such as ``{"model": ..., "optim": ..., "rng": ...}``), then again the leading
+    segments all keys below it share.
     """
     if arch is not None:
         known = set(arch.shapes) | set(arch.tied)
         candidates = {""}
         for key in keys:
             parts = key.split(".")
-            candidates.update(".".join(parts[:n]) + "." for n in (1, 2) if len(parts) > n)
+            candidates.update(".".join(parts[:n]) + "." for n in (1, 2, 3) if len(parts) > n)
         return max(
             sorted(candidates, key=len),
             key=lambda p: sum(k[len(p) :] in known for k in keys if k.startswith(p)),
         )
-    first = {k.split(".", 1)[0] for k in keys if "." in k}
-    if len(first) == 1 and all("." in k for k in keys):
-        return f"{first.pop()}."
-    if had_optimizer and "model" in first:
-        return "model."
-    return ""
+    prefix = ""
+    while True:
+        rest = [k[len(prefix) :] for k in keys if k.startswith(prefix)]
+        first = {r.split(".", 1)[0] for r in rest}
+        if len(first) == 1 and all("." in r for r in rest):
+            prefix += f"{first.pop()}."
+        elif "model" in first and any(
+            g.startswith(prefix) and "." not in g[len(prefix) :] for g in optimizer
+        ):
+            prefix += "model."
+        else:
+            return prefix
 
 
 def _check_architecture(
@@ -276,9 +286,9 @@ def export_hf(
     arch = architecture(config) if config is not None else None
     specs, values = _tensor_specs(checkpoint_id, storage_options)
     optimizer = _optimizer_groups(list(specs) + values)
-    candidates = [k for k in specs if k.split(".", 1)[0] not in optimizer]
+    candidates = [k for k in specs if not any(k.startswith(f"{g}.") for g in optimizer)]
     if prefix is None:
-        prefix = _choose_prefix(candidates, arch, bool(optimizer))
+        prefix = _choose_prefix(candidates, arch, optimizer)
     chosen = [k for k in candidates if k.startswith(prefix)] if prefix else candidates
     if not chosen:
         raise CheckpointError(

@@ -267,7 +267,6 @@ def _targets(
         )
     targets: list[_Target] = []
     missing: list[str] = []
-    loaded: set[tuple[Any, ...] | None] = set()
     for key, value in flat.items():
         name = key[len(prefix) :]
         entry = entries.get(name)
@@ -280,8 +279,9 @@ def _targets(
                 f"{list(entry.shape)}, the state dict has {list(value.shape)}"
             )
         targets.append(_Target(key, name, value, _read_target(value, entry.dtype)))
-        loaded.add(_storage_key(value))
-    missing = [k for k in missing if _storage_key(flat[k]) not in loaded - {None}]
+    if missing:  # a tied weight shares memory with one the files hold
+        loaded = {_storage_key(t.value) for t in targets} - {None}
+        missing = [k for k in missing if _storage_key(flat[k]) not in loaded]
     if missing:
         raise CheckpointError(
             f"{where}: keys missing from the safetensors files: {_names(missing)}"
