@@ -267,3 +267,28 @@ def test_load_from_s3(tmp_path, s3_bucket, s3_server):
     fresh = _fresh("gpt2")
     ss.load({"model": fresh}, f"s3://{s3_bucket}/gpt2")
     _assert_same_state(fresh, model)
+
+
+def _load_fsdp2(rank: int, world: int, hf_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _fresh("llama-tied")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ss.load({"model": model}, hf_dir)
+    saved = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name
+        key = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        assert torch.equal(param.full_tensor(), saved[key]), f"rank {rank}: {name}"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_fsdp2_model_loads_its_shards(tmp_path):
+    model, _ = trained("llama-tied")
+    model.save_pretrained(tmp_path / "hf")
+    run_workers(_load_fsdp2, 2, str(tmp_path / "hf"), timeout=120)

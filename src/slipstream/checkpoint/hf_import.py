@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -65,6 +66,18 @@ trip: the whole header of nearly every model's file. From a local file, the 8 by
 the header's length are read first, then the header, and no tensor byte."""
 MAX_NAMES_IN_ERRORS = 20
 BYTES_PER_THREAD = 64 * 1024 * 1024
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at the first
+    frame outside slipstream (the user's call of ``ss.load``)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _names(keys: Iterable[str]) -> str:
@@ -303,7 +316,10 @@ def _targets(
         pairs = "; ".join(
             f"{len(names)} from {a} to {b} (first {names[0]!r})" for (a, b), names in cast.items()
         )
-        warnings.warn(f"{where}: casting tensors to the state dict's dtype: {pairs}", stacklevel=4)
+        warnings.warn(
+            f"{where}: casting tensors to the state dict's dtype: {pairs}",
+            stacklevel=_user_stacklevel(),
+        )
     return targets
 
 
