@@ -62,7 +62,7 @@ def _convert(args) -> int:
 
 
 def _export(args) -> int:
-    from .checkpoint.hf_export import export_hf
+    from .checkpoint.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
 
     start = time.perf_counter()
     result = export_hf(
@@ -70,7 +70,7 @@ def _export(args) -> int:
         args.output,
         prefix=args.prefix,
         dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
         config=args.config,
     )
     print(
@@ -97,7 +97,7 @@ def _add_export(sub) -> None:
         "--prefix", help="checkpoint key prefix of the model's weights, e.g. 'model.' (found)"
     )
     cmd.add_argument("--dtype", help="cast floating tensors: bf16, fp16 or fp32")
-    cmd.add_argument("--max-shard-size", default="5GB", help="largest file, e.g. 5GB (5GB)")
+    cmd.add_argument("--max-shard-size", help="largest file, e.g. 500MB (default 5GB)")
     cmd.add_argument("--config", help="a config.json to copy beside the weights and check")
     cmd.set_defaults(fn=_export)
 

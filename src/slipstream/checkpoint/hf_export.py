@@ -186,6 +186,7 @@ def _check_architecture(
     config: str | os.PathLike[str],
     prefix: str,
 ) -> None:
+    """Raise, naming them, if any tensor is missing, unexpected or of another shape."""
     missing = [n for n in arch.shapes if n not in names]
     unexpected = [n for n in names if n not in arch.shapes]
     wrong = [

@@ -181,7 +181,11 @@ def read_entries(storage: Storage, io_threads: int) -> dict[str, SafetensorsEntr
 
 class SafetensorsReader(CheckpointReader):
     """A directory of safetensors files seen as a checkpoint: one saved chunk per tensor,
-    at its place in its file, without checksums (the format has none)."""
+    at its place in its file, without checksums (the format has none).
+
+    Built from headers already parsed (:func:`read_entries`), so it reads no metadata
+    file as :class:`CheckpointReader` does; the loader's planning and reads then use it
+    as they use a checkpoint's reader."""
 
     def __init__(self, storage: Storage, entries: dict[str, SafetensorsEntry]) -> None:
         self.storage = storage
@@ -213,7 +217,6 @@ class _Target:
     """One state-dict tensor to fill from the file's tensor ``name``; ``read_into`` is the
     tensor itself, or one in the file's dtype that is cast into it afterwards."""
 
-    key: str
     name: str
     value: torch.Tensor
     read_into: torch.Tensor
@@ -244,10 +247,13 @@ def _pick_prefix(keys: list[str], names: dict[str, SafetensorsEntry]) -> str:
 
 
 def _read_target(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where the file's bytes of ``value`` land: ``value`` itself, or, where the dtypes
+    differ, a tensor of the file's dtype laid out as ``value`` (same shard, same device)."""
     if value.dtype == dtype:
         return value
     if isinstance(value, DTensor):
-        local = torch.empty(value.to_local().shape, dtype=dtype)
+        shard = value.to_local()
+        local = torch.empty(tuple(shard.shape), dtype=dtype, device=shard.device)
         return DTensor.from_local(
             local,
             value.device_mesh,
@@ -256,7 +262,7 @@ def _read_target(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             shape=value.shape,
             stride=value.stride(),
         )
-    return torch.empty(tuple(value.shape), dtype=dtype)
+    return torch.empty(tuple(value.shape), dtype=dtype, device=value.device)
 
 
 def _targets(
@@ -291,7 +297,7 @@ def _targets(
                 f"{where}: shape mismatch for {name!r}: the file {entry.file} has "
                 f"{list(entry.shape)}, the state dict has {list(value.shape)}"
             )
-        targets.append(_Target(key, name, value, _read_target(value, entry.dtype)))
+        targets.append(_Target(name, value, _read_target(value, entry.dtype)))
     if missing:  # a tied weight shares memory with one the files hold
         loaded = {_storage_key(t.value) for t in targets} - {None}
         missing = [k for k in missing if _storage_key(flat[k]) not in loaded]
