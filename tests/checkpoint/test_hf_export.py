@@ -216,3 +216,51 @@ def test_prefix_found_under_a_stateful_and_beside_other_training_state(tmp_path)
     result = ss.export_hf(tmp_path / "rng", tmp_path / "hf_rng")
     assert result.prefix == "model." and "rng" in result.skipped
     assert set(result.weight_map) == set(model.state_dict())
+
+
+def test_export_of_a_checkpoint_written_by_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = trained("qwen2")
+    dcp.save(
+        {"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=tmp_path / "d"
+    )
+    config("qwen2").save_pretrained(tmp_path / "cfg")
+    ss.export_hf(tmp_path / "d", tmp_path / "hf", config=tmp_path / "cfg" / "config.json")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def _save_fsdp2(rank: int, world: int, path: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = trained("llama-tied")  # the same weights on every rank (seeded)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters())
+    model_sd, optim_sd = get_state_dict(model, optim)
+    ss.save({"model": model_sd, "optim": optim_sd, "step": 1}, path)
+
+
+def test_export_of_a_checkpoint_saved_by_fsdp2_ranks(tmp_path):
+    from dist_utils import run_workers
+
+    run_workers(_save_fsdp2, 2, str(tmp_path / "ckpt"), timeout=120)
+    config("llama-tied").save_pretrained(tmp_path / "cfg")
+    result = ss.export_hf(
+        tmp_path / "ckpt", tmp_path / "hf", config=tmp_path / "cfg" / "config.json"
+    )
+    assert result.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    reference, _ = trained("llama-tied")
+    assert torch.equal(logits(loaded), logits(reference))
