@@ -104,10 +104,11 @@ def parse_header(
         if name == "__metadata__":
             continue
         try:
-            code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            code, (begin, end) = info["dtype"], (int(x) for x in info["data_offsets"])
+            shape = tuple(int(s) for s in info["shape"])
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(
-                f"{path}: tensor {name!r} lacks dtype, shape or data_offsets in the header"
+                f"{path}: tensor {name!r} has no valid dtype, shape or data_offsets in the header"
             ) from exc
         dtype = DTYPES.get(code)
         if dtype is None:
@@ -115,7 +116,6 @@ def parse_header(
                 f"{path}: tensor {name!r} has dtype {code!r}, which this reader does not know "
                 f"(known: {', '.join(DTYPES)})"
             )
-        shape = tuple(int(s) for s in shape)
         nbytes = prod(shape) * dtype.itemsize
         if end - begin != nbytes or begin < 0:
             raise CorruptCheckpointError(
