@@ -264,3 +264,15 @@ def test_export_of_a_checkpoint_saved_by_fsdp2_ranks(tmp_path):
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
     reference, _ = trained("llama-tied")
     assert torch.equal(logits(loaded), logits(reference))
+
+
+def test_a_config_that_builds_no_model_is_refused_by_name(tmp_path):
+    _, ckpt, _ = _training_checkpoint(tmp_path, "gpt2")
+    (tmp_path / "odd.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(ss.CheckpointError, match=r"cannot build the model .*odd.json"):
+        ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "odd.json")
+    (tmp_path / "bare.json").write_text("{}")
+    with pytest.raises(ss.CheckpointError, match=r"bare.json has no model_type"):
+        ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "bare.json")
+    with pytest.raises(ss.CheckpointError, match=r"cannot read the model config .*absent.json"):
+        ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "absent.json")

@@ -97,7 +97,7 @@ def architecture(config_path: str | os.PathLike[str]) -> Architecture | None:
                 model = getattr(transformers, names[0])(config)
             else:
                 model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, AttributeError, KeyError, TypeError) as exc:
+    except (ValueError, AttributeError, KeyError, TypeError, ImportError, OSError) as exc:
         raise CheckpointError(
             f"cannot build the model the config {config_path} describes "
             f"(model_type {model_type!r}): {exc}"
