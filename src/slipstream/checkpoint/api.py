@@ -18,11 +18,11 @@ from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
 from .storage import Location
 
-_savers: dict[tuple, CheckpointSaver] = {}
+_savers: dict[tuple[Any, ...], CheckpointSaver] = {}
 _savers_lock = threading.Lock()
 
 
-def _group_key(process_group) -> tuple:
+def _group_key(process_group: dist.ProcessGroup | None) -> tuple[Any, ...]:
     if not (dist.is_available() and dist.is_initialized()):
         return ("local",)
     group = process_group or dist.group.WORLD
@@ -35,7 +35,7 @@ def _current_store() -> dist.Store | None:
     return dist.distributed_c10d._get_default_store()
 
 
-def _saver(process_group, timeout: float | None) -> CheckpointSaver:
+def _saver(process_group: dist.ProcessGroup | None, timeout: float | None) -> CheckpointSaver:
     key = _group_key(process_group)
     with _savers_lock:
         saver = _savers.get(key)

@@ -158,7 +158,7 @@ class Checkpointer:
             self._health.failed_to_start(step, exc)
             if self.on_error == "raise":
                 raise
-            failed: Future = Future()
+            failed: Future[None] = Future()
             failed.set_exception(exc)
             response = AsyncSaveResponse(failed, failed)
             self._last = response
@@ -259,5 +259,5 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

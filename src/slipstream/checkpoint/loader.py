@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,8 +44,14 @@ MAX_IO_THREADS = 16
 OBJECT_STORE_IO_THREADS = 16
 """Parallel ranged reads from an object store, where each waits on a round trip."""
 
+_Fallback = tuple[str, tuple[int, ...], tuple[slice, ...]]
+"""A record read whole and sliced: its key, its chunk's offsets, the box to copy out."""
+_Copy = tuple[torch.Tensor, torch.Tensor | None, _Fallback | None]
+"""A copy into a destination view after the reads: from scratch memory the reads filled,
+or (source ``None``) from the box of a record read whole."""
 
-def _numel(sizes) -> int:
+
+def _numel(sizes: Sequence[int]) -> int:
     n = 1
     for s in sizes:
         n *= s
@@ -124,7 +130,7 @@ def _plan_reads(
     value: torch.Tensor,
     md: TensorStorageMetadata,
     reads: list[ReadRequest],
-    copies: list,
+    copies: list[_Copy],
 ) -> None:
     """Queue the reads (and copies) that fill ``value`` from the saved chunks of ``fqn``.
 
@@ -163,17 +169,18 @@ def _plan_reads(
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
             if count == _numel(extent) and _raw_bytes_are_values(dest_view):
-                on_host = dest_view.device.type == "cpu"
-                out = byte_view(dest_view) if on_host else as_bytes(dest_view)
-                step = READ_PIECE_BYTES if on_host else bounce.SLOT_BYTES
-                for piece in range(start, end, step):
-                    piece_end = min(end, piece + step)
-                    part = out[piece - start : piece_end - start]
-                    reads.append(
-                        ReadRequest(src, fqn, piece, piece_end, part)
-                        if on_host
-                        else ReadRequest(src, fqn, piece, piece_end, None, part)
-                    )
+                if dest_view.device.type == "cpu":
+                    host = byte_view(dest_view)
+                    for piece in range(start, end, READ_PIECE_BYTES):
+                        piece_end = min(end, piece + READ_PIECE_BYTES)
+                        part = host[piece - start : piece_end - start]
+                        reads.append(ReadRequest(src, fqn, piece, piece_end, part))
+                else:
+                    device = as_bytes(dest_view)
+                    for piece in range(start, end, bounce.SLOT_BYTES):
+                        piece_end = min(end, piece + bounce.SLOT_BYTES)
+                        on_device = device[piece - start : piece_end - start]
+                        reads.append(ReadRequest(src, fqn, piece, piece_end, None, on_device))
             else:
                 scratch = torch.empty(count, dtype=dtype)
                 reads.append(ReadRequest(src, fqn, start, end, byte_view(scratch)))
@@ -237,11 +244,12 @@ def _load_into(
     _check_keys(flat, reader.metadata, strict, reader.path)
     reader.check_file_sizes()
     reads: list[ReadRequest] = []
-    copies: list = []
+    copies: list[_Copy] = []
     values: dict[str, Any] = {}
     for fqn, value in flat.items():
         md = reader.metadata.state_dict_metadata[fqn]
         if isinstance(value, torch.Tensor):
+            assert isinstance(md, TensorStorageMetadata), "checked by _check_keys"
             _plan_reads(reader, fqn, value, md, reads, copies)
         else:
             values[fqn] = reader.read_value(fqn)
@@ -250,6 +258,7 @@ def _load_into(
     nbytes = sum(r.end - r.start for r in reads)
     for dest_view, src, fallback in copies:
         if src is None:
+            assert fallback is not None, "a copy without a source names its record"
             fqn, s_off, src_box = fallback
             whole = reader.read_record_tensor(fqn, s_off)
             src = whole[src_box] if src_box else whole

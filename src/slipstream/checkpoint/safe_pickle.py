@@ -13,6 +13,7 @@ import io
 import pathlib
 import pickle
 import re
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
@@ -48,7 +49,7 @@ _METADATA_CLASSES.update(
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         found = _METADATA_CLASSES.get((module, name))
         if found is not None:
             return found
