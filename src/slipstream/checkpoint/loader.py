@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
 from .layout import is_stateful, resolve_stateful
 from .reader import CheckpointReader, ReadRequest, read_all
+from .safe_types import Trust, Trusted
 from .shards import local_chunks
 from .storage import Location
 
@@ -200,6 +201,8 @@ def load(
     strict: bool = True,
     io_threads: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    trusted: Trusted = None,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Load a committed checkpoint into ``state_dict`` in place (see the module docstring).
 
@@ -207,9 +210,14 @@ def load(
     ``MAX_IO_THREADS``: reading from the page cache is bound by the cores (a copy and a
     hash per byte), and the extra thread keeps a request queued when reads wait on the
     disk. On an object store it is ``OBJECT_STORE_IO_THREADS``.
+
+    ``trusted``: globals the checkpoint's pickles may name beyond the plain data of
+    :mod:`.safe_types` (classes, functions or ``"module.Name"``), or ``True`` to unpickle
+    anything, running what it names (what ``dcp.load`` does). ``progress(nbytes)`` is
+    called as tensor bytes land (the ``slipstream`` command's progress bar).
     """
     started = time.perf_counter()
-    reader = CheckpointReader(checkpoint_id, storage_options)
+    reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted))
     if io_threads is None:
         io_threads = (
             min(MAX_IO_THREADS, usable_cores() + 1)
@@ -217,7 +225,7 @@ def load(
             else OBJECT_STORE_IO_THREADS
         )
     try:
-        nbytes = _load_into(reader, state_dict, strict, io_threads)
+        nbytes = _load_into(reader, state_dict, strict, io_threads, progress)
     except CorruptCheckpointError as exc:
         gone = reader.vanished(exc)
         if gone is exc:
@@ -236,7 +244,11 @@ def load(
 
 
 def _load_into(
-    reader: CheckpointReader, state_dict: dict[str, Any], strict: bool, io_threads: int
+    reader: CheckpointReader,
+    state_dict: dict[str, Any],
+    strict: bool,
+    io_threads: int,
+    progress: Callable[[int], None] | None,
 ) -> int:
     """The body of :func:`load`; returns the bytes read."""
     resolved = resolve_stateful(state_dict)
@@ -254,7 +266,7 @@ def _load_into(
         else:
             values[fqn] = reader.read_value(fqn)
     reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
-    read_all(reader, reads, io_threads)
+    read_all(reader, reads, io_threads, progress)
     nbytes = sum(r.end - r.start for r in reads)
     for dest_view, src, fallback in copies:
         if src is None:
