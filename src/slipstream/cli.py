@@ -77,8 +77,8 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(
         f"NOT verified {args.checkpoint}: {read}; it has no checksums (written by another "
-        "tool, or its .slipstream.json removed), so only its structure and sizes were "
-        "checked: every file is present and long enough and every record parses"
+        "tool, or its .slipstream.json removed): structure and sizes only (every file "
+        "present and long enough, every record readable), the bytes themselves unchecked"
     )
     return EXIT_UNVERIFIED
 
