@@ -40,12 +40,12 @@ def _trust(args: argparse.Namespace) -> bool | list[str]:
     return True if args.trust_all else list(args.trust)
 
 
-def _progress(label: str, checkpoint: str) -> Progress:
-    return Progress(label, tensor_bytes(checkpoint))
+def _progress(label: str, args: argparse.Namespace) -> Progress:
+    return Progress(label, tensor_bytes(args.checkpoint, trusted=_trust(args)))
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    entries, checksummed = summarize(args.checkpoint)
+    entries, checksummed = summarize(args.checkpoint, trusted=_trust(args))
     total = sum(e.nbytes for e in entries)
     width = max((len(e.key) for e in entries), default=3)
     for e in entries:
@@ -62,7 +62,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    with _progress("verify", args.checkpoint) as progress:
+    with _progress("verify", args) as progress:
         report = verify(args.checkpoint, trusted=_trust(args), progress=progress.advance)
     seconds = time.perf_counter() - start
     read = (
@@ -94,7 +94,7 @@ def _convert(args: argparse.Namespace) -> int:
     if not os.access(out_dir, os.W_OK):
         raise UsageError(f"the output directory {out_dir} is not writable")
     start = time.perf_counter()
-    with _progress("read", args.checkpoint) as progress:
+    with _progress("read", args) as progress:
         entries = read_all(args.checkpoint, trusted=_trust(args), progress=progress.advance)
     tensors = {k: v.contiguous() for k, v in entries.items() if hasattr(v, "dtype")}
     skipped = sorted(k for k in entries if k not in tensors)
@@ -140,7 +140,7 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     _checkpoint_argument(parser)
     _trust_arguments(parser)
 
@@ -152,11 +152,11 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 COMMANDS: list[Command] = [
-    Command("inspect", "list a checkpoint's entries", _checkpoint_argument, _inspect),
+    Command("inspect", "list a checkpoint's entries", _checkpoint_arguments, _inspect),
     Command(
         "verify",
         "read every byte of a checkpoint and check its checksums (exit 3: it has none)",
-        _verify_arguments,
+        _checkpoint_arguments,
         _verify,
     ),
     Command(

@@ -43,7 +43,7 @@ def _current_store() -> dist.Store | None:
 
 
 def _saver(
-    process_group: dist.ProcessGroup | None, timeout: float | None, no_dist: bool
+    process_group: dist.ProcessGroup | None, timeout: float | None, no_dist: bool = False
 ) -> CheckpointSaver:
     key = _group_key(process_group, no_dist)
     with _savers_lock:

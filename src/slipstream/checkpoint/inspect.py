@@ -28,9 +28,11 @@ class EntrySummary:
     nbytes: int
 
 
-def summarize(checkpoint_id: Location) -> tuple[list[EntrySummary], bool]:
+def summarize(
+    checkpoint_id: Location, *, trusted: Trusted = None
+) -> tuple[list[EntrySummary], bool]:
     """The entries of a committed checkpoint and whether it carries slipstream checksums."""
-    reader = CheckpointReader(checkpoint_id)
+    reader = CheckpointReader(checkpoint_id, trust=Trust.of(trusted))
     try:
         entries = []
         for key, md in reader.metadata.state_dict_metadata.items():
@@ -82,9 +84,9 @@ def read_all(
     return target
 
 
-def tensor_bytes(checkpoint_id: Location) -> int:
+def tensor_bytes(checkpoint_id: Location, *, trusted: Trusted = None) -> int:
     """The bytes of tensor data :func:`read_all` reads for the whole checkpoint."""
-    entries, _ = summarize(checkpoint_id)
+    entries, _ = summarize(checkpoint_id, trusted=trusted)
     return sum(e.nbytes for e in entries)
 
 
