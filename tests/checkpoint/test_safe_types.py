@@ -213,3 +213,19 @@ def test_unknown_trusted_name_is_a_clear_error(tmp_path):
     ss.save({"v": 1}, tmp_path / "ck")
     with pytest.raises(ValueError, match="no_such_module.Thing"):
         ss.load({"v": None}, tmp_path / "ck", trusted=["no_such_module.Thing"])
+
+
+def test_numpy_state_loads_where_torch_forces_weights_only(tmp_path, monkeypatch):
+    # torch.load then refuses any pickle module: torch's own unpickler reads the values,
+    # given the same allow-list; a hostile value is still refused.
+    state = {"rng": np.random.RandomState(1).get_state(), "args": argparse.Namespace(a=1)}
+    ss.save(state, tmp_path / "ck")
+    marker = tmp_path / "ran"
+    ss.save({"v": _TouchesFile(marker)}, tmp_path / "bad")
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    loaded = dict.fromkeys(state)
+    ss.load(loaded, tmp_path / "ck")
+    assert _same(loaded["rng"], state["rng"]) and loaded["args"] == state["args"]
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"needs (posix|os)\.system"):
+        ss.load({"v": None}, tmp_path / "bad")
+    assert not marker.exists()

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .safe_types import DEFAULT_TRUST, Trust, canonical_name
+from .safe_types import DEFAULT_TRUST, PLAIN_DATA, Trust, canonical_name
 
 _METADATA_CLASSES: dict[str, Any] = {
     f"torch.distributed.checkpoint.metadata.{name}": getattr(dcp_md, name)
@@ -150,9 +150,10 @@ def globals_named(data: bytes) -> list[str]:
 
 
 def _refusal(data: bytes, first: str, allowed: Any) -> str:
-    """The globals of ``data`` that ``allowed(name)`` refuses, ``first`` among them."""
+    """Why ``data`` is refused: the globals it names that ``allowed(name)`` refuses (and
+    ``first``, the one the unpickler stopped at, if given)."""
     missing = [n for n in globals_named(data) if allowed(n) is None]
-    if first not in missing:
+    if first and first not in missing:
         missing.insert(0, first)
     names = ", ".join(missing)
     listed = ", ".join(repr(n) for n in missing)
@@ -196,8 +197,9 @@ def _value_pickle_module(trust: Trust) -> types.ModuleType:
 
 
 def _torch_forces_weights_only() -> bool:
-    """``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes ``torch.load`` refuse a pickle module; its
-    stricter ``weights_only`` allow-list then applies (with the trusted globals)."""
+    """``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes ``torch.load`` refuse a pickle module; torch's
+    own ``weights_only`` unpickler then reads values, given the same allow-list and trusted
+    globals (it is stricter still: it sets items only on plain dicts, for one)."""
     return os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
 
 
@@ -207,7 +209,8 @@ def load_value(data: bytes, key: str, where: str, trust: Trust = DEFAULT_TRUST) 
         if trust.everything:
             return torch.load(io.BytesIO(data), weights_only=False)
         if _torch_forces_weights_only():
-            with torch.serialization.safe_globals([(v, k) for k, v in trust.extra.items()]):
+            allowed = {**PLAIN_DATA, **trust.extra}
+            with torch.serialization.safe_globals([(v, k) for k, v in allowed.items()]):
                 return torch.load(io.BytesIO(data), weights_only=True)
         module = _value_pickle_module(trust)
         return torch.load(io.BytesIO(data), weights_only=False, pickle_module=module)
@@ -215,6 +218,9 @@ def load_value(data: bytes, key: str, where: str, trust: Trust = DEFAULT_TRUST) 
         why = _refusal(data, str(exc), trust.resolve)
         raise UnsafeCheckpointError(f"{where}: value {key!r} {why}") from None
     except pickle.UnpicklingError as exc:
+        if any(trust.resolve(name) is None for name in globals_named(data)):
+            why = _refusal(data, "", trust.resolve)
+            raise UnsafeCheckpointError(f"{where}: value {key!r} {why}") from None
         raise UnsafeCheckpointError(f"{where}: value {key!r} was refused ({exc})") from None
     except Exception as exc:
         raise CorruptCheckpointError(f"{where}: value {key!r} is unreadable ({exc})") from exc
