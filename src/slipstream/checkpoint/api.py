@@ -76,7 +76,8 @@ def _refuse_overwrite(location: Location, storage_options: dict[str, Any] | None
                 "overwrite=False"
             )
     finally:
-        storage.close()
+        if storage is not location:  # made here, not the caller's own Storage
+            storage.close()
 
 
 def async_save(
