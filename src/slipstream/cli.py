@@ -172,7 +172,7 @@ COMMANDS: list[Command] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slipstream",
-        description=__doc__.split("\n")[0] if __doc__ else None,
+        description="Inspect, verify and convert checkpoints (slipstream- or DCP-written).",
         epilog="exit status: 0 done, 1 the checkpoint failed, 2 usage error, "
         "3 verify found no checksums to check (structure and sizes only)",
     )
