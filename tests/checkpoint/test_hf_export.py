@@ -169,10 +169,30 @@ def test_cli_export_writes_shards_config_and_says_what_it_did(tmp_path, capsys):
     assert torch.equal(logits(loaded), logits(model))
 
 
-def test_cli_export_error_is_one_line(tmp_path, capsys):
+def test_cli_export_errors_are_one_line_with_their_exit_status(tmp_path, capsys):
     _, ckpt, _ = _training_checkpoint(tmp_path, "gpt2")
-    assert main(["export", str(ckpt), str(tmp_path / "hf"), "--dtype", "int3"]) == 1
-    assert "error: unknown dtype 'int3'" in capsys.readouterr().err
+    assert main(["export", str(ckpt), str(tmp_path / "hf"), "--dtype", "int3"]) == 2
+    assert "slipstream export: error: unknown dtype 'int3'" in capsys.readouterr().err
+    assert main(["export", str(ckpt), str(tmp_path / "hf"), "--config", "nope.json"]) == 2
+    assert "the config nope.json does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    deeper = config("gpt2")
+    deeper.n_layer = 3
+    deeper.save_pretrained(tmp_path / "deeper")
+    assert (
+        main(
+            [
+                "export",
+                str(ckpt),
+                str(tmp_path / "hf"),
+                "--config",
+                str(tmp_path / "deeper" / "config.json"),
+            ]
+        )
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing 12: 'transformer.h.2.ln_1.weight'" in err
 
 
 def test_progress_reports_every_byte(tmp_path):
