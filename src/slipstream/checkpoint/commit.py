@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core.checksum import ALGORITHM, BLOCK_BYTES
+from ..core.dtypes import dtype_from_name
 from ..core.flatten import Path
 from .generations import GENERATIONS, data_file, index_file
-from .layout import dtype_from_name
 from .plan import SavePlan
 from .storage import Storage
 

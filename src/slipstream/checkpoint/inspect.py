@@ -10,6 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.dtypes import dtype_name
+from ..core.shapes import numel
 from .loader import load
 from .reader import CheckpointReader
 
@@ -33,9 +34,6 @@ def summarize(checkpoint_id: str | os.PathLike[str]) -> tuple[list[EntrySummary]
         entries = []
         for key, md in reader.metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                numel = 1
-                for s in md.size:
-                    numel *= s
                 dtype = md.properties.dtype
                 entries.append(
                     EntrySummary(
@@ -44,7 +42,7 @@ def summarize(checkpoint_id: str | os.PathLike[str]) -> tuple[list[EntrySummary]
                         dtype_name(dtype),
                         tuple(md.size),
                         len(md.chunks),
-                        numel * dtype.itemsize,
+                        numel(md.size) * dtype.itemsize,
                     )
                 )
             else:

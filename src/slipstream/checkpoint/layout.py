@@ -18,8 +18,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ..core.dtypes import dtype_name
+from ..core.dtypes import dtype_from_name, dtype_name
 from ..core.flatten import Path, flatten
+from ..core.shapes import numel
 from ..errors import CheckpointError
 from .shards import local_chunks
 
@@ -37,10 +38,7 @@ class ChunkSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n * dtype_from_name(self.dtype).itemsize
+        return numel(self.sizes) * dtype_from_name(self.dtype).itemsize
 
     @functools.cached_property
     def record_key(self) -> str:
@@ -92,13 +90,6 @@ class LocalLayout:
 def _whole_tensor_spec(fqn: str, dtype: torch.dtype, shape: torch.Size) -> ChunkSpec:
     """The spec of a plain (replicated) tensor; cached, since layouts repeat every save."""
     return ChunkSpec(fqn, dtype_name(dtype), tuple(shape), (0,) * len(shape), tuple(shape), True)
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r}")
-    return dtype
 
 
 _PLAIN_TYPES = frozenset({dict, list, tuple, int, float, bool, str, bytes, type(None)})

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.buffers import as_bytes, byte_view
 from ..core.flatten import flatten, set_path
+from ..core.shapes import numel, row_major_strides
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
@@ -43,21 +44,6 @@ READ_PIECE_BYTES = 64 * 1024 * 1024
 MAX_IO_THREADS = 16
 OBJECT_STORE_IO_THREADS = 16
 """Parallel ranged reads from an object store, where each waits on a round trip."""
-
-
-def _numel(sizes) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
 
 
 def _raw_bytes_are_values(tensor: torch.Tensor) -> bool:
@@ -135,7 +121,7 @@ def _plan_reads(
     dtype = value.dtype
     itemsize = dtype.itemsize
     for dest, t_off, t_size in _target_chunks(value):
-        if _numel(t_size) == 0:
+        if numel(t_size) == 0:
             continue
         covered = 0
         for chunk in md.chunks:
@@ -146,7 +132,7 @@ def _plan_reads(
             ]
             if any(h <= low for low, h in zip(lo, hi, strict=True)):
                 continue
-            covered += _numel([h - low for low, h in zip(lo, hi, strict=True)])
+            covered += numel([h - low for low, h in zip(lo, hi, strict=True)])
             src = reader.source(fqn, s_off, s_size, dtype)
             box = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, t_off, strict=True))
             extent = tuple(h - low for low, h in zip(lo, hi, strict=True))
@@ -157,12 +143,12 @@ def _plan_reads(
                 )
                 copies.append((dest_view, None, (fqn, s_off, src_box)))
                 continue
-            strides = _row_major_strides(s_size)
+            strides = row_major_strides(s_size)
             first = sum((low - o) * st for low, o, st in zip(lo, s_off, strides, strict=True))
             last = sum((h - 1 - o) * st for h, o, st in zip(hi, s_off, strides, strict=True))
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
-            if count == _numel(extent) and _raw_bytes_are_values(dest_view):
+            if count == numel(extent) and _raw_bytes_are_values(dest_view):
                 on_host = dest_view.device.type == "cpu"
                 out = byte_view(dest_view) if on_host else as_bytes(dest_view)
                 step = READ_PIECE_BYTES if on_host else bounce.SLOT_BYTES
@@ -178,10 +164,10 @@ def _plan_reads(
                 scratch = torch.empty(count, dtype=dtype)
                 reads.append(ReadRequest(src, fqn, start, end, byte_view(scratch)))
                 copies.append((dest_view, scratch.as_strided(extent, strides), None))
-        if covered != _numel(t_size):
+        if covered != numel(t_size):
             raise CorruptCheckpointError(
                 f"{reader.path}: the saved chunks of {fqn!r} hold {covered} of the "
-                f"{_numel(t_size)} elements at offsets {list(t_off)}, size {list(t_size)}; "
+                f"{numel(t_size)} elements at offsets {list(t_off)}, size {list(t_size)}; "
                 "the checkpoint is missing part of this tensor"
             )
 

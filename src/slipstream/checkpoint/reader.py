@@ -22,7 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from math import prod
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ..core import streams
 from ..core.checksum import checksum
 from ..core.copy import copy_bytes
+from ..core.shapes import numel
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
 from .commit import METADATA_FILE
@@ -173,7 +173,7 @@ class CheckpointReader:
                     self.index["block_bytes"],
                 )
         layout = self._layout(info)
-        nbytes = prod(sizes) * dtype.itemsize
+        nbytes = numel(sizes) * dtype.itemsize
         if layout.dtype != dtype or layout.size != tuple(sizes) or not layout.is_compact:
             return SourceRecord(info.relative_path, -1, nbytes, None, 0)
         return SourceRecord(info.relative_path, info.offset + layout.data_offset, nbytes, None, 0)
