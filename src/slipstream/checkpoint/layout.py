@@ -99,8 +99,8 @@ def is_stateful(value: Any) -> bool:
     """``isinstance(value, Stateful)``, answered at once for tensors and containers.
 
     ``Stateful`` is a runtime-checkable protocol whose check walks the class with
-    ``inspect.getattr_static`` (about 0.1 ms a value): on a flat state dict of a few
-    hundred tensors that was most of the time ``async_save`` blocked its caller.
+    ``inspect.getattr_static``, slow enough per value to dominate the time ``async_save``
+    blocks its caller on a flat state dict of many tensors.
     """
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
         return False
@@ -185,8 +185,7 @@ class ValueSerializer:
     """Serializes plain values (see :func:`serialize_value`), remembering the last bytes of
     each key: a value that freezes (:func:`_frozen`) to the key's last one gets the same
     bytes back without pickling. Optimizer hyperparameters repeat in every save, and each
-    ``torch.save`` call cost about 50 us of the caller's time (12 of them per save of the
-    demo model's state).
+    ``torch.save`` call costs the caller's thread time.
 
     Invariant: the bytes returned for a value are those ``torch.save`` writes for it."""
 

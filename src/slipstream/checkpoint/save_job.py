@@ -50,9 +50,10 @@ class AsyncSaveResponse:
         self.upload_completion.result(timeout)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SaveJob:
-    """Everything the stages of one save share; ``progress`` is how far staging got."""
+    """Everything the stages of one save share; ``progress`` is how far staging got.
+    Built by keyword only: its fields are many and several share a type."""
 
     plan: SavePlan
     templates: dict[int, CommitTemplate]
