@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..core import tracing
 from ..core.buffers import as_bytes, byte_view
 from ..core.flatten import flatten, set_path
 from ..core.shapes import numel, row_major_strides
@@ -196,7 +197,8 @@ def load(
             else OBJECT_STORE_IO_THREADS
         )
     try:
-        nbytes = _load_into(reader, state_dict, strict, io_threads)
+        with tracing.span("slipstream.load", url=reader.path):
+            nbytes = _load_into(reader, state_dict, strict, io_threads)
     except CorruptCheckpointError as exc:
         gone = reader.vanished(exc)
         if gone is exc:

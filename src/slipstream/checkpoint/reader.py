@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ..core import streams
+from ..core import streams, tracing
 from ..core.checksum import checksum
 from ..core.copy import copy_bytes
 from ..core.shapes import numel
@@ -377,6 +377,10 @@ def read_all(reader: CheckpointReader, reads: list[ReadRequest], io_threads: int
         host = [r for r in reads if r.device_out is None]
         tasks = [partial(_read_span, reader, span) for span in _spans(host)]
         tasks += [partial(_read, reader, r, device_ready) for r in reads if r.out is None]
-    with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
-        for fut in [pool.submit(task) for task in tasks]:
+    read = "slipstream.load.read_piece"
+    with (
+        tracing.span("slipstream.load.read", requests=len(reads)),
+        ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool,
+    ):
+        for fut in [pool.submit(tracing.traced(read, task)) for task in tasks]:
             fut.result()

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..core import tracing
 from ..core.streams import current_stream, new_stream, on_stream, record_event, wait_event
 from ..errors import PeerTimeoutError
 
@@ -35,11 +36,14 @@ class InFlight:
     work's own future. Work without a future (gloo's reduce-scatter) counts until the
     caller's wait returns."""
 
-    def __init__(self, work: dist.Work, what: str) -> None:
+    def __init__(self, work: dist.Work, what: str, track: str) -> None:
         self.work = work
         self.what = what
+        self.track = track
         self.issued = time.perf_counter()
+        self.issued_ns = time.monotonic_ns()
         self.done: float | None = None
+        self.done_ns: int | None = None
         try:
             fut = work.get_future()
         except RuntimeError:
@@ -48,13 +52,15 @@ class InFlight:
 
     def _stamp(self, _fut: object) -> None:
         self.done = time.perf_counter()
+        self.done_ns = time.monotonic_ns()
 
     def seconds(self) -> float:
         """Issue to completion (to now while the work runs)."""
         return (self.done or time.perf_counter()) - self.issued
 
     def wait(self, rank: int, timeout: float) -> float:
-        """Block until the work completes; returns the seconds the caller blocked."""
+        """Block until the work completes; returns the seconds the caller blocked. The work
+        goes into a trace being recorded as an interval on its track (issue to completion)."""
         start = time.perf_counter()
         try:
             ok = self.work.wait(timeout=timedelta(seconds=timeout))
@@ -64,6 +70,9 @@ class InFlight:
             ) from e
         if ok is False:
             raise PeerTimeoutError(f"rank {rank}: {self.what} did not complete")
+        tracing.record_interval(
+            self.what, self.track, self.issued_ns, self.done_ns or time.monotonic_ns()
+        )
         return time.perf_counter() - start
 
 
@@ -125,19 +134,22 @@ class Collectives:
         flights = []
         with on_stream(self.stream):
             self._after_compute()
-            for out, inp in pairs:
+            for i, (out, inp) in enumerate(pairs):
                 work = all_gather_single(out, inp, group=self.group, async_op=True)
-                flights.append(InFlight(work, what))
+                flights.append(InFlight(work, what, f"fsdp all-gather in flight (group {i})"))
         return flights
 
-    def reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> InFlight:
-        """Async averaging reduce-scatter of ``inp`` into ``out``, issued after the compute."""
+    def reduce_scatter_into(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str, slot: int
+    ) -> InFlight:
+        """Async averaging reduce-scatter of ``inp`` into ``out`` (reduce staging ``slot``),
+        issued after the compute."""
         with on_stream(self.stream):
             self._after_compute()
             work = reduce_scatter_single(
                 out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True
             )
-        return InFlight(work, what)
+        return InFlight(work, what, f"fsdp reduce-scatter in flight (slot {slot})")
 
     def exchange(self, mine: torch.Tensor) -> torch.Tensor:
         """Blocking all-gather of a small tensor from every rank (rank-major, concatenated)."""

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ..core import tracing
 from ..core.shapes import row_major_strides
 from ..errors import FsdpError
 from .collectives import Collectives, InFlight
@@ -256,32 +257,37 @@ class FsdpUnit:
         """Issue the async all-gather of every dtype group into the shared gather staging."""
         staging = self.comm.staging
         pairs = []
-        for gi, buf in enumerate(self.groups):
-            lay = buf.layout
-            cast = buf.compute_dtype != lay.dtype
-            send_staging = (
-                staging.take(("send", gi, buf.compute_dtype), lay.segment_numel) if cast else None
-            )
-            out = staging.take(("gather", gi, buf.compute_dtype), lay.gathered_numel)
-            pairs.append((out, buf.send_buffer(send_staging)))
-        flights = self.comm.all_gather_into(pairs, f"all-gather of unit {self.name}")
+        with tracing.span("slipstream.fsdp.all_gather", unit=self.name, prefetch=prefetched):
+            for gi, buf in enumerate(self.groups):
+                lay = buf.layout
+                cast = buf.compute_dtype != lay.dtype
+                send_staging = (
+                    staging.take(("send", gi, buf.compute_dtype), lay.segment_numel)
+                    if cast
+                    else None
+                )
+                out = staging.take(("gather", gi, buf.compute_dtype), lay.gathered_numel)
+                pairs.append((out, buf.send_buffer(send_staging)))
+            flights = self.comm.all_gather_into(pairs, f"all-gather of unit {self.name}")
         return PendingGather(self, flights, [out for out, _ in pairs], prefetched)
 
     def finish_gather(self, pending: PendingGather) -> Timing:
         """Wait for the gathers, re-allocate the unsharded storage and copy the result in."""
         timing = Timing()
-        for flight, out, buf in zip(pending.flights, pending.outputs, self.groups, strict=True):
-            timing.add(flight, self.comm.rank, self.comm.timeout)
-            buf.reallocate()
-            buf.copy_out(out)
+        with tracing.span("slipstream.fsdp.all_gather.wait", unit=self.name):
+            for flight, out, buf in zip(pending.flights, pending.outputs, self.groups, strict=True):
+                timing.add(flight, self.comm.rank, self.comm.timeout)
+                buf.reallocate()
+                buf.copy_out(out)
         return timing
 
     def release(self) -> bool:
         """Free the unsharded storage; False when it was not allocated."""
         if not self.is_unsharded():
             return False
-        for g in self.groups:
-            g.release()
+        with tracing.span("slipstream.fsdp.release", unit=self.name):
+            for g in self.groups:
+                g.release()
         return True
 
     # -- gradients --------------------------------------------------------------------------
@@ -301,28 +307,30 @@ class FsdpUnit:
         lay = buf.layout
         rdtype = self._reduce_dtype(buf)
         staging = self.comm.staging
-        reduce_in = staging.take(("reduce_in", slot, group, rdtype), lay.gathered_numel)
-        buf.copy_in(self._take_grads(group), reduce_in)
-        accumulate = any(p.grad is not None for p in self.sharded[group])
-        if accumulate or rdtype != lay.dtype:
-            out = staging.take(("reduce_out", slot, group, rdtype), lay.segment_numel)
-        else:
-            out = buf.grad
-        flight = self.comm.reduce_scatter_into(
-            out, reduce_in, f"reduce-scatter of unit {self.name}"
-        )
+        with tracing.span("slipstream.fsdp.reduce_scatter", unit=self.name):
+            reduce_in = staging.take(("reduce_in", slot, group, rdtype), lay.gathered_numel)
+            buf.copy_in(self._take_grads(group), reduce_in)
+            accumulate = any(p.grad is not None for p in self.sharded[group])
+            if accumulate or rdtype != lay.dtype:
+                out = staging.take(("reduce_out", slot, group, rdtype), lay.segment_numel)
+            else:
+                out = buf.grad
+            flight = self.comm.reduce_scatter_into(
+                out, reduce_in, f"reduce-scatter of unit {self.name}", slot
+            )
         return PendingReduce(self, group, flight, out, accumulate)
 
     def finish_reduce(self, pending: PendingReduce) -> Timing:
         """Wait for the reduce-scatter, land its output in the grad shard, attach ``.grad``."""
         timing = Timing()
-        timing.add(pending.flight, self.comm.rank, self.comm.timeout)
-        buf = self.groups[pending.group]
-        if pending.accumulate:
-            buf.grad.add_(pending.output)
-        elif pending.output is not buf.grad:
-            buf.grad.copy_(pending.output)
-        self._attach_sharded_grads(pending.group)
+        with tracing.span("slipstream.fsdp.reduce_scatter.wait", unit=self.name):
+            timing.add(pending.flight, self.comm.rank, self.comm.timeout)
+            buf = self.groups[pending.group]
+            if pending.accumulate:
+                buf.grad.add_(pending.output)
+            elif pending.output is not buf.grad:
+                buf.grad.copy_(pending.output)
+            self._attach_sharded_grads(pending.group)
         return timing
 
     def _take_grads(self, group: int) -> list[torch.Tensor | None]:
