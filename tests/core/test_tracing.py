@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
+from trace_format import check_trace_event_format
 
 import slipstream as ss
 from slipstream.core import tracing
@@ -35,35 +36,6 @@ def no_recording_left():
 def _state() -> dict:
     g = torch.Generator().manual_seed(0)
     return {f"layer{i}.w": torch.randn(256, 256, generator=g) for i in range(8)} | {"step": 3}
-
-
-def check_trace_event_format(doc: dict) -> list[dict]:
-    """Assert ``doc`` is a JSON-object trace as the Trace Event Format defines it (what
-    Perfetto's JSON importer reads); returns its complete events."""
-    assert set(doc) >= {"traceEvents"} and isinstance(doc["traceEvents"], list)
-    named_threads = set()
-    complete = []
-    for e in doc["traceEvents"]:
-        assert isinstance(e["name"], str) and e["name"], e
-        assert isinstance(e["pid"], int) and isinstance(e["tid"], int), e
-        if e["ph"] == "M":
-            assert e["name"] in ("process_name", "thread_name"), e
-            assert isinstance(e["args"]["name"], str), e
-            if e["name"] == "thread_name":
-                named_threads.add((e["pid"], e["tid"]))
-            continue
-        assert e["ph"] == "X", e
-        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)), e
-        assert e["dur"] >= 0, e
-        assert isinstance(e.get("args", {}), dict), e
-        complete.append(e)
-    last: dict[tuple[int, int], float] = {}
-    for e in complete:
-        key = (e["pid"], e["tid"])
-        assert key in named_threads, f"no thread_name for {key}"
-        assert e["ts"] >= last.get(key, float("-inf")), f"ts goes back on thread {key}"
-        last[key] = e["ts"]
-    return complete
 
 
 def _thread_names(doc: dict) -> dict[tuple[int, int], str]:

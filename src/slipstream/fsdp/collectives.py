@@ -70,9 +70,9 @@ class InFlight:
             ) from e
         if ok is False:
             raise PeerTimeoutError(f"rank {rank}: {self.what} did not complete")
-        tracing.record_interval(
-            self.what, self.track, self.issued_ns, self.done_ns or time.monotonic_ns()
-        )
+        returned = time.monotonic_ns()  # the future's stamp may land after wait returns
+        done = min(self.done_ns or returned, returned)
+        tracing.record_interval(self.what, self.track, self.issued_ns, done)
         return time.perf_counter() - start
 
 
