@@ -9,9 +9,11 @@ Phases, each on 2 local training processes joined by gloo, training with slipstr
 3. resumed: restart from ``Checkpointer.latest()`` and train to the end;
 then check that the resumed run's weights and optimizer state equal the reference's bit
 for bit, and print what checkpointing cost the training loop.
-4. rl: the trainers go on from the last checkpoint and publish their weights every few
-steps to a third process, a rollout worker, which generates tokens with each version; they
-must match the tokens the trainers generate with their own weights.
+4. rl: the trainers go on from the last checkpoint, saving every step, and publish their
+weights every few steps to a third process, a rollout worker, which generates tokens with
+each version; they must match the tokens the trainers generate with their own weights. The
+phase is traced: ``trace.json`` (open it in Perfetto) and ``timeline.png`` (its last steps
+on one time axis) are written to the output directory.
 """
 
 from __future__ import annotations
