@@ -3,8 +3,9 @@ own threads.
 
 Every stage slipstream runs (a save's staging copy, write and commit; a load's planning and
 reads; FSDP's all-gathers, releases and reduce-scatters; weight publishing and receiving) is
-wrapped in :func:`span`. A span is always a ``torch.profiler.record_function`` range, so it
-shows in a trace the user takes with ``torch.profiler``. While a trace file is being recorded
+wrapped in :class:`span`. While a profiler runs, a span is a
+``torch.profiler.record_function`` range, so it shows in a trace the user takes with
+``torch.profiler``; otherwise it costs an attribute check. While a trace file is being recorded
 (:func:`start`, or the ``SLIPSTREAM_TRACE`` environment variable naming the file), each span
 is also kept as a complete event of the Trace Event Format (``"ph": "X"``) with the thread it
 ran on, and :func:`flush` (called at exit) writes them as a JSON file that Perfetto and
@@ -26,12 +27,12 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 
 _T = TypeVar("_T")
 
@@ -105,38 +106,54 @@ def _thread_id(rec: _Recording) -> int:
     return tid
 
 
-@contextmanager
-def span(name: str, **args: Any) -> Iterator[None]:
-    """A named range around the body: a ``torch.profiler`` range always, and a complete
-    event on the calling thread while a trace file is being recorded. ``args`` are shown
-    with the event (keep them small: names, sizes, steps)."""
-    rec = _recording
-    if rec is None:
-        with torch.profiler.record_function(name):
-            yield
-        return
-    begin = _now_us()
-    try:
-        with torch.profiler.record_function(name):
-            yield
-    finally:
-        end = _now_us()
-        event = {
-            "name": name,
-            "cat": "slipstream",
-            "ph": "X",
-            "ts": begin,
-            "dur": end - begin,
-            "pid": os.getpid(),
-            "tid": _thread_id(rec),
-        }
-        if args:
-            event["args"] = {k: _jsonable(v) for k, v in args.items()}
-        _add(rec, event)
+class span:
+    """A named range around the body: a ``torch.profiler`` range while a profiler runs, and
+    a complete event on the calling thread while a trace file is being recorded; next to
+    nothing otherwise. ``args`` are shown with the event (keep them small: names, sizes,
+    steps)."""
+
+    __slots__ = ("_args", "_begin", "_name", "_range", "_rec")
+
+    def __init__(self, name: str, **args: Any) -> None:
+        self._name = name
+        self._args = args
+        self._range: Any = None
+        self._rec: _Recording | None = None
+        self._begin = 0.0
+
+    def __enter__(self) -> None:
+        # torch's own fast check: a module global its profilers set at start and clear at
+        # stop (a torch without it gets a range every time)
+        if getattr(_autograd_profiler, "_is_profiler_enabled", True):
+            self._range = torch.profiler.record_function(self._name)
+            self._range.__enter__()
+        self._rec = _recording
+        if self._rec is not None:
+            self._begin = _now_us()
+
+    def __exit__(self, *exc_info: object) -> None:
+        rec = self._rec
+        if rec is not None:
+            end = _now_us()
+            event = {
+                "name": self._name,
+                "cat": "slipstream",
+                "ph": "X",
+                "ts": self._begin,
+                "dur": end - self._begin,
+                "pid": os.getpid(),
+                "tid": _thread_id(rec),
+            }
+            if self._args:
+                event["args"] = {k: _jsonable(v) for k, v in self._args.items()}
+            _add(rec, event)
+        if self._range is not None:
+            self._range.__exit__(*exc_info)
+            self._range = None
 
 
 def traced(name: str, fn: Callable[[], _T], **args: Any) -> Callable[[], _T]:
-    """``fn`` run inside :func:`span` ``(name, **args)``: for work handed to a thread pool."""
+    """``fn`` run inside :class:`span` ``(name, **args)``: for work handed to a thread pool."""
 
     def run() -> _T:
         with span(name, **args):
