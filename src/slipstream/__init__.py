@@ -1,7 +1,7 @@
 """slipstream: move training state beside compute instead of in front of it.
 
-Public API lives here (and in the ``sync`` and ``fsdp`` subpackages it exports); everything
-else may change between releases.
+Public API lives here (and in the ``sync`` and ``fsdp`` subpackages and the ``tracing``
+module it exports); everything else may change between releases.
 """
 
 from importlib import metadata as _metadata
@@ -23,6 +23,7 @@ from .checkpoint import (
     register_storage,
     save,
 )
+from .core import tracing
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -69,4 +70,5 @@ __all__ = [
     "WeightSubscriber",
     "fsdp",
     "sync",
+    "tracing",
 ]

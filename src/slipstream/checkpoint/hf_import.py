@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..core import tracing
 from ..core.flatten import flatten
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -359,9 +360,10 @@ def load_hf(
     started = time.perf_counter()
     storage = resolve_storage(checkpoint_id, storage_options)
     try:
-        entries = read_entries(storage, io_threads or OBJECT_STORE_IO_THREADS)
-        reader = SafetensorsReader(storage, entries)
-        nbytes = _load_into(reader, state_dict, prefix, strict, io_threads)
+        with tracing.span("slipstream.load", url=storage.url, format="huggingface"):
+            entries = read_entries(storage, io_threads or OBJECT_STORE_IO_THREADS)
+            reader = SafetensorsReader(storage, entries)
+            nbytes = _load_into(reader, state_dict, prefix, strict, io_threads)
     finally:
         storage.close()
     seconds = time.perf_counter() - started

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.dtypes import dtype_name
+from ..core.shapes import numel
 from .loader import load
 from .reader import CheckpointReader
 from .safe_types import Trust, Trusted
@@ -37,9 +38,6 @@ def summarize(
         entries = []
         for key, md in reader.metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                numel = 1
-                for s in md.size:
-                    numel *= s
                 dtype = md.properties.dtype
                 entries.append(
                     EntrySummary(
@@ -48,7 +46,7 @@ def summarize(
                         dtype_name(dtype),
                         tuple(md.size),
                         len(md.chunks),
-                        numel * dtype.itemsize,
+                        numel(md.size) * dtype.itemsize,
                     )
                 )
             else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..core import tracing
 from ..core.buffers import as_bytes, byte_view
 from ..core.flatten import flatten, set_path
+from ..core.shapes import numel, row_major_strides
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
@@ -50,21 +52,6 @@ _Fallback = tuple[str, tuple[int, ...], tuple[slice, ...]]
 _Copy = tuple[torch.Tensor, torch.Tensor | None, _Fallback | None]
 """A copy into a destination view after the reads: from scratch memory the reads filled,
 or (source ``None``) from the box of a record read whole."""
-
-
-def _numel(sizes: Sequence[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _row_major_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
 
 
 def _raw_bytes_are_values(tensor: torch.Tensor) -> bool:
@@ -142,7 +129,7 @@ def _plan_reads(
     dtype = value.dtype
     itemsize = dtype.itemsize
     for dest, t_off, t_size in _target_chunks(value):
-        if _numel(t_size) == 0:
+        if numel(t_size) == 0:
             continue
         covered = 0
         for chunk in md.chunks:
@@ -153,7 +140,7 @@ def _plan_reads(
             ]
             if any(h <= low for low, h in zip(lo, hi, strict=True)):
                 continue
-            covered += _numel([h - low for low, h in zip(lo, hi, strict=True)])
+            covered += numel([h - low for low, h in zip(lo, hi, strict=True)])
             src = reader.source(fqn, s_off, s_size, dtype)
             box = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, t_off, strict=True))
             extent = tuple(h - low for low, h in zip(lo, hi, strict=True))
@@ -164,12 +151,12 @@ def _plan_reads(
                 )
                 copies.append((dest_view, None, (fqn, s_off, src_box)))
                 continue
-            strides = _row_major_strides(s_size)
+            strides = row_major_strides(s_size)
             first = sum((low - o) * st for low, o, st in zip(lo, s_off, strides, strict=True))
             last = sum((h - 1 - o) * st for h, o, st in zip(hi, s_off, strides, strict=True))
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
-            if count == _numel(extent) and _raw_bytes_are_values(dest_view):
+            if count == numel(extent) and _raw_bytes_are_values(dest_view):
                 if dest_view.device.type == "cpu":
                     host = byte_view(dest_view)
                     for piece in range(start, end, READ_PIECE_BYTES):
@@ -186,10 +173,10 @@ def _plan_reads(
                 scratch = torch.empty(count, dtype=dtype)
                 reads.append(ReadRequest(src, fqn, start, end, byte_view(scratch)))
                 copies.append((dest_view, scratch.as_strided(extent, strides), None))
-        if covered != _numel(t_size):
+        if covered != numel(t_size):
             raise CorruptCheckpointError(
                 f"{reader.path}: the saved chunks of {fqn!r} hold {covered} of the "
-                f"{_numel(t_size)} elements at offsets {list(t_off)}, size {list(t_size)}; "
+                f"{numel(t_size)} elements at offsets {list(t_off)}, size {list(t_size)}; "
                 "the checkpoint is missing part of this tensor"
             )
 
@@ -225,7 +212,8 @@ def load(
             else OBJECT_STORE_IO_THREADS
         )
     try:
-        nbytes = _load_into(reader, state_dict, strict, io_threads, progress)
+        with tracing.span("slipstream.load", url=reader.path):
+            nbytes = _load_into(reader, state_dict, strict, io_threads, progress)
     except CorruptCheckpointError as exc:
         gone = reader.vanished(exc)
         if gone is exc:

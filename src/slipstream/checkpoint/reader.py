@@ -22,16 +22,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
-from math import prod
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from ..core import streams
+from ..core import streams, tracing
 from ..core.checksum import checksum
 from ..core.copy import copy_bytes
+from ..core.shapes import numel
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
 from .commit import METADATA_FILE
@@ -178,7 +178,7 @@ class CheckpointReader:
                     self.index["block_bytes"],
                 )
         layout = self._layout(info)
-        nbytes = prod(sizes) * dtype.itemsize
+        nbytes = numel(sizes) * dtype.itemsize
         if layout.dtype != dtype or layout.size != tuple(sizes) or not layout.is_compact:
             return SourceRecord(info.relative_path, -1, nbytes, None, 0)
         return SourceRecord(info.relative_path, info.offset + layout.data_offset, nbytes, None, 0)
@@ -395,14 +395,16 @@ def read_all(
             for r in reads
             if r.out is None
         ]
-    if io_threads <= 1 or len(tasks) <= 1:
-        for task, nbytes in tasks:  # in the caller: no thread to start for one stream of reads
-            task()
-            if progress is not None:
-                progress(nbytes)
-        return
-    with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
-        for fut, nbytes in [(pool.submit(task), n) for task, n in tasks]:
-            fut.result()
-            if progress is not None:
-                progress(nbytes)
+    read = "slipstream.load.read_piece"
+    with tracing.span("slipstream.load.read", requests=len(reads)):
+        if io_threads <= 1 or len(tasks) <= 1:
+            for task, nbytes in tasks:  # in the caller: no thread to start for one stream
+                tracing.traced(read, task)()
+                if progress is not None:
+                    progress(nbytes)
+            return
+        with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
+            for fut, nbytes in [(pool.submit(tracing.traced(read, task)), n) for task, n in tasks]:
+                fut.result()
+                if progress is not None:
+                    progress(nbytes)

@@ -65,9 +65,10 @@ class AsyncSaveResponse:
         self._metadata = source
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SaveJob:
-    """Everything the stages of one save share; ``progress`` is how far staging got."""
+    """Everything the stages of one save share; ``progress`` is how far staging got.
+    Built by keyword only: its fields are many and several share a type."""
 
     plan: SavePlan
     templates: dict[int, CommitTemplate]

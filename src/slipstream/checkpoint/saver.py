@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..core import streams
+from ..core import streams, tracing
 from ..core.handles import fail_unfinished
 from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline
@@ -113,7 +113,8 @@ class CheckpointSaver:
         if self._closed:
             raise CheckpointError("this saver is closed")
         started = time.perf_counter()
-        self.wait_previous()
+        with tracing.span("slipstream.save.wait_previous"):
+            self.wait_previous()
         dead = self.channel.known_dead()
         if dead:
             rank, why = min(dead.items())
@@ -129,7 +130,8 @@ class CheckpointSaver:
             storage = resolve_storage(
                 checkpoint_id, storage_options, direct_io=self.options.direct_io
             )
-            layout, values, plan, templates = self._prepare(state_dict, seq, storage)
+            with tracing.span("slipstream.save.prepare", url=storage.url):
+                layout, values, plan, templates = self._prepare(state_dict, seq, storage)
         except BaseException as exc:
             self._announce_failure(seq, exc)
             raise
@@ -216,7 +218,8 @@ class CheckpointSaver:
 
     def _stage(self, job: SaveJob) -> None:
         try:
-            self._stager.stage(job)
+            with tracing.span("slipstream.save.stage", url=job.storage.url):
+                self._stager.stage(job)
         except BaseException as exc:
             self._fail(job, exc)
 
@@ -252,7 +255,8 @@ class CheckpointSaver:
         try:
             job.storage.prepare()
             self._choose_generation(job)
-            done = self._writer.write(job)
+            with tracing.span("slipstream.save.write", url=job.storage.url):
+                done = self._writer.write(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
             if self.rank == 0:
@@ -303,11 +307,12 @@ class CheckpointSaver:
         """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
         self.channel.post(f"{job.seq}/done", done)
         deadline = Deadline(self.options.timeout)
-        if self.rank == 0:
-            self._commit(job, deadline)
-        outcome = self.channel.receive(
-            f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
-        )
+        with tracing.span("slipstream.save.commit", url=job.storage.url):
+            if self.rank == 0:
+                self._commit(job, deadline)
+            outcome = self.channel.receive(
+                f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
+            )
         if outcome.get("error"):
             if outcome.get("dead"):
                 raise PeerDiedError(outcome["error"])
