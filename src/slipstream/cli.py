@@ -1,8 +1,9 @@
-"""The ``slipstream`` command: inspect, verify and convert checkpoints.
+"""The ``slipstream`` command: inspect, verify, convert and export checkpoints.
 
 slipstream inspect CKPT            keys, dtypes, shapes, sizes
 slipstream verify CKPT             read every byte and check every checksum
 slipstream convert CKPT OUT.safetensors   consolidate tensors into one safetensors file
+slipstream export CKPT OUT_DIR     the model's weights as a Hugging Face model directory
 
 CKPT is a local directory or a URL (s3://, gs://, az://). Exit statuses: 0 done (verify:
 every byte checked against checksums); 1 the checkpoint failed (corrupt, missing,
@@ -151,6 +152,65 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
     _trust_arguments(parser)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_dtype, parse_size
+    from .errors import CheckpointError
+
+    try:
+        max_shard_size = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        dtype = parse_dtype(args.dtype) if args.dtype else None
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    if args.config is not None and not os.path.isfile(args.config):
+        raise UsageError(f"the config {args.config} does not exist")
+    start = time.perf_counter()
+    bars: list[Progress] = []
+
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(Progress("export", total))
+        bars[0].advance(done - bars[0].done)
+
+    try:
+        result = export_hf(
+            args.checkpoint,
+            args.output,
+            prefix=args.prefix,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            config=args.config,
+            progress=progress,
+        )
+    finally:
+        for bar in bars:
+            bar.close()
+    print(
+        f"wrote {len(result.weight_map)} tensors ({result.total_size / 2**20:.1f} MiB) from "
+        f"the prefix {result.prefix!r} to {result.output_description()} in "
+        f"{time.perf_counter() - start:.2f} s"
+    )
+    if result.tied:
+        print(f"tied weights written once: {', '.join(sorted(result.tied))}")
+    if result.architecture is not None:
+        print(f"names and shapes match {result.architecture}")
+    elif args.config is not None:
+        print("transformers is not installed: names not checked against the config")
+    if result.skipped:
+        print(f"left out {len(result.skipped)} other checkpoint entries (e.g. optimizer state)")
+    return EXIT_OK
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    _checkpoint_argument(parser)
+    parser.add_argument("output", help="the directory to write (created if needed)")
+    parser.add_argument(
+        "--prefix", help="checkpoint key prefix of the model's weights, e.g. 'model.' (found)"
+    )
+    parser.add_argument("--dtype", help="cast floating tensors: bf16, fp16 or fp32")
+    parser.add_argument("--max-shard-size", help="largest file, e.g. 500MB (default 5GB)")
+    parser.add_argument("--config", help="a config.json to copy beside the weights and check")
+
+
 COMMANDS: list[Command] = [
     Command("inspect", "list a checkpoint's entries", _checkpoint_arguments, _inspect),
     Command(
@@ -165,6 +225,12 @@ COMMANDS: list[Command] = [
         _convert_arguments,
         _convert,
     ),
+    Command(
+        "export",
+        "write a checkpoint's model weights as a Hugging Face model directory",
+        _export_arguments,
+        _export,
+    ),
 ]
 """The subcommands, in the order ``--help`` lists them; a new one is one more entry."""
 
@@ -172,7 +238,7 @@ COMMANDS: list[Command] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slipstream",
-        description="Inspect, verify and convert checkpoints (slipstream- or DCP-written).",
+        description="Inspect, verify, convert and export checkpoints (slipstream- or DCP-written).",
         epilog="exit status: 0 done, 1 the checkpoint failed, 2 usage error, "
         "3 verify found no checksums to check (structure and sizes only)",
     )

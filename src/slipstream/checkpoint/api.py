@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import CheckpointError
-from . import dcp_args, loader
+from . import dcp_args, hf_import, loader
 from .commit import METADATA_FILE
 from .options import SaveOptions
 from .safe_types import Trusted
@@ -163,7 +163,8 @@ def load(
     and DTensor shards cover. ``process_group`` and ``no_dist`` are accepted for DCP
     compatibility; loading needs no communication. ``storage_reader`` and ``planner``
     take DCP's filesystem and fsspec readers and its default load planner (see
-    :mod:`.dcp_args`).
+    :mod:`.dcp_args`). A directory of Hugging Face safetensors (and no DCP checkpoint) is
+    read by :func:`~slipstream.load_hf`, its name prefix found from the keys.
 
     Plain values are unpickled through an allow-list of plain data (see
     docs/checkpoint.md, "Safe loading"); ``trusted`` adds classes or functions (or their
@@ -172,6 +173,8 @@ def load(
     """
     del process_group, no_dist
     location = dcp_args.load_target(checkpoint_id, storage_reader, planner)
-    loader.load(
-        state_dict, location, strict=strict, storage_options=storage_options, trusted=trusted
-    )
+    storage = resolve_storage(location, storage_options)
+    if hf_import.is_hf_directory(storage):
+        hf_import.load_hf(state_dict, storage, strict=strict)
+        return
+    loader.load(state_dict, storage, strict=strict, trusted=trusted)

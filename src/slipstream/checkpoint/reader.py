@@ -396,11 +396,15 @@ def read_all(
             if r.out is None
         ]
     read = "slipstream.load.read_piece"
-    with (
-        tracing.span("slipstream.load.read", requests=len(reads)),
-        ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool,
-    ):
-        for fut, nbytes in [(pool.submit(tracing.traced(read, task)), n) for task, n in tasks]:
-            fut.result()
-            if progress is not None:
-                progress(nbytes)
+    with tracing.span("slipstream.load.read", requests=len(reads)):
+        if io_threads <= 1 or len(tasks) <= 1:
+            for task, nbytes in tasks:  # in the caller: no thread to start for one stream
+                tracing.traced(read, task)()
+                if progress is not None:
+                    progress(nbytes)
+            return
+        with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
+            for fut, nbytes in [(pool.submit(tracing.traced(read, task)), n) for task, n in tasks]:
+                fut.result()
+                if progress is not None:
+                    progress(nbytes)
