@@ -37,12 +37,13 @@ bench: setup
 		--out benchmarks/results/object_store.json
 	$(BIN)/python benchmarks/sync.py --out benchmarks/results/sync.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
+	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
 	$(MAKE) report
 
 report: setup
 	$(BIN)/python benchmarks/report.py benchmarks/results/checkpoint.json \
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
-		benchmarks/results/fsdp.json benchmarks/results/gpu.json \
+		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		--out BENCHMARKS.md
 
 clean:

@@ -140,7 +140,7 @@ class Table:
 
 @dataclass
 class Floor:
-    """A claim the issue sets as a floor, what was measured, and whether it held."""
+    """A target the benchmark checks, what was measured, and whether it held."""
 
     claim: str
     measured: float

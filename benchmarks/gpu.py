@@ -54,7 +54,7 @@ TRAIN_MODES = ["none", "ss.async_save", "dcp.async_save", "dcp.async_save+Defaul
 D2H = "device -> pinned host copy"
 H2D = "pinned host -> device copy"
 NOTES = [
-    "The floors are the checkpoint issue's, applied to state on the GPU: the memcpy they are "
+    "The targets are the checkpoint ones, applied to state on the GPU: the memcpy they are "
     "set against is a warm copy from the device into pinned host memory, and the loads go "
     "into existing GPU tensors.",
     "dcp.async_save+DefaultStager: pinned memory, staging on DCP's thread, non-blocking "

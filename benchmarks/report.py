@@ -50,7 +50,7 @@ def render_one(result: dict) -> str:
             [f["claim"], _cell(f["measured"]), f["floor"], "yes" if f["passed"] else "**no**"]
             for f in result["floors"]
         ]
-        out.append(_table("Floors set by the issue", ["claim", "measured", "floor", "met"], rows))
+        out.append(_table("Targets this run checks", ["claim", "measured", "floor", "met"], rows))
     for table in result.get("tables", []):
         out.append(_table(table["title"], table["columns"], table["rows"]))
     for note in result.get("notes", []):

@@ -206,7 +206,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
 
 
 def layout_runs(rank: int, group, args: argparse.Namespace) -> tuple[dict, int]:
-    """Every peer on the issue's layout (``--gib`` in ``--tensors`` tensors), interleaved;
+    """Every peer on one layout (``--gib`` in ``--tensors`` tensors), interleaved;
     returns the measurements and the bytes moved per run."""
     layout = shapes(int(args.gib * GIB), args.tensors)
     total = sum(n * dt.itemsize for n, dt in layout)

@@ -23,3 +23,12 @@ def test_checkpoint_loop_example_resumes(tmp_path):
     second = _run("checkpoint_loop.py", "--root", root, "--steps", "6")
     assert "resumed from step 3" in second
     assert "trained to step 5; committed steps: [4, 5]" in second
+
+
+def test_huggingface_example_round_trips(tmp_path):
+    out = _run("huggingface.py", "--out", str(tmp_path / "hf"))
+    assert "exported 20 tensors under prefix 'model.'" in out
+    assert "tied weights written once: ['lm_head.weight']" in out
+    assert "from_pretrained: missing [], unexpected []" in out
+    gap = float(out.split("bf16 round trip: ")[1].split()[0])
+    assert 0 < gap < 0.05

@@ -1,7 +1,7 @@
 """slipstream: move training state beside compute instead of in front of it.
 
-Public API lives here (and in the ``sync`` and ``fsdp`` subpackages it exports); everything
-else may change between releases.
+Public API lives here (and in the ``sync`` and ``fsdp`` subpackages and the ``tracing``
+module it exports); everything else may change between releases.
 """
 
 from importlib import metadata as _metadata
@@ -12,16 +12,20 @@ from .checkpoint import (
     Checkpointer,
     CheckpointHealth,
     DataWriter,
+    HfExport,
     SaveOptions,
     SaveTimings,
     StagedState,
     Storage,
     async_save,
+    export_hf,
     load,
+    load_hf,
     register_storage,
     save,
     stage,
 )
+from .core import tracing
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -46,12 +50,15 @@ __all__ = [
     "CheckpointHealth",
     "Checkpointer",
     "DataWriter",
+    "HfExport",
     "SaveOptions",
     "SaveTimings",
     "StagedState",
     "Storage",
     "async_save",
+    "export_hf",
     "load",
+    "load_hf",
     "register_storage",
     "save",
     "stage",
@@ -67,4 +74,5 @@ __all__ = [
     "WeightSubscriber",
     "fsdp",
     "sync",
+    "tracing",
 ]

@@ -145,17 +145,17 @@ def _fail_in_the_os(point: str, directory: str) -> Iterator[None]:
 
 def _object_names(storage: Storage) -> list[str]:
     """Every object under an object store location's prefix, relative to it (listed with
-    the store's own client for S3, from the bucket itself for memory://)."""
+    boto3, a client of its own, for S3; from the bucket itself for memory://)."""
     inner = storage.inner if isinstance(storage, FaultStorage) else storage
     cut = len(inner.prefix) + 1
     if isinstance(inner, MemoryStorage):
         keys = list(inner._bucket.objects)
     else:
-        import obstore
+        import boto3
 
-        keys = [
-            m["path"] for batch in obstore.list(inner._store, prefix=inner.prefix) for m in batch
-        ]
+        pages = boto3.client("s3").get_paginator("list_objects_v2")
+        listing = pages.paginate(Bucket=inner.bucket, Prefix=inner.prefix + "/")
+        keys = [o["Key"] for page in listing for o in page.get("Contents", [])]
     return sorted(k[cut:] for k in keys if k.startswith(inner.prefix + "/"))
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import slipstream as ss
-from slipstream.checkpoint.reader import CheckpointReader, ReadRequest, _read_verified
+from slipstream.checkpoint.reader import CheckpointReader, ReadRequest, read_all
 from slipstream.core.buffers import byte_view
 from slipstream.core.checksum import BLOCK_BYTES
 from slipstream.errors import CorruptCheckpointError
@@ -26,7 +26,7 @@ def _read_rows(path, first: int, last: int) -> torch.Tensor:
         assert src.blocks is not None and len(src.blocks) > 4
         out = torch.empty(last - first, COLS)
         start, end = first * COLS * 4, last * COLS * 4
-        _read_verified(reader, ReadRequest(src, "w", start, end, byte_view(out)))
+        read_all(reader, [ReadRequest(src, "w", start, end, byte_view(out))], io_threads=1)
         return out
     finally:
         reader.close()

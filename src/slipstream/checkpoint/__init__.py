@@ -3,6 +3,8 @@
 from .api import async_save, load, save
 from .checkpointer import Checkpointer
 from .health import CheckpointHealth
+from .hf_export import HfExport, export_hf
+from .hf_import import load_hf
 from .options import SaveOptions
 from .save_job import AsyncSaveResponse, SaveTimings
 from .saver import CheckpointSaver
@@ -12,6 +14,7 @@ from .storage import DataWriter, Storage, register_storage
 __all__ = [
     "AsyncSaveResponse",
     "CheckpointHealth",
+    "HfExport",
     "CheckpointSaver",
     "Checkpointer",
     "DataWriter",
@@ -20,7 +23,9 @@ __all__ = [
     "StagedState",
     "Storage",
     "async_save",
+    "export_hf",
     "load",
+    "load_hf",
     "register_storage",
     "save",
     "stage",

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..core.checksum import ALGORITHM, BLOCK_BYTES
+from ..core.dtypes import dtype_from_name
 from ..core.flatten import Path
 from .generations import GENERATIONS, data_file, index_file
-from .layout import dtype_from_name
 from .plan import SavePlan
 from .storage import Storage
 
@@ -47,8 +47,8 @@ class CommitTemplate:
     the entries of its plain values. That keeps a steady-state commit from creating
     thousands of objects that live through it. In a training process holding hundreds of
     thousands of Python objects, such a burst on a background thread sets off full garbage
-    collections that hold the GIL: on the demo's rank 0 one every 8 to 24 saves, about
-    150 ms each, before this template.
+    collections that hold the GIL (measured in docs/checkpoint.md,
+    "What a save costs the training loop").
     """
 
     tensors: dict[str, TensorStorageMetadata]

@@ -21,18 +21,17 @@ class SaveOptions:
     """On the local disk, write data files with ``O_DIRECT`` where the filesystem allows it
     (see :class:`~.storage.local.LocalDataWriter`)."""
     split_copy: bool = False
-    """Stage CPU tensors with two threads: the staging thread copies the first half of the
-    bytes front to back (so writes start at once) while a second thread copies the rest.
-    Staging then finishes about twice as fast, but on a host whose cores all train, the
-    second thread takes CPU from the training loop (measured: 12% instead of 4% per step)."""
+    """Experimental, off by default: stage CPU tensors with two threads, the staging thread
+    copying the first half of the bytes front to back (so writes start at once) while a
+    second thread copies the rest. Staging finishes sooner, but where every core trains the
+    second thread takes CPU from the training loop; docs/checkpoint.md has the measurements."""
     thread_nice: int = 5
     """Nice increment of the saver's own threads (Linux), so that on oversubscribed cores
     staging and upload give way to the training thread; 0 keeps the caller's priority."""
     idle_threads: bool = False
-    """Run the saver's threads under Linux's ``SCHED_IDLE`` policy instead (``thread_nice``
-    where it is refused): they use only time no other thread wants, and a training thread
-    that wakes takes its core back at once. Where the cores are all busy, a save then makes
-    progress only once the training loop waits for it, and a saver that falls behind stalls
-    the next save call (measured on the demo's two CPU ranks through a ``Checkpointer``:
-    +26% to +37% a step against +15% to +18% at ``thread_nice``, four runs); measure
-    before turning it on."""
+    """Experimental, off by default: run the saver's threads under Linux's ``SCHED_IDLE``
+    policy instead (``thread_nice`` where it is refused): they use only time no other thread
+    wants, and a training thread that wakes takes its core back at once. Where the cores are
+    all busy, a save then makes progress only once the training loop waits for it, and a
+    saver that falls behind stalls the next save call; docs/checkpoint.md has the
+    measurements."""

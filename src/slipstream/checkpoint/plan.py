@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from ..core.dtypes import dtype_from_name
 from ..core.flatten import Path
 from ..errors import CheckpointError
-from .layout import ChunkSpec, dtype_from_name
+from .layout import ChunkSpec
 from .records import tensor_frame
 
 RECORD_ALIGN = 64

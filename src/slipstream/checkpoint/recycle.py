@@ -3,9 +3,8 @@
 Checkpointing often, the costly part of retention is not the deleting itself but what it
 sets off: the filesystem frees the old files' blocks (on a disk mounted with ``discard``,
 the device is told to drop them too) and the next save allocates as many again. Writing
-the next save's bytes over the retired files' blocks instead skips both (measured on the
-development host, ext4 with ``discard`` on a virtual disk: 1.4 - 1.9 core-s per GiB for a
-new file each save with the retired one deleted, 0.7 - 1.2 for writing over a retired one).
+the next save's bytes over the retired files' blocks instead skips both (measured in
+docs/checkpoint.md, "What a save costs the training loop").
 
 Invariants:
 

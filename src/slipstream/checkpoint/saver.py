@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..core import streams
+from ..core import streams, tracing
 from ..core.handles import fail_unfinished
 from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline
@@ -65,10 +65,16 @@ class CheckpointSaver:
     """Owns the threads, staging buffers and cached plans of saves for one process group."""
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, options: SaveOptions | None = None
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        options: SaveOptions | None = None,
+        *,
+        no_dist: bool = False,
     ) -> None:
+        """``no_dist``: save as a job of one rank, whatever process group exists (DCP's
+        ``no_dist``); each process then writes a whole checkpoint of its own."""
         self.options = options or SaveOptions()
-        self.channel = RankChannel.for_group(process_group)
+        self.channel = RankChannel.local() if no_dist else RankChannel.for_group(process_group)
         priority = (self.options.thread_nice, self.options.idle_threads)
         self._stage_thread = ThreadPoolExecutor(
             1, "slipstream-stage", initializer=lower_thread_priority, initargs=priority
@@ -108,7 +114,8 @@ class CheckpointSaver:
         if self._closed:
             raise CheckpointError("this saver is closed")
         started = time.perf_counter()
-        self.wait_previous()
+        with tracing.span("slipstream.save.wait_previous"):
+            self.wait_previous()
         dead = self.channel.known_dead()
         if dead:
             rank, why = min(dead.items())
@@ -124,7 +131,8 @@ class CheckpointSaver:
             storage = resolve_storage(
                 checkpoint_id, storage_options, direct_io=self.options.direct_io
             )
-            layout, values, plan, templates = self._prepare(state_dict, seq, storage)
+            with tracing.span("slipstream.save.prepare", url=storage.url):
+                layout, values, plan, templates = self._prepare(state_dict, seq, storage)
             snapshot = state_dict if isinstance(state_dict, StagedState) else None
             hold = snapshot.hold(f"save to {storage.url}") if snapshot is not None else None
         except BaseException as exc:
@@ -218,7 +226,8 @@ class CheckpointSaver:
 
     def _stage(self, job: SaveJob) -> None:
         try:
-            self._stager.stage(job)
+            with tracing.span("slipstream.save.stage", url=job.storage.url):
+                self._stager.stage(job)
         except BaseException as exc:
             self._fail(job, exc)
 
@@ -254,7 +263,8 @@ class CheckpointSaver:
         try:
             job.storage.prepare()
             self._choose_generation(job)
-            done = self._writer.write(job)
+            with tracing.span("slipstream.save.write", url=job.storage.url):
+                done = self._writer.write(job)
         except BaseException as exc:
             self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
             if self.rank == 0:
@@ -305,15 +315,21 @@ class CheckpointSaver:
         """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
         self.channel.post(f"{job.seq}/done", done)
         deadline = Deadline(self.options.timeout)
-        if self.rank == 0:
-            self._commit(job, deadline)
-        outcome = self.channel.receive(
-            f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
-        )
+        with tracing.span("slipstream.save.commit", url=job.storage.url):
+            if self.rank == 0:
+                self._commit(job, deadline)
+            outcome = self.channel.receive(
+                f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
+            )
         if outcome.get("error"):
             if outcome.get("dead"):
                 raise PeerDiedError(outcome["error"])
             raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
+        committed = job.committed
+        if committed is not None:
+            job.response.committed_as(lambda: committed)
+        else:
+            job.response.committed_as(_CommittedMetadata(job.storage, outcome["save_id"]))
 
     def _commit(self, job: SaveJob, deadline: Deadline) -> None:
         channel = self.channel
@@ -338,7 +354,9 @@ class CheckpointSaver:
             publish(
                 job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
             )
-            outcome: dict[str, Any] = {"error": None}
+            assert metadata.storage_meta is not None, "build_metadata sets storage_meta"
+            job.committed = metadata
+            outcome: dict[str, Any] = {"error": None, "save_id": metadata.storage_meta.save_id}
             self._after_publish(job, files_of(metadata))
         except BaseException as exc:
             outcome = {
@@ -397,6 +415,29 @@ def _committed(storage: Storage) -> Metadata | None:
     """The metadata of the checkpoint committed at ``storage``, if there is one."""
     data = storage.get(METADATA_FILE)
     return None if data is None else load_metadata(data, f"{storage.url}/{METADATA_FILE}")
+
+
+class _CommittedMetadata:
+    """Reads back, once, the ``.metadata`` a save committed (on the ranks other than 0,
+    which did not build it); fails if a later save has replaced it meanwhile."""
+
+    def __init__(self, storage: Storage, save_id: str) -> None:
+        self._storage, self._save_id = storage, save_id
+        self._metadata: Metadata | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Metadata:
+        with self._lock:
+            if self._metadata is None:
+                metadata = _committed(self._storage)
+                found = metadata.storage_meta if metadata is not None else None
+                if metadata is None or found is None or found.save_id != self._save_id:
+                    raise CheckpointError(
+                        f"{self._storage.url}: the checkpoint this save committed was "
+                        "replaced or deleted before its metadata was read"
+                    )
+                self._metadata = metadata
+            return self._metadata
 
 
 def _accelerator_of(layout: LocalLayout) -> torch.device | None:

@@ -1,13 +1,12 @@
 """Where this rank's shard of a DTensor sits in the global tensor.
 
 ``DTensor.__create_chunk_list__`` answers that through DTensor's symbolic-shape helpers,
-which on a resharding load of a few hundred tensors took about half of each rank's load
-time. For the placements nearly every model uses (``Shard`` and
-``Replicate``, each tensor dimension sharded by at most one mesh dimension),
-:func:`local_chunks` applies the same rule directly: along a sharded dimension of size ``n``
-over ``k`` ranks, rank ``c`` holds ``torch.chunk``'s piece ``c``, which starts at
-``min(c * ceil(n / k), n)`` and ends at ``min((c + 1) * ceil(n / k), n)``. Any other
-placement falls back to DTensor's own answer.
+which are slow enough to dominate a resharding load of many tensors. For the placements
+nearly every model uses (``Shard`` and ``Replicate``, each tensor dimension sharded by at
+most one mesh dimension), :func:`local_chunks` applies the same rule directly: along a
+sharded dimension of size ``n`` over ``k`` ranks, rank ``c`` holds ``torch.chunk``'s piece
+``c``, which starts at ``min(c * ceil(n / k), n)`` and ends at
+``min((c + 1) * ceil(n / k), n)``. Any other placement falls back to DTensor's own answer.
 
 Invariant: the returned sizes equal the shape of the rank's local tensor, else DTensor's
 own answer is returned.

@@ -33,15 +33,10 @@ import torch
 from ..core import streams
 from ..core.buffers import allocate_host
 from ..core.copy import copy_to_address
+from ..core.dtypes import dtype_from_name
 from ..core.flatten import flatten, unflatten
 from ..errors import CheckpointError, PeerTimeoutError
-from .layout import (
-    LayoutSignature,
-    LocalLayout,
-    dtype_from_name,
-    local_layout,
-    resolve_stateful,
-)
+from .layout import LayoutSignature, LocalLayout, local_layout, resolve_stateful
 from .plan import RecordPlan, SavePlan, make_save_plan
 from .staging import _write_frames
 

@@ -20,11 +20,12 @@ import torch
 from ..core import streams
 from ..core.buffers import StagingBudgetError, StagingPool, byte_view
 from ..core.copy import copy_in_slices, copy_to_address
+from ..core.dtypes import dtype_from_name
 from ..core.handles import completed_future
 from ..core.threads import lower_thread_priority
 from ..core.waits import wait_future
 from ..errors import CheckpointError
-from .layout import ChunkSpec, LocalLayout, dtype_from_name
+from .layout import ChunkSpec, LocalLayout
 from .options import SaveOptions
 from .plan import RecordPlan, SavePlan
 from .records import tensor_frame

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
+from ..core import tracing
 from ..core.buffers import byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.threads import lower_thread_priority
@@ -39,7 +40,8 @@ class RankWriter:
 
     def _write_piece(self, job: SaveJob, out: DataWriter, start: int, end: int) -> None:
         job.progress.wait_for(end, self.options.timeout, f"staging of {out.path}")
-        out.write(start, end)
+        with tracing.span("slipstream.save.write_piece", start=start, end=end):
+            out.write(start, end)
 
     def write(self, job: SaveJob) -> dict[str, Any]:
         """Write the staged image as it fills, then the values; make it durable; return the

@@ -1,8 +1,8 @@
 """Flat host buffers that are allocated and touched once, then reused.
 
-First-touch page faults cost up to 10x a warm copy on a typical host, and pinned memory is
-slow to allocate, so staging memory is kept in a :class:`StagingPool` keyed by layout and
-handed out again on every later save or publish of the same layout.
+First-touch page faults cost many times a warm copy, and pinned memory is slow to allocate,
+so staging memory is kept in a :class:`StagingPool` keyed by layout and handed out again
+on every later save or publish of the same layout.
 
 Invariant: a buffer handed out by :meth:`StagingPool.acquire` is not handed out again until
 it is released; the pool's live bytes never exceed its budget (an over-budget acquire
@@ -29,8 +29,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` over a contiguous CPU tensor's bytes (no copy).
 
     The view does not keep ``tensor`` alive: the caller holds the tensor while using it.
-    It is built straight from the address (about 3 us); a ctypes array type per tensor
-    size took about 23 us, once per tensor of a load.
+    It is built straight from the address, not through a ctypes array type per tensor size
+    (several times slower, paid once per tensor of a load).
     """
     if tensor.device.type != "cpu":
         raise ValueError(f"byte_view needs a CPU tensor, got one on {tensor.device}")

@@ -1,7 +1,7 @@
 """Fast checksums of byte ranges, in fixed-size blocks.
 
-xxh3-64 runs at about 15 GiB/s on one core of the development host, so checksumming what
-is written or read costs a fraction of the copy itself. Checksums are taken per block of
+xxh3-64 runs faster than a memory copy on one core, so checksumming what is written or
+read costs a fraction of the copy itself. Checksums are taken per block of
 ``BLOCK_BYTES`` of a record's data so that a reader of part of a record can still verify
 what it read. Blocks are small (1 MiB) for two reasons: a reader hashes each block right
 after reading it, while it is still in the core's cache, and a resharding reader of part

@@ -19,7 +19,7 @@ Path = tuple[str | int, ...]
 
 def _is_mapping(value: Any) -> bool:
     """``isinstance(value, Mapping)``, answered at once for the common ``dict`` (the ABC
-    check took 0.18 us against 0.06 us for these direct ones, paid per tensor per save)."""
+    check is several times slower, and it is paid per tensor per save)."""
     return type(value) is dict or (
         not isinstance(value, torch.Tensor) and isinstance(value, Mapping)
     )

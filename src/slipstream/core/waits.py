@@ -26,10 +26,5 @@ class Deadline:
         self.timeout = timeout
         self._end = None if timeout is None else time.monotonic() + timeout
 
-    def remaining(self) -> float | None:
-        if self._end is None:
-            return None
-        return max(0.0, self._end - time.monotonic())
-
     def expired(self) -> bool:
         return self._end is not None and time.monotonic() >= self._end

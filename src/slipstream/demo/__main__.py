@@ -9,9 +9,11 @@ Phases, each on 2 local training processes joined by gloo, training with slipstr
 3. resumed: restart from ``Checkpointer.latest()`` and train to the end;
 then check that the resumed run's weights and optimizer state equal the reference's bit
 for bit, and print what checkpointing cost the training loop.
-4. rl: the trainers go on from the last checkpoint and publish their weights every few
-steps to a third process, a rollout worker, which generates tokens with each version; they
-must match the tokens the trainers generate with their own weights.
+4. rl: the trainers go on from the last checkpoint, saving every step, and publish their
+weights every few steps to a third process, a rollout worker, which generates tokens with
+each version; they must match the tokens the trainers generate with their own weights. The
+phase is traced: ``trace.json`` (open it in Perfetto) and ``timeline.png`` (its last steps
+on one time axis) are written to the output directory.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Checkpointer
+from ..core import tracing
 from .model import ModelConfig
-from .rollout import RlPhase, read_generated, rollout, trainer
+from .rollout import RlPhase, read_generated, rollout, trace_path, trainer
 from .train import Phase, StepRecord, read_records, run
 
 WORLD_SIZE = 2
@@ -172,12 +175,32 @@ def run_rl(out: Path, cfg: ModelConfig, args: argparse.Namespace) -> int:
     }
     targets["rollout"] = (rollout, (sync_port, start, phase))
     run_processes(targets)
+    write_timeline(out)
     theirs, ours = read_generated(str(out), "rollout"), read_generated(str(out), "trainer")
     if not ours or theirs != ours:
         print(f"FAILED: rollout generated {theirs}, trainers generated {ours}")
         return 1
     print(f"rollout generations match the trainers' for versions {sorted(map(int, ours))}: OK")
     return 0
+
+
+def write_timeline(out: Path) -> None:
+    """Merge the rl phase's traces into one file and draw its last steps as a picture."""
+    parts = [trace_path(str(out), f"trainer{r}") for r in range(WORLD_SIZE)]
+    parts.append(trace_path(str(out), "rollout"))
+    trace = tracing.merge(parts, out / "trace.json")
+    for part in parts:
+        part.unlink()
+    print(f"trace of the rl phase (open in https://ui.perfetto.dev): {trace}")
+    try:
+        import matplotlib  # noqa: F401  (the demo, test and bench extras install it)
+    except ImportError:
+        print('  (pip install "slipstream[demo]" to draw it as a picture)')
+        return
+    from .timeline import render
+
+    png = render(trace, out / "timeline.png", trainer="trainer rank 0")
+    print(f"timeline of its last steps: {png}")
 
 
 if __name__ == "__main__":

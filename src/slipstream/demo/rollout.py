@@ -1,4 +1,5 @@
-"""The demo's RL phase: FSDP trainers push weights to a rollout process every few steps.
+"""The demo's RL phase: FSDP trainers checkpoint every step and push weights to a rollout
+process every few steps, each process recording a trace (``trace.<who>.json``).
 
 Ranks ``0 .. WORLD_SIZE-1`` of the sync group train (slipstream FSDP over their own gloo
 group) and publish; the last rank is a rollout with a plain, unsharded copy of the model
@@ -14,13 +15,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer
+from ..core import tracing
 from ..sync import WeightPublisher, WeightSubscriber, init_group
-from .model import ModelConfig, batch, build_model
+from .model import ModelConfig, TinyGPT, batch, build_model
 from .train import TrainState, join_training_group, shard_model
 
 SYNC_TIMEOUT_S = 120.0
@@ -48,7 +51,13 @@ class RlPhase:
         return [s for s in range(start, start + self.steps) if (s - start + 1) % self.every == 0]
 
 
+def trace_path(out_dir: str, who: str) -> Path:
+    return Path(out_dir) / f"trace.{who}.json"
+
+
 def trainer(rank: int, train_port: int, sync_port: int, phase: RlPhase) -> None:
+    tracing.start(trace_path(phase.out_dir, f"trainer{rank}"))
+    tracing.set_process_name(f"trainer rank {rank}")
     join_training_group(rank, phase.trainers, train_port)
     group = init_group("127.0.0.1", sync_port, phase.trainers + 1, rank, timeout=SYNC_TIMEOUT_S)
     try:
@@ -56,6 +65,7 @@ def trainer(rank: int, train_port: int, sync_port: int, phase: RlPhase) -> None:
     finally:
         group.close()
         dist.destroy_process_group()
+        tracing.stop()
 
 
 def _train_and_publish(rank: int, group, phase: RlPhase) -> None:
@@ -63,24 +73,33 @@ def _train_and_publish(rank: int, group, phase: RlPhase) -> None:
     shard_model(model)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
     state = TrainState(model, optim)
-    with Checkpointer(Path(phase.out_dir) / "checkpoints") as ck:
-        ck.load({"train": state})
+    ck = Checkpointer(Path(phase.out_dir) / "checkpoints", keep_last=2)
+    ck.load({"train": state})
     start = state.step + 1
     generated: dict[int, list[int]] = {}
     pub = WeightPublisher(group, list(range(phase.trainers)), [phase.rollout_rank], mode=phase.mode)
-    with pub:
+    pending = None
+    with ck, pub:
         for step in range(start, start + phase.steps):
-            model.loss(batch(step, rank, phase.batch_size, phase.model)).backward()
-            optim.step()
-            optim.zero_grad()
-            if step not in phase.versions(start):
-                continue
-            begin = time.perf_counter()
-            handle = pub.publish(model.state_dict(), version=step)
-            handle.staged.result(SYNC_TIMEOUT_S)
-            blocked = time.perf_counter() - begin
+            publish = step in phase.versions(start)
+            with tracing.span("train.step", step=step, publish=publish):
+                _step(model, optim, batch(step, rank, phase.batch_size, phase.model), pending)
+                state.step = step
+                with tracing.span("train.save_call"):
+                    pending = ck.save(step, {"train": state})
+                if not publish:
+                    continue
+                begin = time.perf_counter()
+                begin_ns = time.monotonic_ns()
+                with tracing.span("train.publish_call", version=step):
+                    handle = pub.publish(model.state_dict(), version=step)
+                    handle.staged.result(SYNC_TIMEOUT_S)
+                blocked = time.perf_counter() - begin
+            track = f"weight sync (version {step})"  # a publish may outlive the next one's start
+            _trace_until(handle.delivered, begin_ns, f"publish version {step}", track)
             sync_seconds = _time_to(handle.delivered, begin)
-            tokens = model.generate(torch.tensor(PROMPT), NEW_TOKENS)
+            with tracing.span("train.generate", version=step):
+                tokens = model.generate(torch.tensor(PROMPT), NEW_TOKENS)
             generated[step] = tokens[0, len(PROMPT[0]) :].tolist()
             if rank == 0:
                 print(
@@ -94,6 +113,28 @@ def _train_and_publish(rank: int, group, phase: RlPhase) -> None:
             print(f"[rl] rollout versions seen by the trainer: {pub.rollout_versions}", flush=True)
     if rank == 0:
         _write(phase, "trainer", generated)
+
+
+def _step(model: TinyGPT, optim: torch.optim.Optimizer, data: torch.Tensor, pending: Any) -> None:
+    """Forward, backward and the optimizer step, waiting for the previous save's staging
+    before the optimizer writes the weights it copies."""
+    with tracing.span("train.forward"):
+        loss = model.loss(data)
+    with tracing.span("train.backward"):
+        loss.backward()
+    if pending is not None:
+        with tracing.span("train.wait_staging"):
+            pending.staging_completion.result(SYNC_TIMEOUT_S)
+    with tracing.span("train.optimizer"):
+        optim.step()
+        optim.zero_grad()
+
+
+def _trace_until(fut: Future, begin_ns: int, name: str, track: str) -> None:
+    """Trace the interval from ``begin_ns`` until ``fut`` resolves, on ``track``."""
+    fut.add_done_callback(
+        lambda _: tracing.record_interval(name, track, begin_ns, time.monotonic_ns())
+    )
 
 
 def _time_to(fut: Future, begin: float) -> Future:
@@ -111,6 +152,8 @@ def _time_to(fut: Future, begin: float) -> Future:
 
 
 def rollout(sync_port: int, start: int, phase: RlPhase) -> None:
+    tracing.start(trace_path(phase.out_dir, "rollout"))
+    tracing.set_process_name("rollout")
     torch.set_num_threads(1)
     group = init_group(
         "127.0.0.1", sync_port, phase.trainers + 1, phase.rollout_rank, timeout=SYNC_TIMEOUT_S
@@ -121,7 +164,8 @@ def rollout(sync_port: int, start: int, phase: RlPhase) -> None:
         with WeightSubscriber(group, list(range(phase.trainers)), [phase.rollout_rank]) as sub:
             for _ in phase.versions(start):
                 begin = time.perf_counter()
-                version = sub.receive(model)
+                with tracing.span("slipstream.sync.receive"):
+                    version = sub.receive(model)
                 took = time.perf_counter() - begin
                 tokens = model.generate(torch.tensor(PROMPT), NEW_TOKENS)
                 generated[version] = tokens[0, len(PROMPT[0]) :].tolist()
@@ -132,6 +176,7 @@ def rollout(sync_port: int, start: int, phase: RlPhase) -> None:
                 )
     finally:
         group.close()
+        tracing.stop()
     _write(phase, "rollout", generated)
 
 

@@ -1,5 +1,6 @@
-"""FsdpContext: the communication stream, staging buffers, schedule and delay queue shared by
-every unit of one model.
+"""FsdpContext: the schedule of one model's units. It registers the hooks that drive them,
+decides when each unit gathers, releases and reduces, and keeps the delay queue; the units
+run their collectives themselves (:mod:`.unit`, :mod:`.collectives`).
 
 Schedule. The first iteration records the order units are called in forward and in backward;
 each call in that iteration is first checked across ranks with a tiny all-gather of
@@ -8,7 +9,7 @@ pairing mismatched collectives. Later iterations check each call against the rec
 and, before a unit computes, issue the all-gather of the next unit in the record (prefetch).
 
 Overlap. All-gathers and reduce-scatters are issued from the caller's thread as async work
-(``async_op=True``; on an accelerator under the context's communication stream). On CPU gloo
+(``async_op=True``; on an accelerator under the shared communication stream). On CPU gloo
 runs them on its own threads while the caller computes. They write into staging buffers
 allocated once at the first forward (``out=``), sized to the largest unit.
 
@@ -27,32 +28,23 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, fields
-from datetime import timedelta
+from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
 
-from ..core.streams import current_stream, new_stream, on_stream, record_event
-from ..errors import FsdpError, PeerTimeoutError
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from .unit import FsdpUnit
-
-
-# torch 2.13 renamed the single-tensor collectives (the old names warn there); older torch
-# releases, which pyproject admits, have only the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ..errors import FsdpError
+from .collectives import Collectives
+from .mixed_precision import MixedPrecision
+from .unit import FsdpUnit, PendingGather, PendingReduce, Timing, own_parameters
 
 
 @dataclass
@@ -84,6 +76,13 @@ class FsdpStats:
         return max(0.0, 1.0 - self.allgather_exposed_seconds / self.allgather_seconds)
 
 
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise FsdpError("FsdpContext needs an initialized torch.distributed process group")
+    return world
+
+
 class _Phase(Enum):
     IDLE = 0
     FORWARD = 1
@@ -92,47 +91,6 @@ class _Phase(Enum):
 
 
 _PHASE_END = -1
-
-
-class _Timer:
-    """Issue-to-completion time of async work, stamped by the work's own future.
-
-    Work without a future (gloo's reduce-scatter) counts until the caller's wait returns.
-    """
-
-    def __init__(self, work: dist.Work) -> None:
-        self.issued = time.perf_counter()
-        self.done: float | None = None
-        try:
-            fut = work.get_future()
-        except RuntimeError:
-            return
-        fut.add_done_callback(self._stamp)
-
-    def _stamp(self, _fut: object) -> None:
-        self.done = time.perf_counter()
-
-    def seconds(self) -> float:
-        return (self.done or time.perf_counter()) - self.issued
-
-
-@dataclass
-class _Gather:
-    unit: FsdpUnit
-    works: list[dist.Work]
-    timers: list[_Timer]
-    outputs: list[torch.Tensor]
-    prefetched: bool
-
-
-@dataclass
-class _Reduce:
-    unit: FsdpUnit
-    group: int
-    work: dist.Work
-    timer: _Timer
-    output: torch.Tensor
-    accumulate: bool
 
 
 class _Schedule:
@@ -160,8 +118,10 @@ class _Schedule:
 
 
 class FsdpContext:
-    """Owns what the units of one model share: process group, mesh, communication stream,
-    staging buffers, the recorded schedule, the delay queue and :class:`FsdpStats`.
+    """Schedules the units of one model: registers their module and gradient hooks, keeps
+    the recorded order, the delay queue, the gather in flight and the reduce-scatters in
+    flight, and measures :class:`FsdpStats`. The collectives themselves are the units' own
+    (through the shared :class:`Collectives`: process group, stream, staging, timeout).
 
     ``release_delay`` bounds how many non-root units may be unsharded at once; with 2 the next
     unit's all-gather overlaps the current unit's compute. ``overlap_reduce_scatter=False``
@@ -183,29 +143,29 @@ class FsdpContext:
             raise FsdpError(f"release_delay must be >= 1, got {release_delay}")
         if not dist.is_initialized():
             raise FsdpError("FsdpContext needs an initialized torch.distributed process group")
-        self.group = group or dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self.group = group or _world()
         self.device = torch.device(device)
+        self.comm = Collectives(self.group, self.device, timeout)
+        self.rank = self.comm.rank
+        self.world_size = self.comm.world_size
         self.mesh = DeviceMesh.from_group(self.group, self.device.type)
         self.release_delay = release_delay
         self.overlap_reduce_scatter = overlap_reduce_scatter
         self.timeout = timeout
-        self.comm_stream = new_stream(self.device)
+        self.comm_stream = self.comm.stream
         self.stats = FsdpStats()
         self.units: list[FsdpUnit] = []
         self._unit_of_module: dict[int, FsdpUnit] = {}
-        self._param_owner: dict[int, tuple[weakref.ref, FsdpUnit]] = {}
+        self._param_owner: dict[int, tuple[weakref.ref[torch.Tensor], FsdpUnit]] = {}
         self._initialized = False
         self._root: FsdpUnit | None = None
         self._phase = _Phase.IDLE
         self._forward = _Schedule("forward")
         self._backward = _Schedule("backward")
         self._delay_queue: deque[FsdpUnit] = deque()
-        self._inflight: _Gather | None = None
-        self._reduces: deque[_Reduce] = deque()
+        self._inflight: PendingGather | None = None
+        self._reduces: deque[PendingReduce] = deque()
         self._reduce_slot = 0
-        self._staging: dict[tuple, torch.Tensor] = {}
         self._backward_open: list[FsdpUnit] = []
 
     # -- registration ---------------------------------------------------------------------
@@ -220,15 +180,36 @@ class FsdpContext:
             return None
         return entry[1]
 
-    def claim(self, param: torch.Tensor, unit: FsdpUnit) -> None:
+    def _claim(self, param: torch.Tensor, unit: FsdpUnit) -> None:
         """Record ``unit`` as ``param``'s owner (weakly: originals may be freed)."""
         self._param_owner[id(param)] = (weakref.ref(param), unit)
 
-    def add_unit(self, module: nn.Module, unit: FsdpUnit) -> None:
+    def shard(self, module: nn.Module, mixed_precision: MixedPrecision | None) -> FsdpUnit:
+        """Make ``module`` a unit owning the parameters no nested unit owns, and hook it."""
         if self._initialized:
-            raise FsdpError(f"unit {unit.name}: fully_shard after the first forward")
+            raise FsdpError(f"unit {type(module).__name__}: fully_shard after the first forward")
+        found = own_parameters(module, lambda m: self.unit_of(m) is not None)
+        for own in found:
+            owner = self.param_owner(own.param)
+            if owner is not None:
+                raise FsdpError(
+                    f"parameter {own.name!r} of unit {type(module).__name__} is already "
+                    f"managed by unit {owner.name}: a parameter shared across units is not "
+                    "supported (tie weights inside one unit, or call fully_shard bottom-up)"
+                )
+        unit = FsdpUnit(module, len(self.units), found, self.comm, self.mesh, mixed_precision)
+        for params in unit.sharded:
+            for p in params:
+                self._claim(p, unit)
+        for own in found:
+            self._claim(own.param, unit)
         self._unit_of_module[id(module)] = unit
         self.units.append(unit)
+        module.register_forward_pre_hook(
+            functools.partial(self._on_pre_forward, unit), prepend=True, with_kwargs=True
+        )
+        module.register_forward_hook(functools.partial(self._on_post_forward, unit))
+        return unit
 
     def live_units(self) -> list[str]:
         """Names of the non-root units whose unsharded storage is allocated right now."""
@@ -236,6 +217,42 @@ class FsdpContext:
 
     def reset_stats(self) -> None:
         self.stats = FsdpStats()
+
+    # -- hooks (all on the caller's thread) -----------------------------------------------
+
+    def _on_pre_forward(
+        self, unit: FsdpUnit, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
+        self.pre_forward(unit)
+        unit.begin_forward()
+        return unit.mp.cast_inputs(args, kwargs)
+
+    def _on_post_forward(
+        self, unit: FsdpUnit, module: nn.Module, args: tuple[object, ...], output: object
+    ) -> object:
+        """Reshard the module's parameters; the first gradient reaching any output is the
+        unit's pre-backward (a multi-grad hook)."""
+        unit.use_sharded()
+        if torch.is_grad_enabled():
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._on_pre_backward, unit), mode="any"
+                )
+        self.post_forward(unit)
+        return output
+
+    def _on_pre_backward(self, unit: FsdpUnit, grad: torch.Tensor) -> None:
+        self.pre_backward(unit)
+
+    def _on_grad_accumulated(self, unit: FsdpUnit, param: torch.Tensor) -> None:
+        """The last trainable gradient of ``unit`` is its post-backward."""
+        if unit.grad_arrived():
+            self.post_backward(unit)
 
     # -- lazy init ------------------------------------------------------------------------
 
@@ -260,8 +277,12 @@ class FsdpContext:
             if mp is None and ancestors:
                 mp = min(ancestors, key=lambda u: sum(1 for _ in u.module.modules())).explicit_mp
             unit.finish_init(names[id(unit.module)], mp or unit.mp)
+            for p in unit.trainable_unsharded():
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(self._on_grad_accumulated, unit)
+                )
         self._check_layouts_agree()
-        self._allocate_staging()
+        self.comm.staging.allocate()
         self._initialized = True
 
     def _check_layouts_agree(self) -> None:
@@ -272,17 +293,18 @@ class FsdpContext:
             dtype=torch.int64,
             device=self.device,
         )
-        every = torch.empty(self.world_size * 2, dtype=torch.int64, device=self.device)
-        _all_gather(every, mine, group=self.group)
+        every = self.comm.exchange(mine)
         if bool((every.view(-1, 2) == mine).all()):
             return
-        prints: list = [None] * self.world_size
+        prints: list[list[str] | None] = [None] * self.world_size
         dist.all_gather_object(prints, [u.fingerprint() for u in self.units], group=self.group)
+        ours = prints[self.rank] or []
         for rank, theirs in enumerate(prints):
-            if theirs == prints[self.rank]:
+            theirs = theirs or []
+            if theirs == ours:
                 continue
-            for i in range(max(len(theirs), len(prints[self.rank]))):
-                a = prints[self.rank][i] if i < len(prints[self.rank]) else None
+            for i in range(max(len(theirs), len(ours))):
+                a = ours[i] if i < len(ours) else None
                 b = theirs[i] if i < len(theirs) else None
                 if a != b:
                     name = self.units[i].name if i < len(self.units) else f"#{i}"
@@ -291,27 +313,6 @@ class FsdpContext:
                         f"{self.rank} is {a}, on rank {rank} it is {b}"
                     )
         raise FsdpError("ranks disagree on the FSDP layout hash")
-
-    def _allocate_staging(self) -> None:
-        sizes: dict[tuple, int] = {}
-
-        def need(key: tuple, numel: int) -> None:
-            sizes[key] = max(sizes.get(key, 0), numel)
-
-        for unit in self.units:
-            for gi, buf in enumerate(unit.groups):
-                lay = buf.layout
-                need(("gather", gi, buf.compute_dtype), lay.gathered_numel)
-                if buf.compute_dtype != lay.dtype:
-                    need(("send", gi, buf.compute_dtype), lay.segment_numel)
-                rdtype = unit.mp.reduce_dtype or buf.compute_dtype
-                for slot in (0, 1):
-                    need(("reduce_in", slot, gi, rdtype), lay.gathered_numel)
-                    need(("reduce_out", slot, gi, rdtype), lay.segment_numel)
-        self._staging = {
-            key: torch.empty(numel, dtype=key[-1], device=self.device)
-            for key, numel in sizes.items()
-        }
 
     # -- gathers and releases -------------------------------------------------------------
 
@@ -331,55 +332,22 @@ class FsdpContext:
         return self._live_children() + 1 <= self.release_delay
 
     def _release(self, unit: FsdpUnit) -> None:
-        if unit.is_unsharded():
-            unit.release()
+        if unit.release():
             self.stats.release_count += 1
 
-    def _issue_gather(self, unit: FsdpUnit, prefetched: bool) -> None:
+    def _issue_gather(self, unit: FsdpUnit, prefetched: bool) -> PendingGather:
         if self._inflight is not None:
             self._finish_gather(self._inflight)
-        works, timers, outputs = [], [], []
-        compute = current_stream(self.device)
-        with on_stream(self.comm_stream):
-            if self.comm_stream is not None:
-                self.comm_stream.wait_event(record_event(compute))
-            for gi, buf in enumerate(unit.groups):
-                send_staging = self._staging.get(("send", gi, buf.compute_dtype))
-                send = buf.send_buffer(
-                    send_staging if buf.compute_dtype != buf.layout.dtype else None
-                )
-                out = self._staging[("gather", gi, buf.compute_dtype)][: buf.layout.gathered_numel]
-                work = _all_gather(out, send, group=self.group, async_op=True)
-                works.append(work)
-                timers.append(_Timer(work))
-                outputs.append(out)
-        self._inflight = _Gather(unit, works, timers, outputs, prefetched)
-        self.stats.allgather_count += len(works)
+        pending = unit.gather(prefetched)
+        self._inflight = pending
+        self.stats.allgather_count += len(pending.flights)
         self.stats.prefetch_count += int(prefetched)
+        return pending
 
-    def _wait(self, work: dist.Work, what: str) -> float:
-        start = time.perf_counter()
-        try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise PeerTimeoutError(
-                f"rank {self.rank}: {what} did not complete within {self.timeout:.0f} s: {e}"
-            ) from e
-        if ok is False:
-            raise PeerTimeoutError(f"rank {self.rank}: {what} did not complete")
-        return time.perf_counter() - start
-
-    def _finish_gather(self, gather: _Gather) -> None:
-        unit = gather.unit
-        for work, timer, out, buf in zip(
-            gather.works, gather.timers, gather.outputs, unit.groups, strict=True
-        ):
-            self.stats.allgather_exposed_seconds += self._wait(
-                work, f"all-gather of unit {unit.name}"
-            )
-            self.stats.allgather_seconds += timer.seconds()
-            buf.reallocate()
-            buf.copy_out(out)
+    def _finish_gather(self, pending: PendingGather) -> None:
+        timing = pending.unit.finish_gather(pending)
+        self.stats.allgather_exposed_seconds += timing.exposed
+        self.stats.allgather_seconds += timing.total
         self._inflight = None
         self._measure()
 
@@ -400,8 +368,7 @@ class FsdpContext:
         if unit.is_unsharded() or not unit.groups:
             return
         self._make_room(unit)
-        self._issue_gather(unit, prefetched=False)
-        self._finish_gather(self._inflight)
+        self._finish_gather(self._issue_gather(unit, prefetched=False))
 
     def _prefetch(self, schedule: _Schedule) -> None:
         nxt = schedule.next_unit()
@@ -426,9 +393,7 @@ class FsdpContext:
         code = {"forward": 0, "backward": 1}[phase]
         index = _PHASE_END if unit is None else unit.index
         mine = torch.tensor([code, position, index], dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.device)
-        _all_gather(every, mine, group=self.group)
-        rows = every.view(-1, 3).tolist()
+        rows = self.comm.exchange(mine).view(-1, 3).tolist()
         for rank, (c, pos, idx) in enumerate(rows):
             if (c, pos, idx) != (code, position, index):
 
@@ -480,9 +445,8 @@ class FsdpContext:
         if not self._initialized:
             self._lazy_init(root)
         elif root is not self._root:
-            raise FsdpError(
-                f"unit {root.name} started a forward but the root unit is {self._root.name}"
-            )
+            current = self._root.name if self._root is not None else None
+            raise FsdpError(f"unit {root.name} started a forward but the root unit is {current}")
         if self._phase is _Phase.FORWARD_DONE:
             self._end_iteration(backward_ran=False)
         for u in self.units:
@@ -526,45 +490,23 @@ class FsdpContext:
             self._delay_queue.append(unit)
 
     def _reduce(self, unit: FsdpUnit) -> None:
+        """Issue ``unit``'s reduce-scatters into alternating staging slots, at most two in
+        flight (waiting for the oldest first)."""
         unit.reduced = True
-        for gi, buf in enumerate(unit.groups):
-            if not any(unit.requires_grad[gi]):
-                continue
+        for gi in unit.reduced_groups():
             while len(self._reduces) >= 2:
                 self._finish_reduce(self._reduces.popleft())
             slot = self._reduce_slot
             self._reduce_slot ^= 1
-            rdtype = unit.mp.reduce_dtype or buf.compute_dtype
-            lay = buf.layout
-            reduce_in = self._staging[("reduce_in", slot, gi, rdtype)][: lay.gathered_numel]
-            buf.copy_in(unit.take_grads(gi), reduce_in)
-            accumulate = unit.has_sharded_grads(gi)
-            if accumulate or rdtype != lay.dtype:
-                out = self._staging[("reduce_out", slot, gi, rdtype)][: lay.segment_numel]
-            else:
-                out = buf.grad
-            with on_stream(self.comm_stream):
-                if self.comm_stream is not None:
-                    self.comm_stream.wait_event(record_event(current_stream(self.device)))
-                work = _reduce_scatter(
-                    out, reduce_in, op=dist.ReduceOp.AVG, group=self.group, async_op=True
-                )
-            self._reduces.append(_Reduce(unit, gi, work, _Timer(work), out, accumulate))
+            self._reduces.append(unit.reduce(gi, slot))
             self.stats.reduce_scatter_count += 1
             if not self.overlap_reduce_scatter:
                 self._finish_reduce(self._reduces.popleft())
 
-    def _finish_reduce(self, red: _Reduce) -> None:
-        self.stats.reduce_scatter_exposed_seconds += self._wait(
-            red.work, f"reduce-scatter of unit {red.unit.name}"
-        )
-        self.stats.reduce_scatter_seconds += red.timer.seconds()
-        buf = red.unit.groups[red.group]
-        if red.accumulate:
-            buf.grad.add_(red.output)
-        elif red.output is not buf.grad:
-            buf.grad.copy_(red.output)
-        red.unit.attach_sharded_grads(red.group)
+    def _finish_reduce(self, pending: PendingReduce) -> None:
+        timing: Timing = pending.unit.finish_reduce(pending)
+        self.stats.reduce_scatter_exposed_seconds += timing.exposed
+        self.stats.reduce_scatter_seconds += timing.total
 
     def _finish_backward(self) -> None:
         for unit in self.units:
@@ -592,10 +534,3 @@ class FsdpContext:
             self._finish_gather(self._inflight)
         while self._reduces:
             self._finish_reduce(self._reduces.popleft())
-
-
-def stats_dict(stats: FsdpStats) -> dict[str, float]:
-    """``FsdpStats`` as a plain dict, with the hidden fraction added."""
-    out = {f.name: getattr(stats, f.name) for f in fields(stats)}
-    out["hidden_allgather_fraction"] = stats.hidden_allgather_fraction
-    return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.buffers import reallocate_storage, release_storage, storage_is_released
+from ..core.shapes import numel
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,7 @@ class FlatLayout:
         offset = 0
         for name, shape in named_shapes:
             rows = -(-shape[0] // world_size)
-            row_numel = 1
-            for d in shape[1:]:
-                row_numel *= d
+            row_numel = numel(shape[1:])
             slots.append(ParamSlot(name, tuple(shape), rows, row_numel, offset))
             offset += rows * row_numel
         return cls(dtype, world_size, tuple(slots), offset)
@@ -91,11 +90,9 @@ class FlatLayout:
 
 def _rank_rows(buffer: torch.Tensor, layout: FlatLayout, slot: ParamSlot) -> torch.Tensor:
     """``(world_size, rows_per_rank, row_numel)`` strided view of ``slot`` in a gathered buffer."""
-    return (
-        buffer.view(layout.world_size, layout.segment_numel)[
-            :, slot.offset : slot.offset + slot.padded_numel
-        ]
-    ).unflatten(1, (slot.rows_per_rank, slot.row_numel))
+    segment = buffer.view(layout.world_size, layout.segment_numel)
+    rows = segment[:, slot.offset : slot.offset + slot.padded_numel]
+    return rows.view(layout.world_size, slot.rows_per_rank, slot.row_numel)
 
 
 def _copy_rows(rank_major: torch.Tensor, rows: torch.Tensor, slot: ParamSlot, out: bool) -> None:

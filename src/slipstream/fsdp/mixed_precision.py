@@ -24,12 +24,14 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
-    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def cast_inputs(
+        self, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         if self.param_dtype is None or not self.cast_forward_inputs:
             return args, kwargs
         dtype = self.param_dtype
 
-        def cast(x):
+        def cast(x: object) -> object:
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
                 return x.to(dtype)
             return x

@@ -1,4 +1,5 @@
-"""``fully_shard``: turn a module into an FSDP unit managed by an :class:`FsdpContext`.
+"""One FSDP unit: the flat sharded buffers of a module's own parameters, the parameter views
+that stand for them, and the unit's own collectives (gather, release, reduce).
 
 A unit owns the parameters of its module that no nested unit owns. Each is replaced by a
 sharded ``DTensor`` (``Shard(0)``) parameter viewing the unit's flat main-weight shard, which
@@ -6,24 +7,25 @@ is what ``module.parameters()``, optimizers and checkpoints see. During the unit
 module's parameters are swapped for unsharded ones (views of the unit's unsharded storage);
 autograd saves those, so backward uses them after the storage is refilled.
 
-Hooks (all on the caller's thread): forward pre/post hooks on the module; a multi-grad hook
-on the forward outputs as the pre-backward hook; a post-accumulate-grad hook on every
-trainable unsharded parameter, whose last firing is the unit's post-backward.
+A unit knows nothing of the schedule: :class:`~.context.FsdpContext` decides when it gathers,
+releases and reduces, and registers the module hooks that drive it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._pytree import tree_flatten
 
+from ..core import tracing
+from ..core.shapes import row_major_strides
 from ..errors import FsdpError
-from .context import FsdpContext
-from .flat_buffer import FlatLayout, FlatShardedBuffer
+from .collectives import Collectives, InFlight
+from .flat_buffer import FlatLayout, FlatShardedBuffer, ParamSlot
 from .mixed_precision import MixedPrecision
 
 
@@ -37,27 +39,91 @@ class ParamRef:
     slot: int
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
+@dataclass(frozen=True)
+class OwnParam:
+    """A parameter a new unit will own: where it is registered and its name in the unit."""
+
+    owner: nn.Module
+    attr: str
+    param: nn.Parameter
+    name: str
+
+
+def own_parameters(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> list[OwnParam]:
+    """Parameters of ``module``'s tree, stopping at submodules that are already units."""
+    names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+
+    def walk(mod: nn.Module) -> Iterator[nn.Module]:
+        yield mod
+        for child in mod.children():
+            if not is_unit(child):
+                yield from walk(child)
+
+    found = []
+    for mod in walk(module):
+        for attr, param in mod._parameters.items():
+            if param is not None:
+                pname = f"{names.get(id(mod), type(mod).__name__)}.{attr}".lstrip(".")
+                found.append(OwnParam(mod, attr, param, pname))
+    return found
+
+
+@dataclass
+class Timing:
+    """Seconds of collectives: the caller blocked (``exposed``) and issue to completion."""
+
+    exposed: float = 0.0
+    total: float = 0.0
+
+    def add(self, flight: InFlight, rank: int, timeout: float) -> None:
+        self.exposed += flight.wait(rank, timeout)
+        self.total += flight.seconds()
+
+
+@dataclass
+class PendingGather:
+    """A unit's all-gathers in flight: one per dtype group, each into its staging output."""
+
+    unit: FsdpUnit
+    flights: list[InFlight]
+    outputs: list[torch.Tensor]
+    prefetched: bool
+
+
+@dataclass
+class PendingReduce:
+    """One dtype group's reduce-scatter in flight, and where its output goes when done."""
+
+    unit: FsdpUnit
+    group: int
+    flight: InFlight
+    output: torch.Tensor
+    accumulate: bool
 
 
 class FsdpUnit:
-    """The FSDP state of one module: flat sharded buffers, parameter views and hooks."""
+    """The FSDP state of one module: flat sharded buffers, parameter views, gradients, and
+    the unit's gather, release and reduce-scatter through its model's :class:`Collectives`.
+
+    Invariant: the module's registered parameters are the sharded ``DTensor``s except between
+    :meth:`use_unsharded` and :meth:`use_sharded` (the unit's forward).
+    """
 
     def __init__(
-        self, module: nn.Module, context: FsdpContext, mixed_precision: MixedPrecision | None
+        self,
+        module: nn.Module,
+        index: int,
+        found: list[OwnParam],
+        comm: Collectives,
+        mesh: DeviceMesh,
+        mixed_precision: MixedPrecision | None,
     ) -> None:
         self.module = module
-        self.context = context
+        self.comm = comm
         self.name = type(module).__name__
         self.explicit_mp = mixed_precision
         self.mp = mixed_precision or MixedPrecision()
-        self.index = len(context.units)
+        self.index = index
         self.refs: list[ParamRef] = []
         self.groups: list[FlatShardedBuffer] = []
         self.sharded: list[list[nn.Parameter]] = []
@@ -68,42 +134,16 @@ class FsdpUnit:
         self.grads_seen = 0
         self.ran_forward = False
         self.reduced = False
-        self._shard(self._own_parameters())
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        self._shard(found, mesh)
 
     # -- construction -------------------------------------------------------------------
 
-    def _own_parameters(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
-        """Parameters of the module tree, stopping at modules that are already units."""
-        found = []
-
-        def walk(mod: nn.Module) -> Iterator[nn.Module]:
-            yield mod
-            for child in mod.children():
-                if self.context.unit_of(child) is None:
-                    yield from walk(child)
-
-        for mod in walk(self.module):
-            for attr, param in mod._parameters.items():
-                if param is not None:
-                    found.append((mod, attr, param))
-        return found
-
-    def _shard(self, found: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
-        ctx = self.context
+    def _shard(self, found: list[OwnParam], mesh: DeviceMesh) -> None:
+        comm = self.comm
         slot_of: dict[int, tuple[int, int]] = {}
         by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-        names = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
-        for mod, attr, param in found:
-            pname = f"{names.get(id(mod), type(mod).__name__)}.{attr}".lstrip(".")
-            owner = ctx.param_owner(param)
-            if owner is not None:
-                raise FsdpError(
-                    f"parameter {pname!r} of unit {self.name} is already managed by unit "
-                    f"{owner.name}: a parameter shared across units is not supported (tie "
-                    "weights inside one unit, or call fully_shard bottom-up)"
-                )
+        for own in found:
+            param, pname = own.param, own.name
             if isinstance(param, DTensor):
                 raise FsdpError(
                     f"unit {self.name}: parameter {pname!r} is already a DTensor (module "
@@ -122,29 +162,23 @@ class FsdpUnit:
 
         for dtype, params in by_dtype.items():
             layout = FlatLayout.plan(
-                [(n, tuple(p.shape)) for n, p in params], dtype, ctx.world_size
+                [(n, tuple(p.shape)) for n, p in params], dtype, comm.world_size
             )
-            buf = FlatShardedBuffer(layout, ctx.rank, [p for _, p in params], ctx.device)
+            buf = FlatShardedBuffer(layout, comm.rank, [p for _, p in params], comm.device)
             self.groups.append(buf)
-            sharded, grads = [], []
+            sharded: list[nn.Parameter] = []
+            grads: list[DTensor | None] = []
             for slot, (_, p) in zip(layout.slots, params, strict=True):
-                main = _shard_view(buf, buf.main, slot, ctx.mesh)
+                main = _shard_view(buf, buf.main, slot, mesh)
                 sharded.append(nn.Parameter(main, requires_grad=p.requires_grad))
-                grads.append(
-                    _shard_view(buf, buf.grad, slot, ctx.mesh) if p.requires_grad else None
-                )
+                grads.append(_shard_view(buf, buf.grad, slot, mesh) if p.requires_grad else None)
             self.sharded.append(sharded)
             self.sharded_grads.append(grads)
             self.requires_grad.append([p.requires_grad for _, p in params])
-        for mod, attr, param in found:
-            gi, si = slot_of[id(param)]
-            self.refs.append(ParamRef(mod, attr, gi, si))
-            mod._parameters[attr] = self.sharded[gi][si]
-        for group in self.sharded:
-            for p in group:
-                ctx.claim(p, self)
-        for _, _, param in found:
-            ctx.claim(param, self)
+        for own in found:
+            gi, si = slot_of[id(own.param)]
+            self.refs.append(ParamRef(own.owner, own.attr, gi, si))
+            own.owner._parameters[own.attr] = self.sharded[gi][si]
 
     def fingerprint(self) -> str:
         return repr(
@@ -168,12 +202,22 @@ class FsdpUnit:
             params = []
             for si, view in enumerate(views):
                 trainable = self.requires_grad[gi][si]
-                p = nn.Parameter(view, requires_grad=trainable)
-                if trainable:
-                    p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
-                    self.trainable_count += 1
-                params.append(p)
+                params.append(nn.Parameter(view, requires_grad=trainable))
+                self.trainable_count += int(trainable)
             self.unsharded.append(params)
+        for gi, buf in enumerate(self.groups):
+            lay = buf.layout
+            self.comm.staging.need(("gather", gi, buf.compute_dtype), lay.gathered_numel)
+            if buf.compute_dtype != lay.dtype:
+                self.comm.staging.need(("send", gi, buf.compute_dtype), lay.segment_numel)
+            rdtype = self._reduce_dtype(buf)
+            for slot in (0, 1):
+                self.comm.staging.need(("reduce_in", slot, gi, rdtype), lay.gathered_numel)
+                self.comm.staging.need(("reduce_out", slot, gi, rdtype), lay.segment_numel)
+
+    def trainable_unsharded(self) -> list[nn.Parameter]:
+        """The unsharded parameters that receive gradients (after :meth:`finish_init`)."""
+        return [p for params in self.unsharded for p in params if p.requires_grad]
 
     # -- state ----------------------------------------------------------------------------
 
@@ -183,10 +227,6 @@ class FsdpUnit:
     @property
     def unsharded_nbytes(self) -> int:
         return sum(g.unsharded_nbytes for g in self.groups)
-
-    def release(self) -> None:
-        for g in self.groups:
-            g.release()
 
     def use_unsharded(self) -> None:
         for ref in self.refs:
@@ -201,40 +241,99 @@ class FsdpUnit:
         self.ran_forward = False
         self.reduced = False
 
-    # -- hooks ----------------------------------------------------------------------------
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.context.pre_forward(self)
+    def begin_forward(self) -> None:
+        """The unit's forward starts: compute on the unsharded parameters."""
         self.ran_forward = torch.is_grad_enabled()
         self.use_unsharded()
-        return self.mp.cast_inputs(args, kwargs)
 
-    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> object:
-        self.use_sharded()
-        if torch.is_grad_enabled():
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
-        self.context.post_forward(self)
-        return output
-
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        self.context.pre_backward(self)
-
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+    def grad_arrived(self) -> bool:
+        """Count one accumulated gradient; True when it was the unit's last trainable one."""
         self.grads_seen += 1
-        if self.grads_seen == self.trainable_count:
-            self.context.post_backward(self)
+        return self.grads_seen == self.trainable_count
+
+    # -- gather and release -----------------------------------------------------------------
+
+    def gather(self, prefetched: bool) -> PendingGather:
+        """Issue the async all-gather of every dtype group into the shared gather staging."""
+        staging = self.comm.staging
+        pairs = []
+        with tracing.span("slipstream.fsdp.all_gather", unit=self.name, prefetch=prefetched):
+            for gi, buf in enumerate(self.groups):
+                lay = buf.layout
+                cast = buf.compute_dtype != lay.dtype
+                send_staging = (
+                    staging.take(("send", gi, buf.compute_dtype), lay.segment_numel)
+                    if cast
+                    else None
+                )
+                out = staging.take(("gather", gi, buf.compute_dtype), lay.gathered_numel)
+                pairs.append((out, buf.send_buffer(send_staging)))
+            flights = self.comm.all_gather_into(pairs, f"all-gather of unit {self.name}")
+        return PendingGather(self, flights, [out for out, _ in pairs], prefetched)
+
+    def finish_gather(self, pending: PendingGather) -> Timing:
+        """Wait for the gathers, re-allocate the unsharded storage and copy the result in."""
+        timing = Timing()
+        with tracing.span("slipstream.fsdp.all_gather.wait", unit=self.name):
+            for flight, out, buf in zip(pending.flights, pending.outputs, self.groups, strict=True):
+                timing.add(flight, self.comm.rank, self.comm.timeout)
+                buf.reallocate()
+                buf.copy_out(out)
+        return timing
+
+    def release(self) -> bool:
+        """Free the unsharded storage; False when it was not allocated."""
+        if not self.is_unsharded():
+            return False
+        with tracing.span("slipstream.fsdp.release", unit=self.name):
+            for g in self.groups:
+                g.release()
+        return True
 
     # -- gradients --------------------------------------------------------------------------
 
-    def take_grads(self, group: int) -> list[torch.Tensor | None]:
+    def _reduce_dtype(self, buf: FlatShardedBuffer) -> torch.dtype:
+        return self.mp.reduce_dtype or buf.compute_dtype
+
+    def reduced_groups(self) -> list[int]:
+        """Dtype groups with at least one trainable parameter."""
+        return [gi for gi in range(len(self.groups)) if any(self.requires_grad[gi])]
+
+    def reduce(self, group: int, slot: int) -> PendingReduce:
+        """Lay out one group's unsharded gradients in reduce staging ``slot`` and issue their
+        async reduce-scatter: straight into the grad shard unless it must be accumulated or
+        cast."""
+        buf = self.groups[group]
+        lay = buf.layout
+        rdtype = self._reduce_dtype(buf)
+        staging = self.comm.staging
+        with tracing.span("slipstream.fsdp.reduce_scatter", unit=self.name):
+            reduce_in = staging.take(("reduce_in", slot, group, rdtype), lay.gathered_numel)
+            buf.copy_in(self._take_grads(group), reduce_in)
+            accumulate = any(p.grad is not None for p in self.sharded[group])
+            if accumulate or rdtype != lay.dtype:
+                out = staging.take(("reduce_out", slot, group, rdtype), lay.segment_numel)
+            else:
+                out = buf.grad
+            flight = self.comm.reduce_scatter_into(
+                out, reduce_in, f"reduce-scatter of unit {self.name}", slot
+            )
+        return PendingReduce(self, group, flight, out, accumulate)
+
+    def finish_reduce(self, pending: PendingReduce) -> Timing:
+        """Wait for the reduce-scatter, land its output in the grad shard, attach ``.grad``."""
+        timing = Timing()
+        with tracing.span("slipstream.fsdp.reduce_scatter.wait", unit=self.name):
+            timing.add(pending.flight, self.comm.rank, self.comm.timeout)
+            buf = self.groups[pending.group]
+            if pending.accumulate:
+                buf.grad.add_(pending.output)
+            elif pending.output is not buf.grad:
+                buf.grad.copy_(pending.output)
+            self._attach_sharded_grads(pending.group)
+        return timing
+
+    def _take_grads(self, group: int) -> list[torch.Tensor | None]:
         """The unsharded gradients of one group (``None`` where frozen or unused), cleared."""
         grads = []
         for p in self.unsharded[group]:
@@ -242,18 +341,17 @@ class FsdpUnit:
             p.grad = None
         return grads
 
-    def has_sharded_grads(self, group: int) -> bool:
-        return any(p.grad is not None for p in self.sharded[group])
-
-    def attach_sharded_grads(self, group: int) -> None:
+    def _attach_sharded_grads(self, group: int) -> None:
         """Point each trainable sharded parameter's ``.grad`` at its slice of the grad shard
-        (``DTensor`` views made once: building them every step cost about 30 us each)."""
+        (``DTensor`` views made once in :meth:`_shard`, not every step)."""
         for p, grad in zip(self.sharded[group], self.sharded_grads[group], strict=True):
             if grad is not None and p.grad is None:
                 p.grad = grad
 
 
-def _shard_view(buf, flat: torch.Tensor, slot, mesh) -> DTensor:
+def _shard_view(
+    buf: FlatShardedBuffer, flat: torch.Tensor, slot: ParamSlot, mesh: DeviceMesh
+) -> DTensor:
     """This rank's ``Shard(0)`` rows of ``slot``'s parameter in the flat segment ``flat`` (the
     main weights or the gradients of ``buf``), as a DTensor viewing that memory."""
     return DTensor.from_local(
@@ -262,28 +360,5 @@ def _shard_view(buf, flat: torch.Tensor, slot, mesh) -> DTensor:
         [Shard(0)],
         run_check=False,
         shape=torch.Size(slot.shape),
-        stride=_contiguous_stride(slot.shape),
+        stride=row_major_strides(slot.shape),
     )
-
-
-def fully_shard(
-    module: nn.Module,
-    *,
-    context: FsdpContext,
-    mixed_precision: MixedPrecision | None = None,
-) -> nn.Module:
-    """Shard ``module``'s own parameters (those no nested unit owns) over ``context``'s group.
-
-    Call it bottom-up (blocks first, then the model). Returns ``module`` itself, whose
-    parameters are now sharded ``DTensor``s; its forward gathers them as needed.
-    """
-    if not isinstance(module, nn.Module):
-        raise FsdpError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
-    if context.unit_of(module) is not None:
-        raise FsdpError(f"unit {context.unit_of(module).name}: fully_shard called twice")
-    if hasattr(module, "_get_fsdp_state") or type(module).__name__.startswith("FSDP"):
-        raise FsdpError(
-            f"module {type(module).__name__} is already sharded by torch FSDP; unsupported"
-        )
-    context.add_unit(module, FsdpUnit(module, context, mixed_precision))
-    return module

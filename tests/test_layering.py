@@ -1,0 +1,82 @@
+"""The package's import graph: no module imports itself back through others, and core/ sits
+below checkpoint/, sync/ and fsdp/ (it imports none of them)."""
+
+import ast
+from pathlib import Path
+
+import slipstream
+
+ROOT = Path(slipstream.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ["slipstream", *path.relative_to(ROOT).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the slipstream modules it imports (type-checking imports included)."""
+    graph = {}
+    for mod, path in mods.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                name = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{name}.{alias.name}"
+                    deps.add(sub if sub in mods else name)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        # a package's own __init__ runs before its modules: importing it is not a cycle
+        graph[mod] = {d for d in deps if d in mods and d != mod and not mod.startswith(d + ".")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of module names, or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(mod: str) -> list[str] | None:
+        state[mod] = 1
+        path.append(mod)
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        state[mod] = 2
+        path.pop()
+        return None
+
+    for mod in sorted(graph):
+        if mod not in state and (found := visit(mod)):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_back():
+    cycle = _cycle(_imports(_modules()))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_core_imports_nothing_above_it():
+    graph = _imports(_modules())
+    above = ("slipstream.checkpoint", "slipstream.sync", "slipstream.fsdp")
+    bad = {
+        mod: sorted(d for d in deps if d.startswith(above))
+        for mod, deps in graph.items()
+        if mod.startswith("slipstream.core")
+    }
+    assert not any(bad.values()), bad
