@@ -82,7 +82,13 @@ class RoundStart:
     epoch: int
     members: list[int]
     absent: dict[str, str] = field(default_factory=dict)
+    lives: dict[str, int] = field(default_factory=dict)
+    """Each member's incarnation: which process of that rank takes part."""
     cancelled: str | None = None
+
+    def takes_part(self, rank: int, incarnation: int) -> bool:
+        """Whether process ``incarnation`` of ``rank`` is a member of this round."""
+        return self.cancelled is None and self.lives.get(str(rank)) == incarnation
 
     def agrees(self, other: RoundStart) -> bool:
         return (self.version, self.plan) == (other.version, other.plan)

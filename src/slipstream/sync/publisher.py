@@ -249,6 +249,7 @@ class WeightPublisher:
         self._sent_by_old_senders = 0
         self._epoch = -1
         self._members: list[int] = []
+        self._lives: dict[str, int] = {}
         self._broken = False
         self._live_round = -1
         self._offer = negotiate(
@@ -419,9 +420,21 @@ class WeightPublisher:
             cancelled = RoundStart(version, plan.plan_id, self._epoch, [], cancelled=str(exc))
             self.group.post(Keys.round(k), encode(cancelled))
             raise
+        lives = {}
+        for r in self.rollout_ranks:
+            if r in absent:
+                continue
+            asked = decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
+            now = self.group.member(r).incarnation
+            if asked.incarnation != now:  # asked by a process that was replaced since
+                absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
+            else:
+                lives[str(r)] = now
+        absent.update(self.group.dead([int(r) for r in lives]))
         members = [r for r in self.rollout_ranks if r not in absent]
+        lives = {str(r): lives[str(r)] for r in members}
         epoch = self._epoch
-        if members != self._members or self._broken or self._epoch < 0:
+        if lives != self._lives or self._broken or self._epoch < 0:
             epoch = self._epoch + 1
         if absent:
             logger.warning(
@@ -432,9 +445,10 @@ class WeightPublisher:
                 absent,
             )
         start = RoundStart(
-            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}
+            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
         )
         self.group.post(Keys.round(k), encode(start))
+        self.group.post(Keys.NEXT_ROUND, str(k + 1))
         return start
 
     def _enter_epoch(self, start: RoundStart) -> None:
@@ -445,6 +459,7 @@ class WeightPublisher:
                 self.group, self._offer, start.epoch, start.members, self.timeout, self._watch
             )
         self._epoch, self._members, self._broken = start.epoch, list(start.members), False
+        self._lives = dict(start.lives)
 
     def _drop_sender(self) -> None:
         """Let the current epoch's transport go: its process group's connections close."""

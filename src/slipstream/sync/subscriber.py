@@ -179,7 +179,7 @@ class WeightSubscriber:
             text = self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
             start = decode(RoundStart, text)
             k += 1
-            if start.cancelled is None and self.rank in start.members:
+            if start.takes_part(self.rank, incarnation):
                 break
         self._round = k
         self._live_round = k - 1
