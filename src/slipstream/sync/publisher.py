@@ -55,7 +55,7 @@ from .negotiation import (
 from .packing import NO_BYTES, BucketSources, is_dtensor, pack_slices, packs_any
 from .plan import BucketPlan, TensorSpec, layout_json
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
-from .transport import Sender
+from .transport import Sender, let_go
 
 logger = logging.getLogger(__name__)
 
@@ -504,6 +504,7 @@ class WeightPublisher:
         except (RuntimeError, SyncError):
             pass  # the store's host is gone: every member finds that out by itself
         self._drop_sender()
+        let_go(exc)
         if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
             what = f"version {start.version} (round {k})"
             return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")

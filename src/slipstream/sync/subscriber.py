@@ -49,7 +49,7 @@ from .protocol import (
     decode,
     encode,
 )
-from .transport import Pending, Receiver
+from .transport import Pending, Receiver, let_go
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +233,7 @@ class WeightSubscriber:
         except BaseException as exc:
             self._drop_receivers()
             rnd.receivers = {}
+            let_go(exc)
             raise self._explain(k, exc) from exc
 
     def _explain(self, k: int, exc: BaseException) -> BaseException:
