@@ -175,7 +175,7 @@ class ShmSender:
     (``separate_min`` is ``None``): packing straight into :meth:`next_buffer` is the copy.
     """
 
-    separate_min = None
+    separate_min: int | None = None
     payload_in_ring = True
 
     def __init__(
@@ -286,7 +286,7 @@ class ShmReceiver:
     writing bucket g, and releases each slot as soon as it has been unpacked.
     """
 
-    separate_min = None
+    separate_min: int | None = None
     payload_in_ring = True
 
     def __init__(

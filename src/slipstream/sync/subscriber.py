@@ -459,8 +459,8 @@ class WeightSubscriber:
                     dest = rnd.sink.direct_view(s)
                 elif rnd.into == "stream":
                     start = g * rnd.plan.bucket_bytes + s.bucket_offset
-                    dest = rnd.stream[start : start + s.nbytes]
-            if dest is not None and dest.device == payload.device:
+                    dest = rnd.stream_bytes()[start : start + s.nbytes]
+            if dest is not None and seg.slice is not None and dest.device == payload.device:
                 rnd.landed.add((g, seg.slice))
                 buffers.append(dest)
             else:
@@ -488,7 +488,7 @@ class WeightSubscriber:
                 if into == "stream":
                     if not landed:
                         start = g * plan.bucket_bytes + s.bucket_offset
-                        copy_in_slices(rnd.stream[start : start + s.nbytes], data)
+                        copy_in_slices(rnd.stream_bytes()[start : start + s.nbytes], data)
                     rnd.slices.append((g, s))
                 elif into == "target":
                     if landed:
@@ -512,7 +512,7 @@ class WeightSubscriber:
     @staticmethod
     def _apply_stream(rnd: _Round) -> None:
         """Apply what :meth:`_receive_all` gathered into the stream buffer."""
-        plan, sink, stream = rnd.plan, rnd.sink, rnd.stream
+        plan, sink, stream = rnd.plan, rnd.sink, rnd.stream_bytes()
         for g, s in rnd.slices:
             start = g * plan.bucket_bytes + s.bucket_offset
             sink.write(s, stream[start : start + s.nbytes])
@@ -547,3 +547,9 @@ class _Round:
     slices: list[tuple[int, Slice]] = field(default_factory=list)
     stream: torch.Tensor | None = None
     landed: set[tuple[int, int]] = field(default_factory=set)
+
+    def stream_bytes(self) -> torch.Tensor:
+        """The host buffer laid out as the plan's stream (``into == "stream"`` only)."""
+        if self.stream is None:
+            raise SyncError("a round received into the target has no stream buffer")
+        return self.stream
