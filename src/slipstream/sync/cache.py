@@ -45,7 +45,7 @@ from .protocol import (
     decode,
     encode,
 )
-from .transport import Sender
+from .transport import Sender, let_go
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +278,12 @@ class RefetchServer:
                 try:
                     self.cache.send(sender, plan, self.group.device, None)
                     sender.flush()
-                finally:
+                except BaseException as exc:  # the pair's group is spent: build anew next time
                     sender.close()
+                    self.group.drop_subgroup([self.rank, r], tag)
+                    let_go(exc)
+                    raise
+                sender.close()
             what = f"rollout rank {r} to acknowledge a refetch"
             ack = decode(Ack, self.group.get_text(Keys.again_ack(r, n), r, what, self.timeout))
         finally:

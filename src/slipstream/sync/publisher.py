@@ -492,7 +492,9 @@ class WeightPublisher:
         self._broken = True
         if isinstance(exc, PeerDiedError):
             dead = {r: str(exc) for r in exc.ranks}
-        elif isinstance(exc, MissingRanksError | SyncError | RuntimeError):
+        elif isinstance(exc, MissingRanksError):  # a long wait: liveness had its look
+            dead = self.group.dead(start.members)
+        elif isinstance(exc, SyncError | RuntimeError):  # a transfer broke: look a while
             dead = self.group.find_dead(start.members, FIND_DEAD_GRACE)
         else:
             dead = {}
