@@ -147,3 +147,17 @@ def test_a_channel_that_timed_out_recovers_without_rebuilding_anything(transport
     out = spawn(_late_rollout, 2, transport, timeout=60)
     assert 2 <= out[0] < 5
     assert out[1] == (2, True)
+
+
+def test_a_rank_that_never_joins_is_named_and_no_heartbeat_is_left_running():
+    import threading
+
+    from dist_utils import free_port
+
+    started = time.monotonic()
+    with pytest.raises(MissingRanksError) as err:
+        ss.sync.init_group("127.0.0.1", free_port(), 3, 0, timeout=1.0)
+    assert 1.0 <= time.monotonic() - started < 4
+    assert err.value.ranks == [1, 2] and "every rank to join" in str(err.value)
+    assert not isinstance(err.value, PeerDiedError)  # never joined: not judged dead
+    assert not [t for t in threading.enumerate() if t.name == "slipstream-heartbeat"]

@@ -600,6 +600,7 @@ def _rollout_killed_run(rank, port, transport, dying=2):
         # the other rollout may have given up and exited too by then
         named_dead = rf"rank\(s\) \[{dying}\] died"
         assert re.search(named_dead, str(err.value)), str(err.value)
+        group.close()  # the store's host stays until the survivor has left
         return str(err.value)
     sub = ss.WeightSubscriber(group, [0], [1, 2])
     target = nn.Module()

@@ -261,6 +261,11 @@ class SyncGroup:
                 f"{what}: {exc}"
             ) from exc
 
+    def joined(self, rank: int) -> bool:
+        """Whether a process ever joined at ``rank``."""
+        key = f"hello/{rank}"
+        return self._call(lambda: self._root_store.check([key]), "looking for a hello")
+
     def member(self, rank: int) -> Member:
         """Rank ``rank``'s current process, as it posted when it (re)joined."""
         hello = json.loads(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
@@ -278,6 +283,8 @@ class SyncGroup:
         found = {}
         remote = []
         for r in ranks:
+            if not self.joined(r):
+                continue  # nothing to judge yet
             m = self.member(r)
             if m.host == here:
                 if not process_alive(m.pid):
