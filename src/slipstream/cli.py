@@ -1,22 +1,51 @@
 """The ``slipstream`` command: inspect, verify and convert checkpoints.
 
-slipstream inspect CKPT_DIR            keys, dtypes, shapes, sizes
-slipstream verify CKPT_DIR             read every byte and check every checksum
-slipstream convert CKPT_DIR OUT.safetensors   consolidate tensors into one safetensors file
+slipstream inspect CKPT            keys, dtypes, shapes, sizes
+slipstream verify CKPT             read every byte and check every checksum
+slipstream convert CKPT OUT.safetensors   consolidate tensors into one safetensors file
+
+CKPT is a local directory or a URL (s3://, gs://, az://). Exit statuses: 0 done (verify:
+every byte checked against checksums); 1 the checkpoint failed (corrupt, missing,
+unreadable, unsafe); 2 a usage error (bad arguments, an output path that cannot be
+written, a missing optional package); 3 verify read everything, but the checkpoint has no
+checksums (written by another tool, or its .slipstream.json removed): only its structure
+and sizes were checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from .checkpoint.inspect import read_all, summarize
+from . import __version__
+from .checkpoint.inspect import read_all, summarize, tensor_bytes, verify
 from .errors import SlipstreamError
+from .progress import Progress
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNVERIFIED = 3
 
 
-def _inspect(args) -> int:
-    entries, checksummed = summarize(args.checkpoint)
+class UsageError(Exception):
+    """What the command was given cannot be used (exit status 2); the message names it."""
+
+
+def _trust(args: argparse.Namespace) -> bool | list[str]:
+    return True if args.trust_all else list(args.trust)
+
+
+def _progress(label: str, args: argparse.Namespace) -> Progress:
+    return Progress(label, tensor_bytes(args.checkpoint, trusted=_trust(args)))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    entries, checksummed = summarize(args.checkpoint, trusted=_trust(args))
     total = sum(e.nbytes for e in entries)
     width = max((len(e.key) for e in entries), default=3)
     for e in entries:
@@ -28,25 +57,45 @@ def _inspect(args) -> int:
         f"{len(entries)} entries, {total / 2**20:.1f} MiB of tensors, "
         f"checksums: {'yes (slipstream index)' if checksummed else 'no (written by another tool)'}"
     )
-    return 0
+    return EXIT_OK
 
 
-def _verify(args) -> int:
+def _verify(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    entries = read_all(args.checkpoint)
+    with _progress("verify", args) as progress:
+        report = verify(args.checkpoint, trusted=_trust(args), progress=progress.advance)
     seconds = time.perf_counter() - start
-    print(f"verified {len(entries)} entries of {args.checkpoint} in {seconds:.2f} s: OK")
-    return 0
+    read = (
+        f"read {report.entries} entries, {report.tensor_bytes / 2**20:.1f} MiB of tensors from "
+        f"{report.files} file(s) of {report.file_bytes / 2**20:.1f} MiB in {seconds:.2f} s"
+    )
+    if report.checksummed:
+        print(
+            f"verified {args.checkpoint}: {read}; {report.checksummed_blocks} checksummed "
+            f"blocks and {report.checksummed_values} value(s) match: OK"
+        )
+        return EXIT_OK
+    print(
+        f"NOT verified {args.checkpoint}: {read}; it has no checksums (written by another "
+        "tool, or its .slipstream.json removed): structure and sizes only (every file "
+        "present and long enough, every record readable), the bytes themselves unchecked"
+    )
+    return EXIT_UNVERIFIED
 
 
-def _convert(args) -> int:
+def _convert(args: argparse.Namespace) -> int:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        print("convert needs safetensors: pip install 'slipstream[convert]'", file=sys.stderr)
-        return 2
+        raise UsageError("convert needs safetensors: pip install 'slipstream[convert]'") from None
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"the output directory {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK):
+        raise UsageError(f"the output directory {out_dir} is not writable")
     start = time.perf_counter()
-    entries = read_all(args.checkpoint)
+    with _progress("read", args) as progress:
+        entries = read_all(args.checkpoint, trusted=_trust(args), progress=progress.advance)
     tensors = {k: v.contiguous() for k, v in entries.items() if hasattr(v, "dtype")}
     skipped = sorted(k for k in entries if k not in tensors)
     read_s = time.perf_counter() - start
@@ -57,28 +106,101 @@ def _convert(args) -> int:
     )
     if skipped:
         print(f"skipped {len(skipped)} non-tensor entries: {', '.join(skipped[:10])}")
-    return 0
+    return EXIT_OK
+
+
+def _checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint directory or URL (slipstream or DCP)")
+
+
+def _trust_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME",
+        help="a class or function the checkpoint's values may use beyond plain data "
+        "(repeatable); only for checkpoints you trust",
+    )
+    parser.add_argument(
+        "--trust-all",
+        action="store_true",
+        help="unpickle values without an allow-list, running any code they name "
+        "(as dcp.load does); only for checkpoints you trust",
+    )
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, help line, arguments and what it runs (an exit status)."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    _checkpoint_argument(parser)
+    _trust_arguments(parser)
+
+
+def _convert_arguments(parser: argparse.ArgumentParser) -> None:
+    _checkpoint_argument(parser)
+    parser.add_argument("output", help="the .safetensors file to write")
+    _trust_arguments(parser)
+
+
+COMMANDS: list[Command] = [
+    Command("inspect", "list a checkpoint's entries", _checkpoint_arguments, _inspect),
+    Command(
+        "verify",
+        "read every byte of a checkpoint and check its checksums (exit 3: it has none)",
+        _checkpoint_arguments,
+        _verify,
+    ),
+    Command(
+        "convert",
+        "write a checkpoint's tensors to one .safetensors file",
+        _convert_arguments,
+        _convert,
+    ),
+]
+"""The subcommands, in the order ``--help`` lists them; a new one is one more entry."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="Inspect, verify and convert checkpoints (slipstream- or DCP-written).",
+        epilog="exit status: 0 done, 1 the checkpoint failed, 2 usage error, "
+        "3 verify found no checksums to check (structure and sizes only)",
+    )
+    parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        cmd = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.arguments(cmd)
+        cmd.set_defaults(run=command.run)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn, help_text in (
-        ("inspect", _inspect, "list a checkpoint's entries"),
-        ("verify", _verify, "read every byte of a checkpoint and check its checksums"),
-        ("convert", _convert, "write a checkpoint's tensors to one .safetensors file"),
-    ):
-        cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("checkpoint", help="a checkpoint directory (slipstream or DCP)")
-        if name == "convert":
-            cmd.add_argument("output", help="the .safetensors file to write")
-        cmd.set_defaults(fn=fn)
-    args = parser.parse_args(argv)
+    """Run the command; errors are one line on stderr and an exit status, never a traceback."""
+    args = build_parser().parse_args(argv)
+    where = f"slipstream {args.command}"
     try:
-        return args.fn(args)
-    except SlipstreamError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        status: int = args.run(args)
+        return status
+    except (UsageError, ValueError) as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (SlipstreamError, OSError) as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -50,9 +50,14 @@ class RankChannel:
             self._heartbeat = Heartbeat(store, self._key("alive", rank))
 
     @classmethod
+    def local(cls) -> RankChannel:
+        """A channel of one rank, in this process only (no process group involved)."""
+        return cls(dist.HashStore(), 0, 1, "slipstream/local")
+
+    @classmethod
     def for_group(cls, process_group: dist.ProcessGroup | None) -> RankChannel:
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(dist.HashStore(), 0, 1, "slipstream/local")
+            return cls.local()
         group = process_group or dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(group))
         store = dist.distributed_c10d._get_default_store()

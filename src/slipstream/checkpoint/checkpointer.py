@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..core.handles import completed_future
 from ..core.waits import Deadline
@@ -29,6 +31,7 @@ from .commit import METADATA_FILE, uncommit
 from .health import CheckpointHealth, HealthTracker
 from .options import SaveOptions
 from .recycle import SPARE_DIR
+from .safe_types import Trusted
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
 from .storage import Location, Storage, resolve_storage
@@ -132,8 +135,9 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int, state_dict: dict[str, Any]) -> AsyncSaveResponse:
+    def save(self, step: int, state_dict: Mapping[str, Any] | Stateful) -> AsyncSaveResponse:
         """Start saving ``state_dict`` as ``step``; see :func:`slipstream.async_save`.
+        ``state_dict`` may be a bare ``Stateful`` (its ``state_dict()`` is saved).
 
         Returns the save's response; a skipped save's (``when_busy="skip"``) has
         ``skipped`` set and resolved futures."""
@@ -153,12 +157,13 @@ class Checkpointer:
             if self._saver.rank == 0:
                 self._remove_uncommitted(except_step=step)
             retain = self._retain if self._saver.rank == 0 else None
-            response = self._saver.save(state_dict, self._step(step), after_commit=retain)
+            state = state_dict if isinstance(state_dict, Mapping) else state_dict.state_dict()
+            response = self._saver.save(state, self._step(step), after_commit=retain)
         except SlipstreamError as exc:
             self._health.failed_to_start(step, exc)
             if self.on_error == "raise":
                 raise
-            failed: Future = Future()
+            failed: Future[None] = Future()
             failed.set_exception(exc)
             response = AsyncSaveResponse(failed, failed)
             self._last = response
@@ -233,14 +238,27 @@ class Checkpointer:
                 logger.warning("could not delete old checkpoint %s: %s", location.url, exc)
 
     def load(
-        self, state_dict: dict[str, Any], step: int | None = None, *, strict: bool = True
+        self,
+        state_dict: dict[str, Any] | Stateful,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        trusted: Trusted = None,
     ) -> int:
-        """Load ``step`` (default: the latest committed one) into ``state_dict``; return it."""
+        """Load ``step`` (default: the latest committed one) into ``state_dict``; return it.
+
+        ``state_dict`` may be a bare ``Stateful``: its ``state_dict()`` is loaded in place,
+        then given to its ``load_state_dict``. ``trusted``: see :func:`slipstream.load`."""
         if step is None:
             step = self.latest()
             if step is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
-        loader.load(state_dict, self._step(step), strict=strict)
+        if isinstance(state_dict, dict):
+            loader.load(state_dict, self._step(step), strict=strict, trusted=trusted)
+        else:
+            loaded = state_dict.state_dict()
+            loader.load(loaded, self._step(step), strict=strict, trusted=trusted)
+            state_dict.load_state_dict(loaded)
         return step
 
     def wait(self, timeout: float | None = None) -> None:
@@ -259,5 +277,5 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
 from .layout import is_stateful, resolve_stateful
 from .reader import CheckpointReader, ReadRequest, read_all
+from .safe_types import Trust, Trusted
 from .shards import local_chunks
 from .storage import Location
 
@@ -44,8 +45,14 @@ MAX_IO_THREADS = 16
 OBJECT_STORE_IO_THREADS = 16
 """Parallel ranged reads from an object store, where each waits on a round trip."""
 
+_Fallback = tuple[str, tuple[int, ...], tuple[slice, ...]]
+"""A record read whole and sliced: its key, its chunk's offsets, the box to copy out."""
+_Copy = tuple[torch.Tensor, torch.Tensor | None, _Fallback | None]
+"""A copy into a destination view after the reads: from scratch memory the reads filled,
+or (source ``None``) from the box of a record read whole."""
 
-def _numel(sizes) -> int:
+
+def _numel(sizes: Sequence[int]) -> int:
     n = 1
     for s in sizes:
         n *= s
@@ -124,7 +131,7 @@ def _plan_reads(
     value: torch.Tensor,
     md: TensorStorageMetadata,
     reads: list[ReadRequest],
-    copies: list,
+    copies: list[_Copy],
 ) -> None:
     """Queue the reads (and copies) that fill ``value`` from the saved chunks of ``fqn``.
 
@@ -163,17 +170,18 @@ def _plan_reads(
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
             if count == _numel(extent) and _raw_bytes_are_values(dest_view):
-                on_host = dest_view.device.type == "cpu"
-                out = byte_view(dest_view) if on_host else as_bytes(dest_view)
-                step = READ_PIECE_BYTES if on_host else bounce.SLOT_BYTES
-                for piece in range(start, end, step):
-                    piece_end = min(end, piece + step)
-                    part = out[piece - start : piece_end - start]
-                    reads.append(
-                        ReadRequest(src, fqn, piece, piece_end, part)
-                        if on_host
-                        else ReadRequest(src, fqn, piece, piece_end, None, part)
-                    )
+                if dest_view.device.type == "cpu":
+                    host = byte_view(dest_view)
+                    for piece in range(start, end, READ_PIECE_BYTES):
+                        piece_end = min(end, piece + READ_PIECE_BYTES)
+                        part = host[piece - start : piece_end - start]
+                        reads.append(ReadRequest(src, fqn, piece, piece_end, part))
+                else:
+                    device = as_bytes(dest_view)
+                    for piece in range(start, end, bounce.SLOT_BYTES):
+                        piece_end = min(end, piece + bounce.SLOT_BYTES)
+                        on_device = device[piece - start : piece_end - start]
+                        reads.append(ReadRequest(src, fqn, piece, piece_end, None, on_device))
             else:
                 scratch = torch.empty(count, dtype=dtype)
                 reads.append(ReadRequest(src, fqn, start, end, byte_view(scratch)))
@@ -193,6 +201,8 @@ def load(
     strict: bool = True,
     io_threads: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    trusted: Trusted = None,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Load a committed checkpoint into ``state_dict`` in place (see the module docstring).
 
@@ -200,9 +210,14 @@ def load(
     ``MAX_IO_THREADS``: reading from the page cache is bound by the cores (a copy and a
     hash per byte), and the extra thread keeps a request queued when reads wait on the
     disk. On an object store it is ``OBJECT_STORE_IO_THREADS``.
+
+    ``trusted``: globals the checkpoint's pickles may name beyond the plain data of
+    :mod:`.safe_types` (classes, functions or ``"module.Name"``), or ``True`` to unpickle
+    anything, running what it names (what ``dcp.load`` does). ``progress(nbytes)`` is
+    called as tensor bytes land (the ``slipstream`` command's progress bar).
     """
     started = time.perf_counter()
-    reader = CheckpointReader(checkpoint_id, storage_options)
+    reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted))
     if io_threads is None:
         io_threads = (
             min(MAX_IO_THREADS, usable_cores() + 1)
@@ -210,7 +225,7 @@ def load(
             else OBJECT_STORE_IO_THREADS
         )
     try:
-        nbytes = _load_into(reader, state_dict, strict, io_threads)
+        nbytes = _load_into(reader, state_dict, strict, io_threads, progress)
     except CorruptCheckpointError as exc:
         gone = reader.vanished(exc)
         if gone is exc:
@@ -229,7 +244,11 @@ def load(
 
 
 def _load_into(
-    reader: CheckpointReader, state_dict: dict[str, Any], strict: bool, io_threads: int
+    reader: CheckpointReader,
+    state_dict: dict[str, Any],
+    strict: bool,
+    io_threads: int,
+    progress: Callable[[int], None] | None,
 ) -> int:
     """The body of :func:`load`; returns the bytes read."""
     resolved = resolve_stateful(state_dict)
@@ -237,19 +256,21 @@ def _load_into(
     _check_keys(flat, reader.metadata, strict, reader.path)
     reader.check_file_sizes()
     reads: list[ReadRequest] = []
-    copies: list = []
+    copies: list[_Copy] = []
     values: dict[str, Any] = {}
     for fqn, value in flat.items():
         md = reader.metadata.state_dict_metadata[fqn]
         if isinstance(value, torch.Tensor):
+            assert isinstance(md, TensorStorageMetadata), "checked by _check_keys"
             _plan_reads(reader, fqn, value, md, reads, copies)
         else:
             values[fqn] = reader.read_value(fqn)
     reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
-    read_all(reader, reads, io_threads)
+    read_all(reader, reads, io_threads, progress)
     nbytes = sum(r.end - r.start for r in reads)
     for dest_view, src, fallback in copies:
         if src is None:
+            assert fallback is not None, "a copy without a source names its record"
             fqn, s_off, src_box = fallback
             whole = reader.read_record_tensor(fqn, s_off)
             src = whole[src_box] if src_box else whole

@@ -38,6 +38,7 @@ from .commit import METADATA_FILE
 from .generations import generation_of, index_file
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
+from .safe_types import DEFAULT_TRUST, Trust
 from .storage import Location, resolve_storage
 
 SPAN_BYTES = 64 * 1024 * 1024
@@ -73,10 +74,14 @@ class CheckpointReader:
     """A committed checkpoint opened for reading (metadata, index, the storage backend)."""
 
     def __init__(
-        self, checkpoint_id: Location, storage_options: dict[str, Any] | None = None
+        self,
+        checkpoint_id: Location,
+        storage_options: dict[str, Any] | None = None,
+        trust: Trust = DEFAULT_TRUST,
     ) -> None:
         self.storage = resolve_storage(checkpoint_id, storage_options)
         self.path = self.storage.url
+        self.trust = trust
         meta_path = self.file_path(METADATA_FILE)
         data = self.storage.get(METADATA_FILE)
         if data is None:
@@ -84,7 +89,7 @@ class CheckpointReader:
                 f"{self.path} is not a committed checkpoint: it has no {METADATA_FILE} "
                 "(the save never finished, or this is not a checkpoint directory)"
             )
-        self.metadata: Metadata = load_metadata(data, meta_path)
+        self.metadata: Metadata = load_metadata(data, meta_path, trust)
         self.index = self._read_index()
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
 
@@ -210,7 +215,7 @@ class CheckpointReader:
                 raise CorruptCheckpointError(
                     f"{path}: checksum mismatch in value {fqn!r} at offset {info.offset}"
                 )
-        return load_value(data, fqn, path)
+        return load_value(data, fqn, path, self.trust)
 
 
 def _check_block(job: ReadRequest, i: int, got: int, path: str) -> None:
@@ -367,16 +372,31 @@ def _read_span(reader: CheckpointReader, span: _Span) -> None:
         copy_bytes(job.out, fetched[job.start - first : job.end - first])
 
 
-def read_all(reader: CheckpointReader, reads: list[ReadRequest], io_threads: int) -> None:
-    """Carry out ``reads`` on ``io_threads`` threads (see the module docstring)."""
+def read_all(
+    reader: CheckpointReader,
+    reads: list[ReadRequest],
+    io_threads: int,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Carry out ``reads`` on ``io_threads`` threads (see the module docstring);
+    ``progress(nbytes)`` is called on the caller's thread as each batch of reads lands."""
     device_ready = _caller_events(reads)
-    tasks: list[Callable[[], None]]
+    tasks: list[tuple[Callable[[], None], int]]
     if reader.storage.small_reads_are_cheap:
-        tasks = [partial(_read, reader, r, device_ready) for r in reads]
+        tasks = [(partial(_read, reader, r, device_ready), r.end - r.start) for r in reads]
     else:
         host = [r for r in reads if r.device_out is None]
-        tasks = [partial(_read_span, reader, span) for span in _spans(host)]
-        tasks += [partial(_read, reader, r, device_ready) for r in reads if r.out is None]
+        tasks = [
+            (partial(_read_span, reader, span), sum(r.end - r.start for r in span.reads))
+            for span in _spans(host)
+        ]
+        tasks += [
+            (partial(_read, reader, r, device_ready), r.end - r.start)
+            for r in reads
+            if r.out is None
+        ]
     with ThreadPoolExecutor(io_threads, thread_name_prefix="slipstream-read") as pool:
-        for fut in [pool.submit(task) for task in tasks]:
+        for fut, nbytes in [(pool.submit(task), n) for task, n in tasks]:
             fut.result()
+            if progress is not None:
+                progress(nbytes)

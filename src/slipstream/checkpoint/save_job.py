@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..core.handles import Watermark
+from ..errors import CheckpointError
 from .commit import CommitTemplate
 from .generations import data_file
 from .layout import LocalLayout
@@ -44,10 +46,23 @@ class AsyncSaveResponse:
     timings: SaveTimings = field(default_factory=SaveTimings)
     skipped: bool = False
     """The save was skipped (a ``Checkpointer`` with ``when_busy="skip"``): nothing written."""
+    _metadata: Callable[[], Metadata] | None = field(default=None, repr=False)
 
     def result(self, timeout: float | None = None) -> None:
         """Wait until the save is durable and committed."""
         self.upload_completion.result(timeout)
+
+    def metadata(self, timeout: float | None = None) -> Metadata:
+        """The committed checkpoint's DCP ``Metadata`` (what ``dcp.save`` returns), once
+        the save is durable; raises the save's error if it failed."""
+        self.upload_completion.result(timeout)
+        if self._metadata is None:
+            raise CheckpointError("this save was skipped: it committed no checkpoint")
+        return self._metadata()
+
+    def committed_as(self, source: Callable[[], Metadata]) -> None:
+        """Set where :meth:`metadata` comes from (the saver, once the save committed)."""
+        self._metadata = source
 
 
 @dataclass
@@ -74,6 +89,8 @@ class SaveJob:
     replaced: set[str] = field(default_factory=set)
     """Data files of the committed checkpoint this save replaces, deleted after its commit."""
     replaced_index: str | None = None
+    committed: Metadata | None = None
+    """The metadata rank 0 committed (other ranks read it back when asked)."""
 
     @property
     def file(self) -> str:

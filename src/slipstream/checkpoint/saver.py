@@ -64,10 +64,16 @@ class CheckpointSaver:
     """Owns the threads, staging buffers and cached plans of saves for one process group."""
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, options: SaveOptions | None = None
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        options: SaveOptions | None = None,
+        *,
+        no_dist: bool = False,
     ) -> None:
+        """``no_dist``: save as a job of one rank, whatever process group exists (DCP's
+        ``no_dist``); each process then writes a whole checkpoint of its own."""
         self.options = options or SaveOptions()
-        self.channel = RankChannel.for_group(process_group)
+        self.channel = RankChannel.local() if no_dist else RankChannel.for_group(process_group)
         priority = (self.options.thread_nice, self.options.idle_threads)
         self._stage_thread = ThreadPoolExecutor(
             1, "slipstream-stage", initializer=lower_thread_priority, initargs=priority
@@ -306,6 +312,11 @@ class CheckpointSaver:
             if outcome.get("dead"):
                 raise PeerDiedError(outcome["error"])
             raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
+        committed = job.committed
+        if committed is not None:
+            job.response.committed_as(lambda: committed)
+        else:
+            job.response.committed_as(_CommittedMetadata(job.storage, outcome["save_id"]))
 
     def _commit(self, job: SaveJob, deadline: Deadline) -> None:
         channel = self.channel
@@ -330,7 +341,9 @@ class CheckpointSaver:
             publish(
                 job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
             )
-            outcome: dict[str, Any] = {"error": None}
+            assert metadata.storage_meta is not None, "build_metadata sets storage_meta"
+            job.committed = metadata
+            outcome: dict[str, Any] = {"error": None, "save_id": metadata.storage_meta.save_id}
             self._after_publish(job, files_of(metadata))
         except BaseException as exc:
             outcome = {
@@ -389,6 +402,29 @@ def _committed(storage: Storage) -> Metadata | None:
     """The metadata of the checkpoint committed at ``storage``, if there is one."""
     data = storage.get(METADATA_FILE)
     return None if data is None else load_metadata(data, f"{storage.url}/{METADATA_FILE}")
+
+
+class _CommittedMetadata:
+    """Reads back, once, the ``.metadata`` a save committed (on the ranks other than 0,
+    which did not build it); fails if a later save has replaced it meanwhile."""
+
+    def __init__(self, storage: Storage, save_id: str) -> None:
+        self._storage, self._save_id = storage, save_id
+        self._metadata: Metadata | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Metadata:
+        with self._lock:
+            if self._metadata is None:
+                metadata = _committed(self._storage)
+                found = metadata.storage_meta if metadata is not None else None
+                if metadata is None or found is None or found.save_id != self._save_id:
+                    raise CheckpointError(
+                        f"{self._storage.url}: the checkpoint this save committed was "
+                        "replaced or deleted before its metadata was read"
+                    )
+                self._metadata = metadata
+            return self._metadata
 
 
 def _accelerator_of(layout: LocalLayout) -> torch.device | None:

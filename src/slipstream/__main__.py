@@ -1,0 +1,7 @@
+"""``python -m slipstream``: the ``slipstream`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,39 @@
+"""The Python snippets of docs/checkpoint.md run as written."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import torch
+
+DOC = pathlib.Path(__file__).parents[2] / "docs" / "checkpoint.md"
+
+
+def _snippet(section: str) -> str:
+    text = DOC.read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```python\n(.*?)```", body, re.S)
+    assert match, f"no python snippet under '## {section}'"
+    return match.group(1)
+
+
+def test_managing_a_run_snippet_saves_and_resumes_a_bare_stateful(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = compile(_snippet("Managing a run"), str(DOC), "exec")
+    first: dict = {}
+    exec(code, first)
+    trained = {k: v.clone() for k, v in first["model"].state_dict().items()}
+    assert first["state"].step == 9
+    steps = sorted(p.name for p in (tmp_path / "runs" / "exp1").glob("step_*"))
+    assert steps == ["step_7", "step_8", "step_9"]
+    second: dict = {}
+    exec(code, second)  # a new model and optimizer, resumed from step 9
+    assert second["state"].step == 9 and second["start"] == 10
+    for key, value in second["model"].state_dict().items():
+        assert torch.equal(value, trained[key]), key
+    resumed_optim = second["optim"].state_dict()["state"]
+    trained_optim = first["optim"].state_dict()["state"]
+    for index, buffers in trained_optim.items():
+        for name, value in buffers.items():
+            assert torch.equal(resumed_optim[index][name], value), (index, name)
