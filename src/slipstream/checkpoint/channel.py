@@ -30,6 +30,9 @@ from ..core.waits import Deadline
 from ..errors import PeerDiedError
 from .liveness import Heartbeat, LivenessWatch
 
+LIVENESS_CHECK_SECONDS = 1.0
+"""How often a wait reads the heartbeats of the ranks it is still waiting for (a read per
+rank: rank 0 gathering from thousands of ranks must not flood the store)."""
 _channels_made: dict[tuple[int, ...], int] = {}
 _channels_lock = threading.Lock()
 
@@ -84,6 +87,7 @@ class RankChannel:
                 deadline,
                 f"rank {self.rank}",
                 self._liveness.dead,
+                look_every=LIVENESS_CHECK_SECONDS,
             )
         except PeerDiedError as exc:
             self.dead.update(dict.fromkeys(exc.ranks, str(exc)))

@@ -34,7 +34,7 @@ from .waits import Deadline
 POLL_FIRST_SECONDS = 0.0005
 POLL_MAX_SECONDS = 0.02
 LIVENESS_EVERY_SECONDS = 0.25
-"""How often a wait asks whether the ranks it still waits for are alive."""
+"""How often a wait asks whether the ranks it still waits for are alive, by default."""
 
 DeadRanks = Callable[[Sequence[int]], dict[int, str]]
 """``dead(ranks)``: those of ``ranks`` found dead, each with why (e.g. "no heartbeat for
@@ -73,13 +73,15 @@ def wait_for_keys(
     dead: DeadRanks | None = None,
     idle: Callable[[], None] | None = None,
     drop_dead: bool = False,
+    look_every: float = LIVENESS_EVERY_SECONDS,
 ) -> dict[int, str]:
     """Wait until every ``keys[rank]`` exists in ``store``.
 
     ``what`` says what is awaited and ``waiter`` who waits, for the error. Every
-    :data:`LIVENESS_EVERY_SECONDS`, ``dead`` (when given) is asked about the ranks still
-    missing: one found dead raises :class:`PeerDiedError` at once, or with ``drop_dead`` is
-    no longer waited for. ``idle`` runs between polls. Returns the ranks dropped as dead
+    ``look_every`` seconds, ``dead`` (when given) is asked about the ranks still missing (a
+    look costs store requests per missing rank: many ranks call for a longer interval).
+    One found dead raises :class:`PeerDiedError` at once, or with ``drop_dead`` is no
+    longer waited for. ``idle`` runs between polls. Returns the ranks dropped as dead
     (rank: why). Raises :class:`MissingRanksError` naming the missing ranks once
     ``deadline`` expired.
     """
@@ -87,7 +89,7 @@ def wait_for_keys(
     pending = dict(keys)
     dropped: dict[int, str] = {}
     pause = POLL_FIRST_SECONDS
-    next_look = start + LIVENESS_EVERY_SECONDS
+    next_look = start + look_every
     while True:
         for rank, key in list(pending.items()):
             if store.check([key]):
@@ -96,7 +98,7 @@ def wait_for_keys(
             return dropped
         now = time.monotonic()
         if dead is not None and now >= next_look:
-            next_look = now + LIVENESS_EVERY_SECONDS
+            next_look = now + look_every
             found = dead(sorted(pending))
             if found and not drop_dead:
                 raise died_error(found, what, now - start, waiter)
