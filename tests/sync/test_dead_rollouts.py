@@ -161,3 +161,60 @@ def test_a_rank_that_never_joins_is_named_and_no_heartbeat_is_left_running():
     assert err.value.ranks == [1, 2] and "every rank to join" in str(err.value)
     assert not isinstance(err.value, PeerDiedError)  # never joined: not judged dead
     assert not [t for t in threading.enumerate() if t.name == "slipstream-heartbeat"]
+
+
+def _target_fails(rank, port, transport):
+    """Rollout 2's target raises mid-receive of version 2: rollout 2 gets its own error, not
+    a dead rank; the trainer's publish fails naming rollout 2; version 3 reaches everyone."""
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=120)
+    if rank == 0:
+        pub = ss.WeightPublisher(
+            group,
+            [0],
+            [1, 2],
+            bucket_bytes=BUCKET,
+            transport=transport,
+            separate_min_bytes=SEPARATE,
+        )
+        assert pub.publish(weights(1), version=1).delivered.result(timeout=30) == 1
+        try:  # direct: the break may come while publish() still sends
+            error = pub.publish(weights(2), version=2).delivered.exception(timeout=60)
+        except ss.SyncError as exc:
+            error = exc
+        assert isinstance(error, ss.SyncError) and not isinstance(error, PeerDiedError)
+        assert "rollout rank 2: the engine refused the weights" in str(error), str(error)
+        assert pub.publish(weights(3), version=3).delivered.result(timeout=30) == 3
+        assert pub.rollout_versions == {1: 3, 2: 3}
+        pub.close()
+        group.close()
+        return None
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    target = holder()
+    assert sub.receive(target, atomic=True) == 1
+    out = {}
+    if rank == 2:
+
+        def fails(batch):
+            raise ValueError("the engine refused the weights")
+
+        with pytest.raises(ValueError, match="the engine refused"):
+            sub.receive(fails)
+    else:
+        try:
+            out["second"] = sub.receive(target, atomic=True)
+        except ss.SyncError:
+            out["second"] = sub.version
+    assert sub.receive(target, atomic=True, full=True) == 3
+    out["then"] = held_version(target)
+    sub.close()
+    group.close()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["relay", "shm"])
+def test_a_target_that_fails_mid_receive_raises_its_own_error_and_the_next_publish_reaches_all(
+    transport,
+):
+    out = spawn(_target_fails, 3, transport, timeout=90)
+    assert out[1]["second"] in (1, 2) and out[1]["then"] == 3
+    assert out[2] == {"then": 3}

@@ -120,6 +120,9 @@ class Ack:
 
     holds: int | None
     error: str | None = None
+    broken: bool = False
+    """The rollout's transfer broke (it let the round's transport go), as opposed to a
+    version it refused after draining the round."""
 
 
 @dataclass

@@ -472,11 +472,19 @@ class WeightPublisher:
         self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch))
 
     def _watch(self) -> None:
-        """Raise when another trainer gave the current round up (a ring wait runs this)."""
+        """Raise when the current round was given up by another trainer, or a member's
+        transfer broke (a ring wait runs this: such a member frees no slot again)."""
         k = self._live_round
-        if k >= 0 and self.group.has(Keys.abort(k)):
+        if k < 0:
+            return
+        if self.group.has(Keys.abort(k)):
             abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
             raise abort.as_error(k)
+        for r in self._members:
+            if self.group.has(Keys.ack(r, k)):
+                ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
+                if ack.broken:
+                    raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
 
     def _guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
         """Run one step of round ``k``; when it fails, give the round up for everyone."""
@@ -486,18 +494,13 @@ class WeightPublisher:
             raise self._give_up(k, start, exc) from exc
 
     def _give_up(self, k: int, start: RoundStart, exc: BaseException) -> BaseException:
-        """Post round ``k``'s abort naming the members found dead, drop the epoch's
-        transport (freeing every member blocked on it) and return the error to raise: the
-        dead rank as its subject when one is found."""
+        """Give round ``k`` up: drop the epoch's transport (freeing every member blocked on
+        it), post the abort naming the members found dead, and return the error to raise:
+        the dead rank as its subject when one is found, else the members' own refusals."""
         self._broken = True
-        if isinstance(exc, PeerDiedError):
-            dead = {r: str(exc) for r in exc.ranks}
-        elif isinstance(exc, MissingRanksError):  # a long wait: liveness had its look
-            dead = self.group.dead(start.members)
-        elif isinstance(exc, SyncError | RuntimeError):  # a transfer broke: look a while
-            dead = self.group.find_dead(start.members, FIND_DEAD_GRACE)
-        else:
-            dead = {}
+        self._drop_sender()
+        let_go(exc)
+        dead, refused = self._culprits(k, start, exc)
         try:  # the first to see the round break names the culprit; later ones agree
             mine = encode(RoundAbort(sorted(dead), str(exc)[:2000]))
             posted = decode(RoundAbort, self.group.post_first(Keys.abort(k), mine))
@@ -505,12 +508,34 @@ class WeightPublisher:
                 dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
         except (RuntimeError, SyncError):
             pass  # the store's host is gone: every member finds that out by itself
-        self._drop_sender()
-        let_go(exc)
+        what = f"version {start.version} (round {k})"
         if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
-            what = f"version {start.version} (round {k})"
             return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
+        if refused and not dead:
+            return SyncError(f"{what} was not applied everywhere: " + "; ".join(refused))
         return exc
+
+    def _culprits(
+        self, k: int, start: RoundStart, exc: BaseException
+    ) -> tuple[dict[int, str], list[str]]:
+        """Who broke round ``k``: the members found dead, else the members that refused it
+        (their acknowledgements' errors). After a broken transfer, look for up to
+        :data:`FIND_DEAD_GRACE` seconds: a process exits a moment after its sockets close."""
+        if isinstance(exc, PeerDiedError):
+            return {r: str(exc) for r in exc.ranks}, []
+        transfer = isinstance(exc, RuntimeError) and not isinstance(exc, MissingRanksError)
+        deadline = time.monotonic() + (FIND_DEAD_GRACE if transfer else 0.0)
+        while True:
+            dead = self.group.dead(start.members)
+            refused = []
+            for r in start.members:
+                if self.group.has(Keys.ack(r, k)):
+                    ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
+                    if ack.error:
+                        refused.append(f"rollout rank {r}: {ack.error}")
+            if dead or refused or time.monotonic() >= deadline:
+                return dead, refused
+            time.sleep(0.05)
 
     def _unchanged_fn(self, helds: dict[int, int | None]) -> Callable[[int, int | None], bool]:
         held_sums = []

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
-from ..errors import PeerDiedError, SyncError
+from ..errors import PeerTimeoutError, SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
 from .group import SyncGroup
@@ -157,7 +157,8 @@ class WeightSubscriber:
             into = "stream" if atomic else "target"
             self._transfer(k, _Round(plan, sink, into, self._receivers))
         except BaseException as exc:
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
+            broken = self._epoch < 0  # the transfer broke and let the transport go
+            self._ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
             raise
         self._hold(version, held_key)
         self._ack(ack_key, Ack(version))
@@ -237,16 +238,19 @@ class WeightSubscriber:
             raise self._explain(k, exc) from exc
 
     def _explain(self, k: int, exc: BaseException) -> BaseException:
-        """The error for round ``k`` broken by ``exc``: the trainers' abort when they post
-        one, else a dead trainer or member when one is found, within ``EXPLAIN_WITHIN``."""
-        if isinstance(exc, PeerDiedError) or not isinstance(exc, Exception):
+        """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
+        timeout, not the target's own), the dead rank named by the trainers' abort, or a dead
+        trainer or member found within ``EXPLAIN_WITHIN``; else ``exc`` itself."""
+        transport = isinstance(exc, RuntimeError) and not isinstance(exc, PeerTimeoutError)
+        if not transport:
             return exc
         others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
         deadline = time.monotonic() + EXPLAIN_WITHIN
         while True:
             try:
                 if self.group.has(Keys.abort(k)):
-                    return self._abort(k).as_error(k)
+                    abort = self._abort(k)
+                    return abort.as_error(k) if abort.dead else exc
                 dead = self.group.dead(others)
             except SyncError as lost:  # the store's host (a trainer) is gone
                 return lost
