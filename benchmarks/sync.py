@@ -13,6 +13,12 @@ Peers (run interleaved, median of ``--repeats`` after one warm-up):
 - ``refetch``: one rollout asks a ``cached`` publisher (broadcast, cma) for its cached
   version again (no publish), beside a raw broadcast of the same bytes to that rollout alone.
 
+A third part publishes two models (a policy, the layout above, and a reward model of half
+its size) from one sync group, each on a channel of its own, with the default transport
+(``auto``) in ``direct`` mode: each alone, and both back to back (the rollouts receive
+them in the same order), so the cost of sharing a group shows as the ratio of the pair's
+time to the sum of the two alone.
+
 A second part runs ``direct`` on transformer-shaped weights (a few dozen matrices of 8 to
 125 MiB) over relay and broadcast, with every slice packed and with big slices sent on
 their own (the default), beside a raw broadcast of the same bytes.
@@ -175,6 +181,61 @@ def transformer_runs(rank: int, group, args: argparse.Namespace) -> dict:
     return kept
 
 
+TWO_MODELS = ("policy alone", "reward alone", "policy + reward, back to back")
+
+
+def two_model_runs(rank: int, group, args: argparse.Namespace) -> dict:
+    """Two models published from one group (a channel each, ``auto`` transport, ``direct``):
+    each alone and both back to back, interleaved; each run checks every byte was sent."""
+    policy_layout = shapes(int(args.gib * GIB), args.tensors)
+    reward_layout = shapes(int(args.gib * GIB / 2), args.tensors // 2)
+    sizes = [sum(n * dt.itemsize for n, dt in lay) for lay in (policy_layout, reward_layout)]
+    bucket = args.bucket_mib * 2**20
+    trainer = rank == 0
+    models = []
+    for which, layout in (("policy", policy_layout), ("reward", reward_layout)):
+        peers = {f"two-models/{which}": {}}
+        tensors, dest, ends = endpoints(rank, group, layout, peers, bucket, seed=2)
+        models.append(({f"w{i}": t for i, t in enumerate(tensors)}, tensors, dest, ends[0]))
+    versions = iter(range(1, 10**9))
+
+    def runner(which: tuple[int, ...]):
+        def run(_: int) -> dict[str, float]:
+            if trainer:
+                for k in which:
+                    for t in models[k][1]:
+                        t.add_(1)
+            _barrier()
+            start = time.perf_counter()
+            version = next(versions)
+            if trainer:
+                handles = []
+                for k in which:
+                    named, _, _, pub = models[k]
+                    before = pub.bytes_sent
+                    handles.append((k, before, pub.publish(named, version=version)))
+                for k, before, handle in handles:
+                    handle.delivered.result(timeout=600)
+                    if models[k][3].bytes_sent - before < sizes[k]:
+                        raise RuntimeError("a two-model run skipped bytes: not a full sync")
+            else:
+                for k in which:
+                    models[k][3].receive(models[k][2])
+            _barrier()
+            moved = sum(sizes[k] for k in which)
+            return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
+
+        return run
+
+    runners = dict(zip(TWO_MODELS, (runner((0,)), runner((1,)), runner((0, 1))), strict=True))
+    kept = interleave(runners, args.repeats, warmup=1)
+    if trainer:
+        kept["transport"] = models[0][3].transport
+    for *_, end in models:
+        end.close()
+    return kept
+
+
 class Weights(nn.Module):
     """The rollout's copy: one buffer per published tensor, touched once."""
 
@@ -200,7 +261,8 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
     group = ss.sync.init_group("127.0.0.1", ports[1], 3, rank, timeout=600)
     kept, total = layout_runs(rank, group, args)
     transformer = transformer_runs(rank, group, args)
-    results.put((rank, kept, peak_rss_mib(), total, transformer))
+    two = two_model_runs(rank, group, args)
+    results.put((rank, kept, peak_rss_mib(), total, transformer, two))
     dist.destroy_process_group()
     group.close()
 
@@ -378,10 +440,10 @@ def main() -> None:
         p.start()
     by_rank = {}
     for _ in procs:
-        rank, kept, peak, total, transformer = results.get()
+        rank, kept, peak, total, transformer, two = results.get()
         by_rank[rank] = (kept, peak)
         if rank == 0:
-            transformer_kept = transformer
+            transformer_kept, two_kept = transformer, two
     for p in procs:
         p.join(120)
     trainer, trainer_peak = by_rank[0]
@@ -529,6 +591,27 @@ def main() -> None:
             "over relay and broadcast; x raw = median of per-round ratios",
             ["peer", "time s", "GiB/s", "x raw"],
             t_rows,
+        )
+    )
+    two_transport = two_kept.pop("transport")
+    two_rows = []
+    for name in TWO_MODELS:
+        secs = median(two_kept[name]["seconds"])
+        moved = two_kept[name]["bytes"][0] / GIB
+        two_rows.append([name, round(moved, 3), round(secs, 3), round(moved / secs, 3)])
+    pair_vs_sum = median(
+        [
+            both / (a + b)
+            for a, b, both in zip(*(two_kept[n]["seconds"] for n in TWO_MODELS), strict=True)
+        ]
+    )
+    result.tables.append(
+        Table(
+            f"Two models from one sync group (a channel each, transport='auto', here "
+            f"'{two_transport}', direct): the pair back to back took {pair_vs_sum:.2f}x the "
+            "sum of the two alone (median of per-round ratios)",
+            ["peer", "GiB", "time s", "GiB/s"],
+            two_rows,
         )
     )
     relay_vs_broadcast = paired("slipstream direct broadcast", "slipstream direct")

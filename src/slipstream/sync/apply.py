@@ -119,7 +119,7 @@ class ModuleTarget:
     def landed(self, s: Slice) -> None:
         """Slice ``s`` was received into :meth:`direct_view`: copy it to the other
         destinations of its tensor, if any."""
-        dests = self._dest.get(s.tensor, ())
+        dests = self._dest.get(s.tensor, [])
         for dest in dests[1:]:
             self._copy(dest, s, dests[0][s.tensor_offset : s.tensor_offset + s.nbytes])
 

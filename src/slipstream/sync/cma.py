@@ -89,7 +89,7 @@ class _Landing:
 class CmaSender(ShmSender):
     """The trainer's end: publishes where each part lies and keeps it alive until read."""
 
-    separate_min = 0
+    separate_min: int | None = 0
     payload_in_ring = False
 
     def __init__(self, *args, **kwargs) -> None:
@@ -142,7 +142,7 @@ class CmaSender(ShmSender):
 class CmaReceiver(ShmReceiver):
     """A rollout's end: copies each part from the trainer's memory to where ``place`` says."""
 
-    separate_min = 0
+    separate_min: int | None = 0
     payload_in_ring = False
 
     def __init__(self, *args, **kwargs) -> None:
@@ -177,7 +177,7 @@ class CacheReader:
     starts in it, laid out as the plan lays out a bucket with every slice included.
     """
 
-    separate_min = 0
+    separate_min: int | None = 0
 
     def __init__(
         self, trainer: int, pid: int, plan: BucketPlan, cache: int, offsets: dict[int, int]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -57,7 +58,7 @@ class BucketSources:
                 continue
             t = self.tensors[i]
             if is_dtensor(t):
-                full = t.full_tensor()
+                full = cast(Any, t).full_tensor()
                 self.gathered_bytes += self.plan.specs[i].nbytes
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
                 if self._owns_any(i):

@@ -32,11 +32,12 @@ naming the peer rank.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,9 +61,10 @@ Place = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
 
 
 class Sender(Protocol):
-    bytes_sent: int
-    separate_min: int | None
-
+    @property
+    def bytes_sent(self) -> int: ...
+    @property
+    def separate_min(self) -> int | None: ...
     @property
     def buffer_bytes(self) -> int: ...
 
@@ -88,8 +90,10 @@ class Pending:
 
 
 class Receiver(Protocol):
-    buffer_bytes: int
-    separate_min: int | None
+    @property
+    def buffer_bytes(self) -> int: ...
+    @property
+    def separate_min(self) -> int | None: ...
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending: ...
     def close(self) -> None: ...
@@ -137,6 +141,23 @@ def _post(
         raise _failure(what, "failed", why, exc) from exc
 
 
+def let_go(exc: BaseException) -> None:
+    """Drop the frames that ``exc`` and the errors it came from keep alive: a frame of a
+    broken transfer holds its pending messages, and a message holds its process group's
+    connections open, so a member blocked on them would wait out its timeout. Collects
+    the cycles they leave, so the connections close now. The messages keep their text."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        stack += [e.__cause__, e.__context__]
+    gc.collect()
+
+
 class BroadcastSender:
     """Sends buckets from ``rank`` (member 0 of ``pg``) to every other member of ``pg``: by
     broadcast, or with ``relay`` to member 1 alone, which passes them on."""
@@ -155,7 +176,7 @@ class BroadcastSender:
         exited: Callable[[], list[int]] = list,
         relay: bool = False,
     ) -> None:
-        self.pg = pg
+        self.pg: Any = pg
         self.rank = rank
         self.peers = list(peers)
         self.relay = relay
@@ -225,9 +246,13 @@ class BroadcastSender:
             self._drain(slot)
 
     def close(self) -> None:
+        """Let go of the buffers, the messages in flight and the process group (its
+        connections close once nothing else holds it)."""
         self._slots.clear()
         self._headers.clear()
         self._sending.clear()
+        self._works = [[] for _ in range(self.num_slots)]
+        self.pg = None
 
 
 class BroadcastReceiver:
@@ -255,7 +280,7 @@ class BroadcastReceiver:
         separate_min: int | None,
         chain: Sequence[int] | None = None,
     ) -> None:
-        self.pg = pg
+        self.pg: Any = pg
         self.root_rank = root_rank
         self._from: int | None = None
         self._to: int | None = None
@@ -287,9 +312,10 @@ class BroadcastReceiver:
         self._arriving: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
 
     def _receive(self, buf: torch.Tensor) -> dist.Work:
-        if self._from is None:
+        src = self._from
+        if src is None:
             return self.pg.broadcast([buf], _FROM_ROOT)
-        return _post(lambda: self.pg.recv([buf], self._from, 0), f"receiving a {self.what}")
+        return _post(lambda: self.pg.recv([buf], src, 0), f"receiving a {self.what}")
 
     def _pass_on_arrived(self) -> None:
         """Pass on every piece posted so far, in order, waiting for each to arrive."""
@@ -297,8 +323,14 @@ class BroadcastReceiver:
             work, piece, slot = self._arriving[0]
             _wait(work, self.timeout, f"receiving a {self.what}")
             self._arriving.popleft()
-            send = _post(lambda p=piece: self.pg.send([p], self._to, 0), self._relay_what)
+            send = self._pass_on(piece)
             self._passing[slot].append(send)
+
+    def _pass_on(self, piece: torch.Tensor) -> dist.Work:
+        """Send ``piece`` on to the next member of the chain."""
+        to = self._to
+        assert to is not None
+        return _post(lambda: self.pg.send([piece], to, 0), self._relay_what)
 
     def _wait_passed(self, slot: int) -> None:
         for work in self._passing[slot]:
@@ -332,9 +364,7 @@ class BroadcastReceiver:
         if relaying:
             self._wait_passed(index)
             forward = received.clone()
-            self._passing[index].append(
-                _post(lambda: self.pg.send([forward], self._to, 0), self._relay_what)
-            )
+            self._passing[index].append(self._pass_on(forward))
         payload = self._slots[index][:payload_bytes]
         buffers = place(header, payload)
         works = [self._receive(buf) for buf in buffers]
@@ -359,4 +389,10 @@ class BroadcastReceiver:
         return Pending(finish, release)
 
     def close(self) -> None:
+        """Let go of the buffers, the messages in flight and the process group (its
+        connections close once nothing else holds it)."""
         self._slots.clear()
+        self._posted = None
+        self._passing = [[] for _ in range(self.num_slots)]
+        self._arriving.clear()
+        self.pg = None
