@@ -1,5 +1,9 @@
 """Exceptions raised by slipstream. Every message names the key, file, rank or shape at fault."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 
 class SlipstreamError(RuntimeError):
     """Base class of every error slipstream raises on purpose."""
@@ -21,9 +25,23 @@ class PeerTimeoutError(SlipstreamError, TimeoutError):
     """A rank or worker did not answer within its timeout; the message names it."""
 
 
-class PeerDiedError(PeerTimeoutError):
-    """A rank stopped answering (no heartbeat): it died or is stopped. The message names the
-    rank and what was waiting for it; found within seconds, whatever the timeout."""
+class MissingRanksError(PeerTimeoutError):
+    """Ranks did not answer: ``ranks`` (sorted), what was awaited from them (``what``) and for
+    how long (``waited`` seconds). The message names all three, and the waiting party."""
+
+    def __init__(
+        self, message: str, ranks: Sequence[int] = (), what: str = "", waited: float = 0.0
+    ) -> None:
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.what = what
+        self.waited = waited
+
+
+class PeerDiedError(MissingRanksError):
+    """A rank stopped answering (its process is gone, or no heartbeat): it died or is stopped.
+    The message names the rank and what was waiting for it; found within seconds, whatever
+    the timeout. ``ranks`` are the dead ranks."""
 
 
 class SyncError(SlipstreamError):

@@ -2,20 +2,25 @@
 
 ``spawn(fn, world_size, *args)`` runs ``fn(rank, port, *args)`` on ``world_size`` processes;
 the return values come back as ``{rank: value}``. A rank listed in ``may_die`` may exit
-without reporting (it is the one a test kills). Every process is joined with a timeout and
-killed if it overstays, so a hang fails the test instead of blocking it.
+without reporting (it is the one a test kills). A rank listed in ``restart`` is started
+again, once, as soon as its first process has exited (a replacement joining the running
+group: :func:`life` tells the two apart); its result is the replacement's. Results are read
+while the processes run (a pipe holds only so much), and every process is joined with a
+timeout and killed if it overstays, so a hang fails the test instead of blocking it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
-from dist_utils import free_port, start_and_join, worker_context
+from dist_utils import free_port, worker_context
 
 
-def _entry(fn, rank, port, args, results):
+def _entry(fn, rank, port, args, results, life):
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["SLIPSTREAM_TEST_LIFE"] = str(life)
     try:
         import torch
 
@@ -27,22 +32,57 @@ def _entry(fn, rank, port, args, results):
     os._exit(0)
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 60.0, may_die: tuple[int, ...] = ()):
+def life() -> int:
+    """1 in a rank's first process, 2 in the one that replaced it (``spawn(restart=...)``)."""
+    return int(os.environ.get("SLIPSTREAM_TEST_LIFE", "1"))
+
+
+def spawn(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 60.0,
+    may_die: tuple[int, ...] = (),
+    restart: tuple[int, ...] = (),
+):
     ctx = worker_context()
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, port, args, results), daemon=True)
-        for r in range(world_size)
-    ]
-    hung = start_and_join(procs, timeout)
+
+    def start(rank: int, n: int):
+        p = ctx.Process(target=_entry, args=(fn, rank, port, args, results, n), daemon=True)
+        p.start()
+        return p
+
+    procs = {r: start(r, 1) for r in range(world_size)}
+    pending_restart = set(restart)
     out, errors = {}, []
-    while not results.empty():
-        rank, status, value = results.get()
-        if status == "ok":
-            out[rank] = value
-        else:
-            errors.append((rank, value))
+
+    def collect() -> None:
+        while not results.empty():
+            rank, status, value = results.get()
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        collect()
+        for r in sorted(pending_restart):
+            if not procs[r].is_alive():
+                procs[r].join()
+                pending_restart.discard(r)
+                procs[r] = start(r, 2)
+        if not pending_restart and not any(p.is_alive() for p in procs.values()):
+            break
+        time.sleep(0.05)
+    hung = [r for r, p in procs.items() if p.is_alive()]
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    collect()
     if errors:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
     if hung:

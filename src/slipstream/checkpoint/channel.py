@@ -2,11 +2,9 @@
 
 Checkpoint coordination never runs a collective on the user's process group: ranks post
 small JSON messages to the store that ``init_process_group`` already created (under a
-prefix of their own) and poll for each other's with a deadline. They poll rather than
-block in the store's ``wait``: a TCPStore client runs one request at a time, so a
-background thread blocked in it would hold up the user's own calls to the same store.
-Background threads may use it safely, and a missing rank is named in the timeout error
-instead of hanging.
+prefix of their own) and wait for each other's through the control plane
+(:mod:`..core.control_plane`): polled with a deadline, so background threads may share the
+user's store client, and a missing rank is named in the timeout error instead of hanging.
 
 Each rank's channel beats (see :mod:`.liveness`): a wait notices a rank that died or
 stopped within seconds and names it, whatever its timeout.
@@ -23,23 +21,15 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any
 
 import torch.distributed as dist
 
+from ..core.control_plane import wait_for_keys
 from ..core.waits import Deadline
-from ..errors import PeerDiedError, PeerTimeoutError
+from ..errors import PeerDiedError
 from .liveness import Heartbeat, LivenessWatch
 
-#: Polls start this far apart and double up to ``_POLL_MAX_SECONDS``: a message that comes
-#: at once is seen within a millisecond or two, and a wait of half a second (a rank still
-#: writing its file) costs a few dozen store round trips instead of hundreds, each of
-#: which also wakes the store's server thread inside rank 0's training process.
-_POLL_FIRST_SECONDS = 0.001
-_POLL_MAX_SECONDS = 0.025
-LIVENESS_CHECK_SECONDS = 1.0
-"""How often a wait reads the heartbeats of the ranks it is still waiting for."""
 _channels_made: dict[tuple[int, ...], int] = {}
 _channels_lock = threading.Lock()
 
@@ -78,35 +68,21 @@ class RankChannel:
     def post(self, topic: str, payload: object) -> None:
         self.store.set(self._key(topic, self.rank), json.dumps(payload))
 
-    def _missing(self, ranks: list[int], keys: list[str]) -> list[int]:
-        return [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
-
     def _wait(self, topic: str, ranks: list[int], deadline: Deadline, what: str) -> None:
         """Poll until every rank of ``ranks`` has posted ``topic``; fail naming the ranks
         that did not, at the deadline, or as soon as one of them stops beating."""
-        keys = [self._key(topic, r) for r in ranks]
-        pause = _POLL_FIRST_SECONDS
-        next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
-        while not self.store.check(keys):
-            if deadline.expired():
-                raise PeerTimeoutError(
-                    f"rank(s) {self._missing(ranks, keys)} did not {what} within "
-                    f"{deadline.timeout:.1f} s (waiting on rank {self.rank}); they may have "
-                    "died or be stuck"
-                )
-            if time.monotonic() >= next_liveness_check:
-                next_liveness_check = time.monotonic() + LIVENESS_CHECK_SECONDS
-                silent = self._liveness.silent(self._missing(ranks, keys))
-                if silent:
-                    rank, seconds = min(silent.items())
-                    message = (
-                        f"rank {rank} died or stopped: no heartbeat for {seconds:.1f} s while "
-                        f"rank {self.rank} waited for it to {what}"
-                    )
-                    self.dead.update({r: message for r in silent})
-                    raise PeerDiedError(message)
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX_SECONDS)
+        try:
+            wait_for_keys(
+                self.store,
+                {r: self._key(topic, r) for r in ranks},
+                f"them to {what}",
+                deadline,
+                f"rank {self.rank}",
+                self._liveness.dead,
+            )
+        except PeerDiedError as exc:
+            self.dead.update(dict.fromkeys(exc.ranks, str(exc)))
+            raise
 
     def known_dead(self) -> dict[int, str]:
         """Ranks found dead that are still silent (a rank that beats again is forgiven)."""

@@ -14,11 +14,11 @@ are all busy training still beats.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from ..core import control_plane as core_heartbeat
 
 BEAT_SECONDS = 1.0
 SILENT_AFTER_SECONDS = 6.0
@@ -26,31 +26,14 @@ SILENT_AFTER_SECONDS = 6.0
 :data:`SILENT_AFTER_SECONDS` plus one check (under ten seconds)."""
 
 
-class Heartbeat:
-    """Adds one to ``key`` in ``store`` every ``BEAT_SECONDS`` until :meth:`close`."""
+class Heartbeat(core_heartbeat.Heartbeat):
+    """Adds one to ``key`` in ``store`` every ``interval`` seconds until :meth:`close`."""
 
     def __init__(self, store: dist.Store, key: str, interval: float = BEAT_SECONDS) -> None:
-        self._store = store
-        self._key = key
-        self._interval = interval
-        self._stop = threading.Event()
-        self._store.add(self._key, 1)
-        self._thread = threading.Thread(target=self._run, name="slipstream-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self._store.add(self._key, 1)
-            except Exception:  # the store's host is gone: waits on it fail on their own
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10 * self._interval)
+        super().__init__(store, key, interval)
 
 
-class LivenessWatch:
+class LivenessWatch(core_heartbeat.LivenessWatch):
     """When each peer's heartbeat counter last moved, seen from this process."""
 
     def __init__(
@@ -59,24 +42,4 @@ class LivenessWatch:
         key_of: Callable[[int], str],
         silent_after: float = SILENT_AFTER_SECONDS,
     ) -> None:
-        self._store = store
-        self._key_of = key_of
-        self.silent_after = silent_after
-        self._seen: dict[int, tuple[int, float]] = {}
-
-    def silent(self, ranks: list[int]) -> dict[int, float]:
-        """Of ``ranks``, those that beat once but not in the last ``silent_after`` seconds,
-        with how long they have been silent."""
-        now = time.monotonic()
-        quiet = {}
-        for rank in ranks:
-            key = self._key_of(rank)
-            if not self._store.check([key]):
-                continue
-            count = int(self._store.get(key))
-            last = self._seen.get(rank)
-            if last is None or last[0] != count:
-                self._seen[rank] = (count, now)
-            elif now - last[1] >= self.silent_after:
-                quiet[rank] = now - last[1]
-        return quiet
+        super().__init__(store, key_of, silent_after)

@@ -11,8 +11,16 @@ Each publisher/subscriber set opens a channel (:meth:`SyncGroup.open_channel`): 
 process groups are scoped under its name, given or numbered in creation order per (trainer
 ranks, rollout ranks), and a process opens a name at most once per group.
 
-Invariant: every wait on the store has a timeout, and its error names the ranks that did
-not answer.
+Membership: every rank beats (a thread adds to ``alive/{rank}`` every :data:`BEAT_SECONDS`),
+and a rank is dead (:meth:`SyncGroup.dead`) when its process is gone (same host) or its
+beat has been still for :data:`SILENT_AFTER_SECONDS`. A process that restarts calls
+:func:`init_group` again with its old rank: it posts a new ``hello`` (its pid, its
+incarnation number) and beats on the same key, so every rank sees it alive again and reads
+its new pid; the store, hosted by rank 0, outlives it.
+
+Invariant: every wait on the store has a timeout and runs through the control plane
+(:mod:`..core.control_plane`): its error names the ranks that did not answer, and a rank
+found dead ends it within seconds.
 """
 
 from __future__ import annotations
@@ -26,13 +34,26 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from ..core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
+from ..core.waits import Deadline
 from ..errors import PeerTimeoutError, SyncError
 
 STORE_PREFIX = "slipstream/sync/"
+BEAT_SECONDS = 0.5
+SILENT_AFTER_SECONDS = 3.0
+"""Silence that marks a rank on another host dead (six missed beats): with a look every
+quarter second, a death is noticed within four seconds; on the same host at once."""
+
+_T = TypeVar("_T")
+#: A process group's backend (gloo or nccl): torch's stubs give them no common base with
+#: the methods used here (send, recv, broadcast).
+Backend = Any
+_GLOO: Any = dist.ProcessGroupGloo
 
 
 def host_identity() -> str:
@@ -45,13 +66,40 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+@dataclass(frozen=True)
+class Member:
+    """One rank's current process: its host identity, pid and incarnation (1 for the first
+    process at that rank, 2 for the one that replaced it, ...)."""
+
+    host: str
+    pid: int
+    incarnation: int
+
+
+class _Membership:
+    """This process's heartbeat and its view of everyone's (shared by every channel)."""
+
+    def __init__(self, root: dist.Store, beat_store: dist.Store, rank: int) -> None:
+        self.root = root
+        self.watch = LivenessWatch(root, self.alive_key, SILENT_AFTER_SECONDS)
+        self.heartbeat = Heartbeat(beat_store, STORE_PREFIX + self.alive_key(rank), BEAT_SECONDS)
+
+    @staticmethod
+    def alive_key(rank: int) -> str:
+        return store_key("alive", rank)
+
+    def close(self) -> None:
+        self.heartbeat.close()
+
+
 @dataclass
 class SyncGroup:
     """Membership of one sync group as seen from one rank.
 
-    ``store`` is the group's own (prefixed) store; ``hosts[r]`` and ``pids[r]`` are rank ``r``'s
-    host identity and process id.
-    Process groups made by :meth:`subgroup` are cached and belong to this object.
+    ``store`` is the group's own (prefixed) store; :meth:`member` reads a rank's current
+    process (host, pid, incarnation) from it, so a rank whose process was replaced is seen
+    with its new pid. Process groups made by :meth:`subgroup` are cached and belong to this
+    object.
     """
 
     store: dist.Store
@@ -60,12 +108,12 @@ class SyncGroup:
     timeout: float
     backend: str
     addr: str
-    hosts: list[str]
-    pids: list[int]
+    incarnation: int
     _tcp_store: dist.Store
     _root_store: dist.Store
+    _membership: _Membership
     channel_name: str = ""
-    _subgroups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = field(default_factory=dict)
+    _subgroups: dict[tuple[str, str, tuple[int, ...]], Backend] = field(default_factory=dict)
     # shared by every channel view of this group (dataclasses.replace keeps the references)
     _channels: _Channels = field(default_factory=lambda: _Channels(), repr=False, compare=False)
 
@@ -76,32 +124,35 @@ class SyncGroup:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def subgroup(self, ranks: Sequence[int]) -> dist.ProcessGroup:
+    def subgroup(self, ranks: Sequence[int], tag: str = "") -> Backend:
         """A process group over ``ranks`` (this rank must be one), built from the group's store.
 
-        Every member must call this with the same ranks; construction waits for all of them.
+        Every member must call this with the same ranks and ``tag``; construction waits for
+        all of them. A new ``tag`` (an epoch) builds a new group over the same ranks: torch
+        process groups cannot change members, so a rank whose process was replaced is met
+        in a group of a new tag.
         """
         key = tuple(ranks)
-        cached = self._subgroups.get((self.channel_name, key))
+        cached = self._subgroups.get((self.channel_name, tag, key))
         if cached is not None:
             return cached
         if self.rank not in key:
             raise ValueError(f"rank {self.rank} is not a member of subgroup {list(key)}")
-        name = f"pg/{self.channel_name}/" + "_".join(map(str, key)) + "/"
+        name = store_key("pg", self.channel_name, tag, "_".join(map(str, key))) + "/"
         # the rendezvous blocks in the store: on a client of its own, so that it never holds
         # the one other threads (other channels, the publisher's worker) poll with
         prefix = dist.PrefixStore(STORE_PREFIX + name, self._store_client())
         rank_in_group = key.index(self.rank)
         try:
             if self.backend == "gloo":
-                opts = dist.ProcessGroupGloo._Options()
+                opts = _GLOO._Options()
                 opts._timeout = timedelta(seconds=self.timeout)
                 if self.addr in ("127.0.0.1", "localhost"):
                     device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
                 else:
                     device = dist.ProcessGroupGloo.create_default_device()
                 opts._devices = [device]
-                pg = dist.ProcessGroupGloo(prefix, rank_in_group, len(key), opts)
+                pg: Backend = _GLOO(prefix, rank_in_group, len(key), opts)
             else:
                 nccl_opts = dist.ProcessGroupNCCL.Options()
                 nccl_opts._timeout = timedelta(seconds=self.timeout)
@@ -111,12 +162,17 @@ class SyncGroup:
                 f"rank {self.rank}: building the sync subgroup over ranks {list(key)} failed "
                 f"within {self.timeout} s (a member did not join?): {exc}"
             ) from exc
-        self._subgroups[(self.channel_name, key)] = pg
+        self._subgroups[(self.channel_name, tag, key)] = pg
         return pg
+
+    def drop_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
+        """Forget the process group of ``ranks`` and ``tag`` and let it go: its connections
+        close, so every member blocked on one of its messages fails at once."""
+        self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)
 
     def _store_client(self) -> dist.Store:
         """A new connection to the group's store (its own lock, its own blocking waits)."""
-        return self._tcp_store.clone()
+        return clone_store(self._tcp_store)
 
     def channel(self, name: str) -> SyncGroup:
         """The same group with keys and process groups of its own, scoped under ``name``.
@@ -140,13 +196,30 @@ class SyncGroup:
         """
         return self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
 
-    def set_json(self, key: str, value: object) -> None:
-        self.store.set(key, json.dumps(value))
+    def post(self, key: str, text: str) -> None:
+        """Write ``text`` (an encoded :mod:`.protocol` message) at ``key``."""
+        self._call(lambda: self.store.set(key, text), f"writing {key}")
 
-    def get_json(self, key: str, rank: int, what: str, timeout: float | None = None) -> object:
+    def post_first(self, key: str, text: str) -> bytes:
+        """Write ``text`` at ``key`` unless some rank wrote it first; return what is there."""
+        result: bytes = self._call(lambda: self.store.compare_set(key, "", text), f"writing {key}")
+        return result
+
+    def set_json(self, key: str, value: object) -> None:
+        self._call(lambda: self.store.set(key, json.dumps(value)), f"writing {key}")
+
+    def get_json(self, key: str, rank: int, what: str, timeout: float | None = None) -> Any:
         """The JSON value at ``key``, written by ``rank``; waits up to ``timeout``."""
+        return json.loads(self.get_text(key, rank, what, timeout))
+
+    def get_text(self, key: str, rank: int, what: str, timeout: float | None = None) -> bytes:
+        """The bytes at ``key``, written by ``rank``; waits up to ``timeout`` (or until
+        ``rank`` is found dead)."""
         self.wait_keys({rank: key}, what, timeout)
-        return json.loads(self._call(lambda: self.store.get(key), what))
+        return self._call(lambda: self.store.get(key), what)
+
+    def has(self, key: str) -> bool:
+        return self._call(lambda: self.store.check([key]), f"looking for {key}")
 
     def count(self, key: str, delta: int = 0) -> int:
         """Add ``delta`` to the counter at ``key`` (created at 0) and return its new value."""
@@ -158,34 +231,28 @@ class SyncGroup:
         what: str,
         timeout: float | None = None,
         idle: Callable[[], None] | None = None,
-    ) -> None:
-        """Wait until every ``keys[rank]`` exists; on expiry name the ranks that did not write.
-
-        Polls with ``check`` rather than a blocking ``wait``: a store client serves one
-        request at a time, so a long blocking wait on one thread would stall every other
-        thread of the process that uses the same store. ``idle`` runs between polls.
-        """
+        drop_dead: bool = False,
+    ) -> dict[int, str]:
+        """Wait until every ``keys[rank]`` exists (:func:`..core.control_plane.wait_for_keys`,
+        with this group's liveness): a rank found dead ends the wait at once with
+        :class:`~slipstream.errors.PeerDiedError` naming it, or with ``drop_dead`` is no
+        longer waited for (returned, with why). ``idle`` runs between polls."""
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        pending = dict(keys)
-        sleep = 0.0005
-        while pending:
-            for r, k in list(pending.items()):
-                if self._call(lambda k=k: self.store.check([k]), what):
-                    del pending[r]
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: rank(s) {sorted(pending)} did not answer within "
-                    f"{timeout:.1f} s while waiting for {what}"
-                )
-            if idle is not None:
-                idle()
-            time.sleep(sleep)
-            sleep = min(0.02, sleep * 2)
+        return self._call(
+            lambda: wait_for_keys(
+                self.store,
+                keys,
+                what,
+                Deadline(timeout),
+                f"rank {self.rank}",
+                self.dead,
+                idle,
+                drop_dead,
+            ),
+            what,
+        )
 
-    def _call(self, fn, what: str):
+    def _call(self, fn: Callable[[], _T], what: str) -> _T:
         try:
             return fn()
         except dist.DistNetworkError as exc:
@@ -194,29 +261,61 @@ class SyncGroup:
                 f"{what}: {exc}"
             ) from exc
 
+    def member(self, rank: int) -> Member:
+        """Rank ``rank``'s current process, as it posted when it (re)joined."""
+        hello = json.loads(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
+        return Member(hello["host"], hello["pid"], hello["incarnation"])
+
     def colocated(self, ranks: Iterable[int]) -> bool:
         """True when every rank in ``ranks`` shares this rank's host."""
-        return all(self.hosts[r] == self.hosts[self.rank] for r in ranks)
+        here = host_identity()
+        return all(self.member(r).host == here for r in ranks)
 
-    def exited(self, ranks: Iterable[int], grace: float = 1.0) -> list[int]:
-        """Those of ``ranks`` on this host whose process is gone (others cannot be told),
-        looking for up to ``grace`` seconds: a peer's sockets close while it exits, a moment
-        before its process is gone."""
-        local = [r for r in ranks if self.colocated([r])]
-        if not local:
-            return []
+    def dead(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Those of ``ranks`` found dead, with why: a process of this host that is gone, or
+        a rank whose heartbeat has been still for :data:`SILENT_AFTER_SECONDS`."""
+        here = host_identity()
+        found = {}
+        remote = []
+        for r in ranks:
+            m = self.member(r)
+            if m.host == here:
+                if not process_alive(m.pid):
+                    found[r] = f"its process (pid {m.pid}) is gone"
+            else:
+                remote.append(r)
+        if remote:
+            found.update(
+                self._call(lambda: self._membership.watch.dead(remote), "reading heartbeats")
+            )
+        return found
+
+    def find_dead(
+        self, ranks: Sequence[int], grace: float = SILENT_AFTER_SECONDS + 1
+    ) -> dict[int, str]:
+        """:meth:`dead`, looking for up to ``grace`` seconds: after a broken transfer, the
+        process that broke it exits a moment after its sockets close (and a rank on
+        another host is known dead only once its beat has been still long enough)."""
         deadline = time.monotonic() + grace
         while True:
-            gone = [r for r in local if not process_alive(self.pids[r])]
+            gone = self.dead(ranks)
             if gone or time.monotonic() >= deadline:
                 return gone
-            time.sleep(0.02)
+            time.sleep(0.05)
+
+    def exited(self, ranks: Iterable[int], grace: float = 1.0) -> list[int]:
+        """Those of ``ranks`` on this host whose process is gone, looking for up to
+        ``grace`` seconds."""
+        here = host_identity()
+        local = [r for r in ranks if self.member(r).host == here]
+        return sorted(self.find_dead(local, grace)) if local else []
 
     def close(self, timeout: float | None = None) -> None:
-        """Leave the group: shut our subgroups down, then say goodbye on the store.
+        """Leave the group: shut our subgroups down, stop beating, say goodbye on the store.
 
         Rank 0 hosts the store, so it waits (up to ``timeout``) until every other rank said
-        goodbye before it returns and may exit; a rank that never does is named.
+        goodbye or is found dead before it returns and may exit; a rank that never does is
+        named.
         """
         for pg in self._subgroups.values():
             shutdown = getattr(pg, "shutdown", None)
@@ -226,6 +325,7 @@ class SyncGroup:
                 except RuntimeError:
                     pass
         self._subgroups.clear()
+        self._membership.close()
         try:
             self._root_store.set(f"bye/{self.rank}", "1")
         except RuntimeError:
@@ -233,7 +333,10 @@ class SyncGroup:
         if self.rank == 0:
             root = dataclasses.replace(self, store=self._root_store)
             root.wait_keys(
-                {r: f"bye/{r}" for r in range(self.world_size)}, "every rank to leave", timeout
+                {r: f"bye/{r}" for r in range(self.world_size)},
+                "every rank to leave",
+                timeout,
+                drop_dead=True,
             )
 
     def __enter__(self) -> SyncGroup:
@@ -280,6 +383,12 @@ class _Channels:
             return name
 
 
+def clone_store(store: dist.Store) -> dist.Store:
+    """A new client of the TCP store ``store`` (torch's stubs do not list ``clone``)."""
+    client: dist.Store = cast(Any, store).clone()
+    return client
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` of this host still runs (possibly another user's); one that
     exited but was not yet reaped by its parent (a zombie) counts as gone."""
@@ -309,6 +418,10 @@ def init_group(
 
     Does not touch the default process group. Returns once every rank has joined, or raises
     :class:`PeerTimeoutError` naming the ranks that did not within ``timeout`` seconds.
+
+    A process that replaces a dead one calls this with the dead one's rank (the store's host,
+    rank 0, must still run): it joins the running group; the others see its new process
+    from then on (see :mod:`.publisher` for how it takes part in publishes again).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -324,10 +437,17 @@ def init_group(
         wait_for_workers=False,
     )
     store = dist.PrefixStore(STORE_PREFIX, tcp)
-    store.set(f"hello/{rank}", json.dumps({"host": host_identity(), "pid": os.getpid()}))
-    group = SyncGroup(store, rank, world_size, seconds, backend, addr, [], [], tcp, store)
-    group.wait_keys({r: f"hello/{r}" for r in range(world_size)}, "every rank to join", seconds)
-    hello = [json.loads(store.get(f"hello/{r}")) for r in range(world_size)]
-    group.hosts = [h["host"] for h in hello]
-    group.pids = [h["pid"] for h in hello]
+    incarnation = store.add(f"incarnation/{rank}", 1)
+    store.delete_key(f"bye/{rank}")
+    hello = {"host": host_identity(), "pid": os.getpid(), "incarnation": incarnation}
+    store.set(f"hello/{rank}", json.dumps(hello))
+    membership = _Membership(store, clone_store(tcp), rank)
+    group = SyncGroup(
+        store, rank, world_size, seconds, backend, addr, incarnation, tcp, store, membership
+    )
+    try:
+        group.wait_keys({r: f"hello/{r}" for r in range(world_size)}, "every rank to join")
+    except BaseException:
+        membership.close()
+        raise
     return group

@@ -1,95 +1,68 @@
-"""The trainer side: :class:`WeightPublisher`.
+"""The trainer side: :class:`WeightPublisher`, one publish round after another.
 
-One publish is one *round* ``k`` (rounds are counted identically on every rank):
+A publish is one round of the protocol in :mod:`.protocol`: the lead trainer
+(``trainer_ranks[0]``) gathers the requests of the rollouts that take part, leaving out any
+found dead, and starts the round (version, plan, epoch, members); each trainer packs the
+buckets it owns and sends them over the epoch's transport (built by
+:mod:`.negotiation` when the members change); the members acknowledge. In ``cached`` mode
+the caller's thread only snapshots into the host cache (:mod:`.cache`) and the worker
+thread runs the round from it, serving rollouts that ask again meanwhile.
 
-1. every rollout writes a request ``req/{r}/{k}`` with the version it holds completely
-   (so a publish waits while a rollout is still applying the previous one);
-2. the lead trainer (``trainer_ranks[0]``) writes ``round/{k}`` = version and plan id (the
-   plan's metadata crosses the store once per layout, under ``plan/{id}``);
-3. each trainer packs the buckets it owns and sends them (pipelined over ``num_slots``
-   reused buffers); a slice whose checksum matches the one it had in the version every
-   rollout holds is left out;
-4. every rollout acknowledges with ``ack/{r}/{k}``; then ``delivered`` resolves.
-
-Every key lives under the publisher/subscriber set's channel (``channel/{name}/``), as do
-its process groups, so sets on one group never meet.
-
-A rollout may also ask again for the version the trainers hold in their caches (``cached``
-mode) without waiting for a publish: it writes ``again/{r}/{n}`` and bumps the counter
-``again/requests``. Each trainer answers ``again/{r}/{n}/from/{t}`` with the version in
-its cache (or why it cannot serve it); the rollout checks that every trainer offers the same
-version and that its plan fits the target, and writes ``again/{r}/{n}/go``; then each
-trainer sends its buckets from the cache over a process group of just the two of them (over
-``cma`` the rollout reads them out of the cache itself), and the rollout acknowledges with
-``again/{r}/{n}/ack``.
+Rollouts that die or come back: a rollout found dead (its process gone, or its heartbeat
+still) is left out of the next rounds, which go on for the others; ``handle.absent`` names
+it. A rollout that dies *during* a round breaks it for everyone: ``delivered`` fails with
+:class:`~slipstream.errors.PeerDiedError` naming it, the trainers post the abort and drop
+the epoch's transport (so every survivor blocked on it is freed at once), and the next
+round starts a new epoch without it. A process that replaces it (same rank, new
+``init_group`` and subscriber) asks for the next round and is a member again from then on.
 
 Threads: in ``direct`` mode the caller's thread packs (reading live tensors, gathering
 DTensors on the user's mesh) and issues asynchronous sends on the sync group; in ``cached``
-mode the caller's thread only snapshots into a reused host cache and the publisher's one
-worker thread, ``slipstream-sync-publisher``, does steps 1-4 from that cache, and, between
-rounds and while it waits for a round's requests, serves the rollouts that ask again. The
-cache is rewritten only under a lock that a request served from it holds. The worker
-only ever talks to the sync group's own store and process groups, never to a group the user
-also uses. :meth:`WeightPublisher.close` (or the context manager) joins it.
+mode the caller's thread only snapshots and the publisher's one worker thread,
+``slipstream-sync-publisher``, runs the round. The worker only ever talks to the sync
+group's own store and process groups, never to a group the user also uses.
+:meth:`WeightPublisher.close` (or the context manager) joins it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import platform
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from ..core.buffers import StagingPool
-from ..core.copy import copy_in_slices
+from ..core.control_plane import died_error
 from ..core.dtypes import dtype_name
 from ..core.handles import fail_unfinished
-from ..errors import PeerTimeoutError, SyncError
-from .cma import CmaSender
+from ..errors import MissingRanksError, PeerDiedError, PeerTimeoutError, SyncError
+from .cache import HostCache, RefetchServer, send_bucket
 from .group import SyncGroup
-from .packing import (
-    NO_BYTES,
-    BucketSources,
-    is_dtensor,
-    pack_slices,
-    packs_any,
-    payload_segments,
-    segment_parts,
-    slice_checksum,
+from .negotiation import (
+    HEADER_CAP,
+    TRANSPORTS,
+    build_sender,
+    candidates,
+    epoch_tag,
+    negotiate,
 )
-from .plan import BucketPlan, Slice, TensorSpec, encode_header, layout_json
-from .shm import ORDERED_STORES, ShmSender, new_ring_path
-from .transport import (
-    RELAY_SEPARATE_MIN_BYTES,
-    SEPARATE_MIN_BYTES,
-    BroadcastSender,
-    Sender,
-)
+from .packing import NO_BYTES, BucketSources, is_dtensor, pack_slices, packs_any
+from .plan import BucketPlan, TensorSpec, layout_json
+from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
+from .transport import Sender
 
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "cached")
-TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma")
-#: Transports over the sync group's process groups (the others need one host).
-NETWORK_TRANSPORTS = ("relay", "broadcast")
-#: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
-#: the trainer's memory).
-LOCAL_TRANSPORTS = ("cma", "shm")
-HEADER_CAP = 64 * 1024
-#: How often a ``cached`` publisher's worker looks for rollouts that ask again, in seconds
-#: (a look is one store request; a refetch waits at most this long to be noticed).
-ASK_AGAIN_POLL = 0.05
-ASK_AGAIN_COUNT = "again/requests"
-#: Buffers per side of a refetch's transfer (allocated for its duration).
-REFETCH_SLOTS = 2
+#: How long a trainer whose transfer broke looks for the rank that broke it (a process of
+#: this host is seen gone at once; one elsewhere once its heartbeat has been still).
+FIND_DEAD_GRACE = 4.0
 
 
 @dataclass
@@ -109,14 +82,17 @@ class PublishTimings:
 
 @dataclass
 class PublishHandle:
-    """``staged``: the trainer may change its weights. ``delivered``: every rollout holds
-    ``version`` (its result is the version). Both are ``concurrent.futures.Future``;
+    """``staged``: the trainer may change its weights. ``delivered``: every rollout that took
+    part holds ``version`` (its result is the version); ``absent`` names the rollouts found
+    dead before the round, which did not take part. Both are ``concurrent.futures.Future``;
     ``timings`` fills in as they resolve."""
 
     version: int
-    staged: Future = field(default_factory=Future)
-    delivered: Future = field(default_factory=Future)
+    staged: Future[None] = field(default_factory=Future)
+    delivered: Future[int] = field(default_factory=Future)
     timings: PublishTimings = field(default_factory=PublishTimings)
+    absent: dict[int, str] = field(default_factory=dict)
+    """Rollouts left out of this publish because they were found dead, with why."""
     started: float = field(default_factory=time.perf_counter, repr=False)
 
     def elapsed(self) -> float:
@@ -126,9 +102,11 @@ class PublishHandle:
         return self.delivered.result(timeout)
 
 
-def named_items(named_tensors: Mapping | Iterable) -> list[tuple[str, torch.Tensor]]:
+def named_items(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    seen = set()
+    seen: set[str] = set()
     for name, t in items:
         if name in seen:
             raise ValueError(f"tensor name {name!r} is published twice")
@@ -142,15 +120,16 @@ def spec_of(name: str, t: torch.Tensor, aliases: Sequence[str] = ()) -> TensorSp
     return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), tuple(aliases))
 
 
-def alias_key(t: torch.Tensor) -> tuple:
+def alias_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Equal for two tensors exactly when they are the same bytes seen the same way: the same
     storage, offset, shape, stride and dtype (a DTensor: the same local shard, global shape,
     stride and placements). A tensor without bytes of its own is only its own alias."""
-    extra: tuple = ()
+    extra: tuple[Any, ...] = ()
     local = t
     if is_dtensor(t):
-        local = t._local_tensor  # type: ignore[attr-defined]
-        extra = (tuple(t.stride()), tuple(map(str, t.placements)), id(t.device_mesh))
+        dt: Any = t
+        local = dt._local_tensor
+        extra = (tuple(t.stride()), tuple(map(str, dt.placements)), id(dt.device_mesh))
     if local.numel() == 0 or local.device.type == "meta" or local.data_ptr() == 0:
         return ("object", id(t))
     return (
@@ -170,7 +149,7 @@ def unique_tensors(
 ) -> tuple[list[TensorSpec], list[torch.Tensor]]:
     """The specs and tensors to send: each tensor once, under the first name it appears with,
     its spec listing its other names (aliases, e.g. tied embeddings) in order of appearance."""
-    index: dict[tuple, int] = {}
+    index: dict[tuple[Any, ...], int] = {}
     names: list[list[str]] = []
     tensors: list[torch.Tensor] = []
     for name, t in items:
@@ -190,8 +169,10 @@ class WeightPublisher:
     """Publishes named tensors from ``trainer_ranks`` to ``rollout_ranks`` over ``group``.
 
     Every trainer rank constructs one (with the same arguments) and calls :meth:`publish`
-    with the same names, shapes, dtypes and version. Construction sets up the transport
-    and waits (up to the group's timeout) for the rollouts to construct their subscribers.
+    with the same names, shapes, dtypes and version. Construction settles the kind of
+    transport with the rollouts (over ``cma`` it waits, up to the group's timeout, for them
+    to try reading this process's memory); the transport itself is built for the rollouts
+    of the first round, and again whenever they change.
 
     ``transport``: ``"auto"`` picks ``"cma"`` (rollouts copy straight out of this process's
     memory) when every rollout shares this host and the kernel lets them read it, else
@@ -214,9 +195,9 @@ class WeightPublisher:
     dtype, e.g. tied embeddings in ``model.state_dict()``) are sent once; the plan lists
     their other names and the rollouts apply them under each.
 
-    Invariants: versions strictly increase; a round starts only once every rollout asked
-    for it; ``staged`` resolves only after the last byte this rank reads from the caller's
-    tensors has been copied, sent or read by every rollout.
+    Invariants: versions strictly increase; a round starts only once every rollout not
+    found dead asked for it; ``staged`` resolves only after the last byte this rank reads
+    from the caller's tensors has been copied, sent or read by every member.
     """
 
     def __init__(
@@ -253,8 +234,6 @@ class WeightPublisher:
         self.mode = mode
         self.timeout = group.timeout if timeout is None else timeout
         self.history = history
-        self._separate_min_asked = separate_min_bytes
-        self.separate_min_bytes: int | None = None
         self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
         self.bytes_sent = 0
         self.peak_gathered_bytes = 0
@@ -263,164 +242,51 @@ class WeightPublisher:
         self._plan: BucketPlan | None = None
         self._announced: set[str] = set()
         self._checksums: dict[int, dict[int, int]] = {}
-        self._pool = StagingPool(pin=torch.cuda.is_available())
-        self._cache: torch.Tensor | None = None
-        self._cache_offsets: dict[int, int] = {}
-        self._cache_version: int | None = None
-        self._cache_plan: BucketPlan | None = None
-        self._cache_lock = threading.Lock()
-        self._asks_seen = 0
-        self._asks_looked = 0.0
-        self._asks_next = dict.fromkeys(self.rollout_ranks, 0)
-        self._last_round: Future | None = None
-        self._jobs: queue.Queue = queue.Queue()
+        self._last_round: Future[int] | None = None
+        self._jobs: queue.Queue[tuple[Callable[[], int], PublishHandle, int] | None] = queue.Queue()
         self._closed = False
-        self.transport = transport
-        self._sender = self._make_sender(self._transport_candidates(transport), num_slots)
+        self._sender: Sender | None = None
+        self._sent_by_old_senders = 0
+        self._epoch = -1
+        self._members: list[int] = []
+        self._lives: dict[str, int] = {}
+        self._broken = False
+        self._live_round = -1
+        self._offer = negotiate(
+            self.group,
+            self.rollout_ranks,
+            candidates(self.group, transport, self.rollout_ranks),
+            mode,
+            bucket_bytes,
+            num_slots,
+            separate_min_bytes,
+            self.timeout,
+        )
+        self.transport = self._offer.kind
+        assert self._offer.shape is not None
+        self.separate_min_bytes = self._offer.shape.separate_min
+        self._cache = HostCache(self.rank, self.timeout)
+        self._refetch = RefetchServer(
+            self.group,
+            self._cache,
+            self.rollout_ranks,
+            self.transport,
+            separate_min_bytes,
+            self.timeout,
+            self.rollout_versions,
+        )
         self._thread = threading.Thread(
             target=self._work, name="slipstream-sync-publisher", daemon=True
         )
         self._thread.start()
 
-    def _transport_candidates(self, transport: str) -> list[str]:
-        """The transports to try, best first: ``auto`` picks a colocated one when every
-        rollout shares this host (and the weights are in host memory), else relay (host
-        memory) or broadcast (device memory)."""
-        local = self.group.colocated(self.rollout_ranks) and self.group.device.type == "cpu"
-        if transport in LOCAL_TRANSPORTS and not local:
-            raise ValueError(
-                f"transport={transport!r} needs every rollout on trainer rank {self.rank}'s "
-                "host and host buffers"
-            )
-        if transport in LOCAL_TRANSPORTS and not ORDERED_STORES:
-            raise ValueError(
-                f"transport={transport!r} needs an x86 CPU: its handshake relies on ordered "
-                f"stores, which {platform.machine()} does not guarantee; use 'broadcast'"
-            )
-        if transport != "auto":
-            return [transport]
-        if local and ORDERED_STORES:
-            return list(LOCAL_TRANSPORTS)
-        return ["relay" if self.group.device.type == "cpu" else "broadcast"]
-
-    def _make_sender(self, candidates: list[str], num_slots: int) -> Sender:
-        """Agree with the rollouts on the first of ``candidates`` they can all use, build
-        this rank's sender for it and tell them (``transport/{rank}``)."""
-        if "cma" in candidates:
-            refused = self._probe_remote_reads()
-        else:
-            refused = {}
-            self.group.set_json(f"transport/{self.rank}/probe", None)
-        if refused:
-            why = "; ".join(f"rollout rank {r}: {e}" for r, e in refused.items())
-            if candidates == ["cma"]:
-                error = (
-                    f"transport='cma': rollouts cannot read trainer rank {self.rank}'s memory "
-                    f"({why}); they need ptrace access to it (docs/sync.md), else use 'shm'"
-                )
-                self.group.set_json(f"transport/{self.rank}", {"error": error})
-                raise SyncError(error)
-            logger.info("trainer rank %d: no cross-memory reads (%s); using 'shm'", self.rank, why)
-            candidates = [c for c in candidates if c != "cma"]
-        self.transport = candidates[0]
-        self.separate_min_bytes = self._separate_min(self.transport)
-        info = {
-            "kind": self.transport,
-            "mode": self.mode,
-            **self._receiver_shape(self.bucket_bytes, num_slots, self.separate_min_bytes),
-        }
-        if self.transport in NETWORK_TRANSPORTS:
-            self.group.set_json(f"transport/{self.rank}", info)
-            return self._broadcast_sender(
-                self.rollout_ranks, self.bucket_bytes, num_slots, self.transport == "relay"
-            )
-        path = new_ring_path(self.rank)
-        ring_sender = CmaSender if self.transport == "cma" else ShmSender
-        sender = ring_sender(
-            path,
-            self.rank,
-            self.bucket_bytes,
-            HEADER_CAP,
-            num_slots,
-            self.rollout_ranks,
-            [self.group.pids[r] for r in self.rollout_ranks],
-            self.timeout,
-        )
-        info.update(path=path, pid=self.group.pids[self.rank])
-        self.group.set_json(f"transport/{self.rank}", info)
-        try:
-            self.group.wait_keys(
-                {r: f"transport/{self.rank}/opened/{r}" for r in self.rollout_ranks},
-                f"rollouts to map trainer rank {self.rank}'s shared-memory ring",
-                self.timeout,
-            )
-        finally:
-            sender.unlink()
-        return sender
-
-    def _probe_remote_reads(self) -> dict[int, str]:
-        """Ask every rollout to read a few random bytes from this process; return why each
-        one that could not failed (empty when all could)."""
-        probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
-        self.group.set_json(
-            f"transport/{self.rank}/probe",
-            {"pid": self.group.pids[self.rank], "addr": probe.data_ptr(), "bytes": probe.tolist()},
-        )
-        replies = {r: f"transport/{self.rank}/probed/{r}" for r in self.rollout_ranks}
-        self.group.wait_keys(
-            replies, f"rollouts to try reading trainer rank {self.rank}'s memory", self.timeout
-        )
-        refused = {}
-        for r, key in replies.items():
-            error = self.group.get_json(key, r, "a memory-read probe")["error"]
-            if error:
-                refused[r] = error
-        return refused
-
-    def _separate_min(self, transport: str) -> int | None:
-        """The ``separate_min_bytes`` asked for, with ``"auto"`` resolved for ``transport``."""
-        if self._separate_min_asked != "auto":
-            return self._separate_min_asked
-        return RELAY_SEPARATE_MIN_BYTES if transport == "relay" else SEPARATE_MIN_BYTES
-
-    @staticmethod
-    def _receiver_shape(bucket_bytes: int, num_slots: int, separate_min: int | None) -> dict:
-        """What a rollout needs to build the receiver that matches this rank's sender."""
-        return {
-            "bucket_bytes": bucket_bytes,
-            "num_slots": num_slots,
-            "header_cap": HEADER_CAP,
-            "separate_min": separate_min,
-        }
-
-    def _broadcast_sender(
-        self,
-        rollouts: Sequence[int],
-        bucket_bytes: int,
-        num_slots: int,
-        relay: bool = False,
-        separate_min: int | None = None,
-    ) -> BroadcastSender:
-        """A sender over the group of this rank and ``rollouts``, relaying along them with
-        ``relay`` (the rollouts build the matching receivers from :meth:`_receiver_shape` of
-        the same arguments); ``separate_min`` defaults to this publisher's."""
-        return BroadcastSender(
-            self.group.subgroup([self.rank, *rollouts]),
-            self.rank,
-            bucket_bytes,
-            HEADER_CAP,
-            num_slots,
-            self.timeout,
-            self.group.device,
-            self.separate_min_bytes if separate_min is None else separate_min,
-            rollouts,
-            functools.partial(self.group.exited, rollouts),
-            relay,
-        )
-
     # ----------------------------------------------------------------------------- publish
-    def publish(self, named_tensors: Mapping | Iterable, version: int) -> PublishHandle:
-        """Send ``named_tensors`` as ``version`` to every rollout.
+    def publish(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+    ) -> PublishHandle:
+        """Send ``named_tensors`` as ``version`` to every rollout not found dead.
 
         ``direct``: returns once nothing more is read from ``named_tensors`` (``staged``
         resolved): this rank packed its last bucket and the slices sent straight from the
@@ -435,24 +301,27 @@ class WeightPublisher:
         items = named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
-        sent_before = self._sender.bytes_sent
+        sent_before = self._bytes_sent()
         try:
             specs, tensors = unique_tensors(items)
             plan = self._plan_for(specs)
             k = self._round
             self._round += 1
             self._last_version = version
+            job: Callable[[], int]
             if self.mode == "direct":
-                helds = self._start_round(k, version, plan)
-                self._pack_and_send(plan, BucketSources(plan, tensors, self.rank), helds, version)
+                start, helds = self._start_round(k, version, plan, handle)
+                sources = BucketSources(plan, tensors, self.rank)
+                self._guarded(k, start, lambda: self._pack_and_send(plan, sources, helds, version))
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
-                job = functools.partial(self._finish_round, k, version)
+                job = functools.partial(self._finish_round, k, start)
             else:
-                self._snapshot(plan, tensors, version)
+                peak = self._cache.snapshot(plan, tensors, version)
+                self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
-                job = functools.partial(self._serve_cached, k, version, plan)
+                job = functools.partial(self._serve_cached, k, version, plan, handle)
         except BaseException as exc:
             fail_unfinished(exc, handle.staged, handle.delivered)
             raise
@@ -485,45 +354,162 @@ class WeightPublisher:
             self._plan = plan
             self._checksums.clear()
         if self.rank == self.leader and plan.plan_id not in self._announced:
-            self.group.set_json(
-                f"plan/{plan.plan_id}",
+            self.group.post(
+                Keys.plan(plan.plan_id),
                 layout_json(plan.specs, plan.bucket_bytes, plan.trainer_ranks),
             )
             self._announced.add(plan.plan_id)
         return plan
 
+    # ------------------------------------------------------------------------------- rounds
     def _start_round(
-        self, k: int, version: int, plan: BucketPlan, serve_asks: bool = False
-    ) -> dict[int, int | None]:
-        """Wait for every rollout's request, agree on the round, return what each holds.
-
-        ``serve_asks`` (on the worker thread only): meanwhile serve rollouts that ask again.
-        """
-        self.group.wait_keys(
-            {r: f"req/{r}/{k}" for r in self.rollout_ranks},
-            f"rollouts to ask for version {version} (round {k})",
-            self.timeout,
-            idle=self._serve_asks_again if serve_asks else None,
-        )
-        helds: dict[int, int | None] = {}
-        for r in self.rollout_ranks:
-            helds[r] = self.group.get_json(f"req/{r}/{k}", r, "a rollout request")["held"]
-        round_info = {"version": version, "plan": plan.plan_id}
+        self,
+        k: int,
+        version: int,
+        plan: BucketPlan,
+        handle: PublishHandle,
+        idle: Callable[[], None] | None = None,
+    ) -> tuple[RoundStart, dict[int, int | None]]:
+        """Agree on round ``k``: its members (the lead trainer waits for every rollout not
+        found dead to ask; the others read the lead's decision), and the epoch, whose
+        transport this rank builds when it is new. Returns the round and what each member
+        holds. ``idle`` runs while the lead waits."""
+        self._live_round = k
         if self.rank == self.leader:
-            self.group.set_json(f"round/{k}", round_info)
+            start = self._gather_round(k, version, plan, idle)
         else:
-            agreed = self.group.get_json(
-                f"round/{k}", self.leader, f"round {k} from the lead trainer"
+            what = f"lead trainer rank {self.leader} to start round {k}"
+            start = decode(
+                RoundStart, self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
             )
-            if agreed != round_info:
+            if start.cancelled:
+                raise SyncError(f"round {k} was cancelled by the lead trainer: {start.cancelled}")
+            mine = RoundStart(version, plan.plan_id, start.epoch, start.members)
+            if not start.agrees(mine):
                 raise SyncError(
-                    f"trainer rank {self.rank} publishes {round_info} but lead trainer rank "
-                    f"{self.leader} publishes {agreed} in round {k}: ranks disagree on the "
+                    f"trainer rank {self.rank} publishes version {version} (plan "
+                    f"{plan.plan_id}) but lead trainer rank {self.leader} publishes version "
+                    f"{start.version} (plan {start.plan}) in round {k}: ranks disagree on the "
                     "version or on the tensors' names/shapes/dtypes"
                 )
-        return helds
+        handle.absent = {int(r): why for r, why in start.absent.items()}
+        for r in handle.absent:
+            self.rollout_versions[r] = None
+        helds = {
+            r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request")).held
+            for r in start.members
+        }
+        if start.epoch != self._epoch:
+            self._guarded(k, start, lambda: self._enter_epoch(start))
+        return start, helds
 
-    def _unchanged_fn(self, helds: dict[int, int | None]):
+    def _gather_round(
+        self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
+    ) -> RoundStart:
+        """The lead's side of :meth:`_start_round`: wait for the requests, post the round."""
+        self.group.post(Keys.NEXT_ROUND, str(k))
+        try:
+            absent = self.group.wait_keys(
+                {r: Keys.request(r, k) for r in self.rollout_ranks},
+                f"rollouts to ask for version {version} (round {k})",
+                self.timeout,
+                idle=idle,
+                drop_dead=True,
+            )
+        except MissingRanksError as exc:
+            cancelled = RoundStart(version, plan.plan_id, self._epoch, [], cancelled=str(exc))
+            self.group.post(Keys.round(k), encode(cancelled))
+            raise
+        lives = {}
+        for r in self.rollout_ranks:
+            if r in absent:
+                continue
+            asked = decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
+            now = self.group.member(r).incarnation
+            if asked.incarnation != now:  # asked by a process that was replaced since
+                absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
+            else:
+                lives[str(r)] = now
+        absent.update(self.group.dead([int(r) for r in lives]))
+        members = [r for r in self.rollout_ranks if r not in absent]
+        lives = {str(r): lives[str(r)] for r in members}
+        epoch = self._epoch
+        if lives != self._lives or self._broken or self._epoch < 0:
+            epoch = self._epoch + 1
+        if absent:
+            logger.warning(
+                "trainer rank %d: version %d goes to rollout rank(s) %s only; left out: %s",
+                self.rank,
+                version,
+                members,
+                absent,
+            )
+        start = RoundStart(
+            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
+        )
+        self.group.post(Keys.round(k), encode(start))
+        self.group.post(Keys.NEXT_ROUND, str(k + 1))
+        return start
+
+    def _enter_epoch(self, start: RoundStart) -> None:
+        """Drop the last epoch's transport and build this rank's sender for ``start``'s."""
+        self._drop_sender()
+        if start.members:
+            self._sender = build_sender(
+                self.group, self._offer, start.epoch, start.members, self.timeout, self._watch
+            )
+        self._epoch, self._members, self._broken = start.epoch, list(start.members), False
+        self._lives = dict(start.lives)
+
+    def _drop_sender(self) -> None:
+        """Let the current epoch's transport go: its process group's connections close."""
+        sender = self._sender
+        if sender is None:
+            return
+        self._sender = None
+        self._sent_by_old_senders += sender.bytes_sent
+        sender.close()
+        self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch))
+
+    def _watch(self) -> None:
+        """Raise when another trainer gave the current round up (a ring wait runs this)."""
+        k = self._live_round
+        if k >= 0 and self.group.has(Keys.abort(k)):
+            abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
+            raise abort.as_error(k)
+
+    def _guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
+        """Run one step of round ``k``; when it fails, give the round up for everyone."""
+        try:
+            return step()
+        except BaseException as exc:
+            raise self._give_up(k, start, exc) from exc
+
+    def _give_up(self, k: int, start: RoundStart, exc: BaseException) -> BaseException:
+        """Post round ``k``'s abort naming the members found dead, drop the epoch's
+        transport (freeing every member blocked on it) and return the error to raise: the
+        dead rank as its subject when one is found."""
+        self._broken = True
+        if isinstance(exc, PeerDiedError):
+            dead = {r: str(exc) for r in exc.ranks}
+        elif isinstance(exc, MissingRanksError | SyncError | RuntimeError):
+            dead = self.group.find_dead(start.members, FIND_DEAD_GRACE)
+        else:
+            dead = {}
+        try:  # the first to see the round break names the culprit; later ones agree
+            mine = encode(RoundAbort(sorted(dead), str(exc)[:2000]))
+            posted = decode(RoundAbort, self.group.post_first(Keys.abort(k), mine))
+            if posted.dead:
+                dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
+        except (RuntimeError, SyncError):
+            pass  # the store's host is gone: every member finds that out by itself
+        self._drop_sender()
+        if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
+            what = f"version {start.version} (round {k})"
+            return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
+        return exc
+
+    def _unchanged_fn(self, helds: dict[int, int | None]) -> Callable[[int, int | None], bool]:
         held_sums = []
         for v in set(helds.values()):
             sums = self._checksums.get(v) if v is not None else None
@@ -542,77 +528,83 @@ class WeightPublisher:
     def _pack_and_send(
         self, plan: BucketPlan, sources: BucketSources, helds: dict[int, int | None], version: int
     ) -> None:
+        sender = self._sender
         unchanged = self._unchanged_fn(helds)
-        separate_min = self._sender.separate_min
+        separate_min = sender.separate_min if sender is not None else None
         sums: dict[int, int] = {}
         sent_from_tensors = False
         for bucket in plan.buckets:
             g = bucket.index
             sources.enter(g)
-            if bucket.owner == self.rank:
+            if bucket.owner == self.rank and sender is not None:
                 slices = plan.bucket_slices(g)
-                out = self._sender.next_buffer() if packs_any(slices, separate_min) else NO_BYTES
+                out = sender.next_buffer() if packs_any(slices, separate_min) else NO_BYTES
                 mask, nbytes, bucket_sums, separate = pack_slices(
                     slices, sources.slice_bytes, out, unchanged, bucket.first_slice, separate_min
                 )
                 sums.update(bucket_sums)
                 sent_from_tensors |= bool(separate)
-                header = encode_header(
-                    torch.empty(bucket.header_bytes, dtype=torch.uint8), nbytes, mask
-                )
-                segments = payload_segments(slices, mask, separate_min)
-                parts = segment_parts(segments, out[:nbytes], separate)
-                self._sender.submit(header.to(out.device), parts)
+                send_bucket(sender, plan, g, mask, nbytes, out, separate)
             sources.leave(g)
-        if sent_from_tensors:  # those sends read the caller's tensors: done before `staged`
-            self._sender.flush()
+        if sent_from_tensors and sender is not None:  # they read the caller's tensors
+            sender.flush()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
-    def _snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor], version: int) -> None:
-        """Copy this rank's buckets into the reused host cache (bucket-by-bucket gathers)."""
-        if not self._cache_lock.acquire(timeout=self.timeout):
-            raise PeerTimeoutError(
-                f"trainer rank {self.rank}: a rollout that asked again held the cache for "
-                f"more than {self.timeout:.1f} s"
-            )
-        try:
-            self._cache_version = None  # torn until the copy below completes
-            self._snapshot_locked(plan, tensors)
-            self._cache_version, self._cache_plan = version, plan
-        finally:
-            self._cache_lock.release()
+    def _serve_cached(self, k: int, version: int, plan: BucketPlan, handle: PublishHandle) -> int:
+        start, helds = self._start_round(k, version, plan, handle, idle=self._refetch.poll)
 
-    def _snapshot_locked(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> None:
-        owned = plan.owned(self.rank)
-        offsets: dict[int, int] = {}
-        total = 0
-        for g in owned:
-            offsets[g] = total
-            total += plan.buckets[g].nbytes
-        cache = self._pool.acquire("sync-cache", max(total, 1))
-        self._pool.release("sync-cache")
-        sources = BucketSources(plan, tensors, self.rank)
-        for bucket in plan.buckets:
-            g = bucket.index
-            sources.enter(g)
-            if bucket.owner == self.rank:
-                base = offsets[g]
-                for s in plan.bucket_slices(g):
-                    start = base + s.bucket_offset
-                    copy_in_slices(cache[start : start + s.nbytes], sources.slice_bytes(s))
-            sources.leave(g)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
-        self._cache, self._cache_offsets = cache, offsets
+        def send() -> None:
+            if self._sender is None:
+                return
+            with self._cache.lock:
+                sums = self._cache.send(
+                    self._sender, plan, self.group.device, self._unchanged_fn(helds)
+                )
+            self._remember(version, sums)
+
+        self._guarded(k, start, send)
+        return self._finish_round(k, start)
+
+    def _finish_round(self, k: int, start: RoundStart) -> int:
+        """Wait until every send left and every member acknowledged round ``k``."""
+        self._guarded(k, start, lambda: self._await_acks(k, start))
+        errors = []
+        for r in start.members:
+            ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
+            self.rollout_versions[r] = ack.holds
+            if ack.error:
+                errors.append(f"rollout rank {r}: {ack.error}")
+        if errors:
+            self._broken = True
+            raise SyncError(
+                f"version {start.version} was not applied everywhere: " + "; ".join(errors)
+            )
+        return start.version
+
+    def _await_acks(self, k: int, start: RoundStart) -> None:
+        if self._sender is not None:
+            self._sender.flush()
+        self.bytes_sent = self._bytes_sent()
+        self.group.wait_keys(
+            {r: Keys.ack(r, k) for r in start.members},
+            f"rollouts to acknowledge version {start.version}",
+            self.timeout,
+            idle=self._watch,
+        )
+
+    def _bytes_sent(self) -> int:
+        current = self._sender.bytes_sent if self._sender is not None else 0
+        return self._sent_by_old_senders + current
 
     # ------------------------------------------------------------------- worker thread
     def _work(self) -> None:
-        poll = ASK_AGAIN_POLL if self.mode == "cached" else None
+        poll = 0.05 if self.mode == "cached" else None
         while True:
             try:
                 item = self._jobs.get(timeout=poll)
             except queue.Empty:
-                self._serve_asks_again()
+                self._refetch.poll()
                 continue
             if item is None:
                 return
@@ -623,8 +615,9 @@ class WeightPublisher:
                 handle.delivered.set_exception(exc)
                 continue
             timings = handle.timings
-            timings.nbytes = self._sender.bytes_sent - sent_before
+            timings.nbytes = self._bytes_sent() - sent_before
             timings.delivered = handle.elapsed()
+            self.bytes_sent = self._bytes_sent()
             logger.info(
                 "trainer rank %d published version %d: %.3f GiB sent, blocked %.3f s, "
                 "staged in %.3f s, delivered in %.3f s",
@@ -637,178 +630,11 @@ class WeightPublisher:
             )
             handle.delivered.set_result(version)
 
-    def _serve_cached(self, k: int, version: int, plan: BucketPlan) -> int:
-        helds = self._start_round(k, version, plan, serve_asks=True)
-        with self._cache_lock:
-            sums = self._send_from_cache(self._sender, plan, self._unchanged_fn(helds))
-        self._remember(version, sums)
-        return self._finish_round(k, version)
-
-    def _send_from_cache(
-        self,
-        sender: Sender,
-        plan: BucketPlan,
-        unchanged: Callable[[int, int | None], bool] | None = None,
-    ) -> dict[int, int]:
-        """Send this rank's buckets of the cache through ``sender``, leaving out the slices
-        ``unchanged`` names; returns every slice's checksum. Without ``unchanged`` every byte
-        is sent and nothing is hashed."""
-        sums: dict[int, int] = {}
-        cache = self._cache
-        assert cache is not None
-        for g in plan.owned(self.rank):
-            bucket = plan.buckets[g]
-            base = self._cache_offsets[g]
-            view = cache[base : base + bucket.nbytes]
-
-            def cached(s: Slice, view: torch.Tensor = view) -> torch.Tensor:
-                return view[s.bucket_offset : s.bucket_offset + s.nbytes]
-
-            slices = plan.bucket_slices(g)
-            mask = [1] * len(slices)
-            for j, s in enumerate(slices if unchanged is not None else ()):
-                cs = slice_checksum(cached(s))
-                if cs is not None:
-                    sums[bucket.first_slice + j] = cs
-                mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
-            header = torch.empty(bucket.header_bytes, dtype=torch.uint8)
-            segments = payload_segments(slices, mask, sender.separate_min)
-            if all(mask) and view.device == self.group.device:
-                # the cache already holds the payload where the transport reads: no copy
-                parts = segment_parts(segments, view, {})
-                sender.submit(encode_header(header, bucket.nbytes, mask), parts)
-                continue
-            out = sender.next_buffer()
-            kept = [s for s, m in zip(slices, mask, strict=True) if m]
-            _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
-            parts = segment_parts(segments, out[:nbytes], {})
-            sender.submit(encode_header(header, nbytes, mask).to(out.device), parts)
-        return sums
-
-    # ------------------------------------------------------------- rollouts that ask again
-    def _serve_asks_again(self) -> None:
-        """Serve every rollout that asked again since the last look (worker thread only,
-        ``cached`` mode; a look at most every ``ASK_AGAIN_POLL`` seconds).
-
-        A request that cannot be served is answered with the reason; a failure while
-        serving one is the asking rollout's error (it times out or sees a broken
-        transfer), logged here, and never fails a publish.
-        """
-        now = time.monotonic()
-        if now - self._asks_looked < ASK_AGAIN_POLL:
-            return
-        self._asks_looked = now
-        try:
-            count = self.group.count(ASK_AGAIN_COUNT)
-            if count == self._asks_seen:
-                return
-            for r in self.rollout_ranks:
-                while self.group.store.check([f"again/{r}/{self._asks_next[r]}"]):
-                    key = f"again/{r}/{self._asks_next[r]}"
-                    self._asks_next[r] += 1
-                    try:
-                        self._serve_again(r, key)
-                    except (SyncError, RuntimeError) as exc:
-                        logger.warning(
-                            "trainer rank %d could not serve rollout rank %d's refetch: %s",
-                            self.rank,
-                            r,
-                            exc,
-                        )
-            self._asks_seen = count
-        except (SyncError, RuntimeError) as exc:
-            logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
-
-    def _serve_again(self, r: int, key: str) -> None:
-        """Answer rollout ``r``'s request ``key`` with this rank's offer and, once the rollout
-        accepts, send every byte of this rank's buckets from the cache (over ``cma`` the
-        rollout reads them itself). The cache stays locked until the rollout acknowledged."""
-        if not self._cache_lock.acquire(blocking=False):
-            why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
-            self.group.set_json(f"{key}/from/{self.rank}", {"error": why})
-            return
-        try:
-            offer = self._offer()
-            self.group.set_json(f"{key}/from/{self.rank}", offer)
-            if "error" in offer:
-                return
-            go = self.group.get_json(f"{key}/go", r, f"rollout rank {r} to accept version")
-            if not go["go"]:
-                return
-            plan = self._cache_plan
-            assert plan is not None
-            if self.transport != "cma":
-                relay = offer["kind"] == "relay"
-                sender = self._broadcast_sender(
-                    [r], plan.bucket_bytes, REFETCH_SLOTS, relay, offer["separate_min"]
-                )
-                try:
-                    self._send_from_cache(sender, plan)
-                    sender.flush()
-                finally:
-                    sender.close()
-            ack = self.group.get_json(f"{key}/ack", r, f"rollout rank {r} to acknowledge")
-        finally:
-            self._cache_lock.release()
-        self.rollout_versions[r] = ack.get("holds")
-        logger.info(
-            "trainer rank %d served version %s again to rollout rank %d from its cache",
-            self.rank,
-            offer["version"],
-            r,
-        )
-
-    def _offer(self) -> dict:
-        """What this rank can serve again: its cache's version and plan, or why not."""
-        if self._cache_version is None or self._cache_plan is None:
-            return {"error": f"trainer rank {self.rank} holds no complete version yet"}
-        # a colocated rollout reads the cache itself; otherwise host weights travel to it
-        # point to point (a collective of two costs more per message), device weights by
-        # broadcast, as a publish would send them
-        if self.transport == "cma":
-            kind = "cma"
-        else:
-            kind = "relay" if self.group.device.type == "cpu" else "broadcast"
-        offer = {
-            "version": self._cache_version,
-            "plan": self._cache_plan.plan_id,
-            "kind": kind,
-            **self._receiver_shape(
-                self._cache_plan.bucket_bytes, REFETCH_SLOTS, self._separate_min(kind)
-            ),
-        }
-        if self.transport == "cma":
-            assert self._cache is not None  # a complete version is in it
-            offer["cache"] = {
-                "pid": self.group.pids[self.rank],
-                "address": self._cache.data_ptr(),
-                "offsets": {str(g): off for g, off in self._cache_offsets.items()},
-            }
-        return offer
-
-    def _finish_round(self, k: int, version: int) -> int:
-        """Wait until every send left and every rollout acknowledged round ``k``."""
-        self._sender.flush()
-        self.bytes_sent = self._sender.bytes_sent
-        self.group.wait_keys(
-            {r: f"ack/{r}/{k}" for r in self.rollout_ranks},
-            f"rollouts to acknowledge version {version}",
-            self.timeout,
-        )
-        errors = []
-        for r in self.rollout_ranks:
-            ack = self.group.get_json(f"ack/{r}/{k}", r, "an acknowledgement")
-            self.rollout_versions[r] = ack.get("holds")
-            if ack.get("error"):
-                errors.append(f"rollout rank {r}: {ack['error']}")
-        if errors:
-            raise SyncError(f"version {version} was not applied everywhere: " + "; ".join(errors))
-        return version
-
     @property
     def buffer_bytes(self) -> int:
         """Bytes of transfer buffers and host cache this publisher holds."""
-        return self._sender.buffer_bytes + self._pool.live_bytes
+        sender = self._sender.buffer_bytes if self._sender is not None else 0
+        return sender + self._cache.nbytes
 
     def staleness(self) -> dict[int, int | None]:
         """Versions behind the last publish, per rollout (``None``: holds no complete version)."""
@@ -830,9 +656,8 @@ class WeightPublisher:
                 f"trainer rank {self.rank}: the publisher's worker did not finish within "
                 f"{self.timeout:.1f} s (a rollout is not receiving?)"
             )
-        self._sender.close()
-        self._pool.clear()
-        self._cache = None
+        self._drop_sender()
+        self._cache.clear()
 
     def __enter__(self) -> WeightPublisher:
         return self

@@ -10,8 +10,10 @@ goes to slot ``(m - 1) % num_slots``. Handshake, one 8-byte word each:
 - the trainer reuses a slot for message ``m + num_slots`` only once every reader acked ``m``.
 
 The file is unlinked as soon as every reader has mapped it, so nothing is left behind if
-either side dies. Waits poll with short sleeps, check that the peer process is alive, and
-time out naming the peer rank. Stores are ordered on x86 (TSO), so a reader that sees
+either side dies. Waits poll with short sleeps, check that the peer process is alive (and
+run a ``watch`` that fails when the round was given up elsewhere, e.g. another reader died),
+and time out naming the peer rank with the control plane's errors
+(:mod:`..core.control_plane`). Stores are ordered on x86 (TSO), so a reader that sees
 ``ready`` also sees the bytes written before it; on other CPUs (ARM reorders stores) the
 handshake would need fences Python cannot issue, so the ring is offered on x86 only
 (:data:`ORDERED_STORES`, :data:`..core.threads.X86_CPU`).
@@ -29,12 +31,13 @@ import mmap
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ..core.control_plane import died_error
 from ..core.threads import X86_CPU
-from ..errors import PeerTimeoutError, SyncError
+from ..errors import MissingRanksError, SyncError
 from .group import process_alive
 from .transport import Pending, Place
 
@@ -108,21 +111,46 @@ class _Ring:
             pass
 
 
-def _poll(cond, timeout: float, peer: str, peer_pid: int | None, what: str) -> None:
-    """Wait for ``cond()`` with short sleeps; fail fast if the peer died, else on timeout."""
+#: Seconds between looks at the peer's process (and at ``watch``) while a poll waits.
+LOOK_EVERY = 0.05
+
+
+def _poll(
+    cond: Callable[[], bool],
+    timeout: float,
+    peer: tuple[str, int],
+    peer_pid: int | None,
+    what: str,
+    waiter: str,
+    watch: Callable[[], None] | None = None,
+) -> None:
+    """Wait for ``cond()`` with short sleeps. Every :data:`LOOK_EVERY` seconds, fail at once
+    if the peer (``(role, rank)``, process ``peer_pid`` of this host) died, and run
+    ``watch`` (which raises when the round was given up elsewhere); else fail at the
+    timeout. Errors are the control plane's, naming the peer rank."""
     if cond():
         return
+    role, rank = peer
     start = time.monotonic()
     last_check = start
     sleep = 0.0
     while not cond():
         now = time.monotonic()
-        if now - last_check > 0.05:
+        if now - last_check > LOOK_EVERY:
             last_check = now
             if peer_pid is not None and not process_alive(peer_pid):
-                raise SyncError(f"{peer} (pid {peer_pid}) died while {what}")
+                reason = f"{role} rank {rank}'s process (pid {peer_pid}) is gone"
+                raise died_error({rank: reason}, what, now - start, waiter)
+            if watch is not None:
+                watch()
             if now - start > timeout:
-                raise PeerTimeoutError(f"{peer} did not answer within {timeout:.1f} s while {what}")
+                raise MissingRanksError(
+                    f"{role} rank {rank} did not answer within {timeout:.1f} s while {waiter} "
+                    f"waited for {what}",
+                    [rank],
+                    what,
+                    now - start,
+                )
         time.sleep(sleep)
         sleep = min(2e-4, sleep + 2e-5)
 
@@ -160,8 +188,10 @@ class ShmSender:
         reader_ranks: list[int],
         reader_pids: list[int],
         timeout: float,
+        watch: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
+        self.watch = watch
         self.reader_ranks = reader_ranks
         self.reader_pids = reader_pids
         self.timeout = timeout
@@ -185,12 +215,18 @@ class ShmSender:
         ctrl = self.ring.ctrl
         for j, (rank, pid) in enumerate(zip(self.reader_ranks, self.reader_pids, strict=True)):
             word = self.ring.ack_word(slot, j)
+
+            def freed(w: int = word) -> bool:
+                return int(ctrl[w]) >= previous
+
             _poll(
-                lambda w=word: int(ctrl[w]) >= previous,
+                freed,
                 self.timeout,
-                f"rollout rank {rank}",
+                ("rollout", rank),
                 pid,
-                f"trainer rank {self.rank} waited for it to release a shared-memory slot",
+                f"rollout rank {rank} to release a shared-memory slot",
+                f"trainer rank {self.rank}",
+                self.watch,
             )
 
     def next_buffer(self) -> torch.Tensor:
@@ -264,7 +300,9 @@ class ShmReceiver:
         header_cap: int,
         num_slots: int,
         timeout: float,
+        watch: Callable[[], None] | None = None,
     ) -> None:
+        self.watch = watch
         self.ring = _Ring(
             path, num_slots, num_readers, *ring_shape(self, bucket_bytes, header_cap), False
         )
@@ -293,9 +331,11 @@ class ShmReceiver:
             _poll(
                 lambda: int(ctrl[word]) >= message,
                 self.timeout,
-                f"trainer rank {self.root_rank}",
+                ("trainer", self.root_rank),
                 self.root_pid,
-                "a rollout waited for a bucket in shared memory",
+                f"a bucket in shared memory from trainer rank {self.root_rank}",
+                "a rollout",
+                self.watch,
             )
             header = self.ring.header(slot)[:header_bytes].clone()
             payload_bytes = int(header[:8].view(torch.int64).item())

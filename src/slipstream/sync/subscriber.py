@@ -28,20 +28,34 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core import process_memory
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
-from ..errors import SyncError
+from ..errors import PeerDiedError, SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
-from .cma import CacheReader, CmaReceiver
+from .cma import CacheReader
 from .group import SyncGroup
+from .negotiation import build_receiver, epoch_tag, network_receiver, read_offer
 from .packing import payload_segments
 from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
-from .publisher import ASK_AGAIN_COUNT, NETWORK_TRANSPORTS
-from .shm import ShmReceiver
-from .transport import BroadcastReceiver, Pending, Receiver
+from .protocol import (
+    Ack,
+    AgainGo,
+    AgainOffer,
+    AgainRequest,
+    Keys,
+    Request,
+    RoundAbort,
+    RoundStart,
+    decode,
+    encode,
+)
+from .transport import Pending, Receiver
 
 logger = logging.getLogger(__name__)
+
+#: How long a rollout whose transfer broke looks for the rank that broke it (the trainers'
+#: abort, or a dead trainer or member) before it raises the transfer's own error.
+EXPLAIN_WITHIN = 5.0
 
 
 class WeightSubscriber:
@@ -51,6 +65,11 @@ class WeightSubscriber:
     side waits for the other up to the group's timeout), with the publishers' ``channel``:
     left out on both sides, the n-th subscriber created for these trainer and rollout ranks
     meets the n-th publisher (see :class:`.publisher.WeightPublisher`).
+
+    A process that replaced a dead rollout builds its subscriber the same way, after
+    :func:`.group.init_group` with the old rank: the trainers' publishers go on, and its
+    first :meth:`receive` takes part in the next publish (every byte), or its first
+    :meth:`refetch` gets the version in the trainers' caches at once.
     """
 
     def __init__(
@@ -68,66 +87,23 @@ class WeightSubscriber:
         self.rank = group.rank
         self.trainer_ranks = list(trainer_ranks)
         self.rollout_ranks = list(rollout_ranks)
+        self.leader = self.trainer_ranks[0]
         self.timeout = group.timeout if timeout is None else timeout
         self.bytes_received = 0
-        self._round = 0
-        self._asked_again = 0
+        self._round: int | None = None
+        self._live_round = -1
         self._version: int | None = None
         self._complete = False
         self._held_by: tuple[str, bool] | None = None
         self._plans: dict[str, BucketPlan] = {}
         self._pool = StagingPool()
         self._assembly: dict[tuple[str, int], torch.Tensor] = {}
-        self.transports: dict[int, str] = {}
-        self.modes: dict[int, str] = {}
-        self._receivers: dict[int, Receiver] = {t: self._connect(t) for t in self.trainer_ranks}
-
-    def _connect(self, trainer: int) -> Receiver:
-        what = f"trainer rank {trainer}'s publisher"
-        probe = self.group.get_json(f"transport/{trainer}/probe", trainer, what, self.timeout)
-        if probe is not None:
-            error = process_memory.probe(probe["pid"], probe["addr"], bytes(probe["bytes"]))
-            self.group.set_json(f"transport/{trainer}/probed/{self.rank}", {"error": error})
-        info = self.group.get_json(f"transport/{trainer}", trainer, what, self.timeout)
-        if "error" in info:
-            raise SyncError(f"rollout rank {self.rank}: {info['error']}")
-        self.transports[trainer] = info["kind"]
-        self.modes[trainer] = info["mode"]
-        if info["kind"] in NETWORK_TRANSPORTS:
-            return self._broadcast_receiver(trainer, self.rollout_ranks, info)
-        ring_receiver = CmaReceiver if info["kind"] == "cma" else ShmReceiver
-        receiver = ring_receiver(
-            info["path"],
-            self.rollout_ranks.index(self.rank),
-            len(self.rollout_ranks),
-            trainer,
-            info["pid"],
-            info["bucket_bytes"],
-            info["header_cap"],
-            info["num_slots"],
-            self.timeout,
-        )
-        self.group.set_json(f"transport/{trainer}/opened/{self.rank}", True)
-        return receiver
-
-    def _broadcast_receiver(
-        self, trainer: int, rollouts: Sequence[int], shape: dict
-    ) -> BroadcastReceiver:
-        """A receiver of what ``trainer`` sends over the group of ``trainer`` and
-        ``rollouts``, with the buffers ``shape`` (the trainer's announcement) names, relayed
-        along ``rollouts`` when ``shape`` says so."""
-        members = [trainer, *rollouts]
-        return BroadcastReceiver(
-            self.group.subgroup(members),
-            trainer,
-            shape["bucket_bytes"],
-            shape["header_cap"],
-            shape["num_slots"],
-            self.timeout,
-            self.group.device,
-            shape["separate_min"],
-            chain=members if shape.get("kind") == "relay" else None,
-        )
+        self._offers = {t: read_offer(self.group, t, self.timeout) for t in self.trainer_ranks}
+        self.transports: dict[int, str] = {t: o.kind for t, o in self._offers.items()}
+        self.modes: dict[int, str] = {t: o.mode for t, o in self._offers.items()}
+        self._receivers: dict[int, Receiver] = {}
+        self._epoch = -1
+        self._members: list[int] = []
 
     @property
     def version(self) -> int | None:
@@ -159,34 +135,127 @@ class WeightSubscriber:
         mapped to ``None`` is not applied). ``full=True`` asks for every byte (use it when
         ``target`` does not hold :attr:`version`, e.g. a fresh engine); otherwise tensors
         unchanged since the held version are not resent.
+
+        When another member of the round dies while it runs, raises
+        :class:`~slipstream.errors.PeerDiedError` naming it within seconds (the target
+        then holds no complete version, or with ``atomic=True`` its previous one).
         """
         started = time.perf_counter()
         received_before = self.bytes_received
         sink = make_target(target, name_map, self._assembly)
         held_key = (sink.kind, atomic)
         held = self.version if (not full and self._held_by == held_key) else None
-        k = self._round
-        self._round += 1
-        self.group.set_json(f"req/{self.rank}/{k}", {"held": held})
-        leader = self.trainer_ranks[0]
-        info = self.group.get_json(
-            f"round/{k}", leader, f"lead trainer rank {leader} to start round {k}", self.timeout
-        )
-        version = info["version"]
+        k, start = self._join_round(held)
+        version = start.version
+        ack_key = Keys.ack(self.rank, k)
         try:
-            plan = self._plan(info["plan"], leader)
+            plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._receive_all(_Round(plan, sink, "drain", self._receivers))
+                self._transfer(k, _Round(plan, sink, "drain", self._receivers))
                 raise_problems(problems, version, self.rank)
-            self._take(_Round(plan, sink, "stream" if atomic else "target", self._receivers))
+            into = "stream" if atomic else "target"
+            self._transfer(k, _Round(plan, sink, into, self._receivers))
         except BaseException as exc:
-            self._ack(f"ack/{self.rank}/{k}", {"holds": self.version, "error": str(exc)[:2000]})
+            self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
             raise
         self._hold(version, held_key)
-        self._ack(f"ack/{self.rank}/{k}", {"holds": version})
+        self._ack(ack_key, Ack(version))
         self._log("received", version, received_before, started)
         return version
+
+    def _join_round(self, held: int | None) -> tuple[int, RoundStart]:
+        """Ask for the next round this rank is a member of; return it, with its transport
+        built. A rank that (re)joins starts at the round the lead trainer is gathering; a
+        round that went on without it, or was cancelled, is passed over."""
+        k = self._round
+        if k is None:
+            k = int(self.group.store.get(Keys.NEXT_ROUND)) if self.group.has(Keys.NEXT_ROUND) else 0
+        incarnation = self.group.incarnation
+        while True:
+            self.group.post(Keys.request(self.rank, k), encode(Request(held, incarnation)))
+            self._round = k
+            what = f"lead trainer rank {self.leader} to start round {k}"
+            text = self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
+            start = decode(RoundStart, text)
+            k += 1
+            if start.takes_part(self.rank, incarnation):
+                break
+        self._round = k
+        self._live_round = k - 1
+        if start.epoch != self._epoch:
+            self._enter_epoch(k - 1, start)
+        return k - 1, start
+
+    def _enter_epoch(self, k: int, start: RoundStart) -> None:
+        """Drop the last epoch's receivers and build this epoch's, one per trainer."""
+        self._drop_receivers()
+        try:
+            for t in self.trainer_ranks:
+                self._receivers[t] = build_receiver(
+                    self.group,
+                    self._offers[t],
+                    t,
+                    start.epoch,
+                    start.members,
+                    self.timeout,
+                    self._watch,
+                )
+        except BaseException as exc:
+            self._drop_receivers()
+            raise self._explain(k, exc) from exc
+        self._epoch, self._members = start.epoch, list(start.members)
+
+    def _drop_receivers(self) -> None:
+        """Let the epoch's receivers go: their process groups' connections close, so a
+        member blocked on one (relaying from us) is freed at once."""
+        for receiver in self._receivers.values():
+            receiver.close()
+        self._receivers = {}
+        for t in self.trainer_ranks:
+            self.group.drop_subgroup([t, *self._members], epoch_tag(self._epoch))
+        self._epoch = -1
+
+    def _watch(self) -> None:
+        """Raise when the trainers gave the current round up (a ring wait runs this)."""
+        k = self._live_round
+        if k >= 0 and self.group.has(Keys.abort(k)):
+            raise self._abort(k).as_error(k)
+
+    def _abort(self, k: int) -> RoundAbort:
+        return decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
+
+    def _transfer(self, k: int, rnd: _Round) -> None:
+        """Receive (and apply) a round; when it breaks, drop the epoch's receivers and
+        raise naming the rank that broke it."""
+        try:
+            self._take(rnd)
+        except BaseException as exc:
+            self._drop_receivers()
+            rnd.receivers = {}
+            raise self._explain(k, exc) from exc
+
+    def _explain(self, k: int, exc: BaseException) -> BaseException:
+        """The error for round ``k`` broken by ``exc``: the trainers' abort when they post
+        one, else a dead trainer or member when one is found, within ``EXPLAIN_WITHIN``."""
+        if isinstance(exc, PeerDiedError) or not isinstance(exc, Exception):
+            return exc
+        others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
+        deadline = time.monotonic() + EXPLAIN_WITHIN
+        while True:
+            try:
+                if self.group.has(Keys.abort(k)):
+                    return self._abort(k).as_error(k)
+                dead = self.group.dead(others)
+            except SyncError as lost:  # the store's host (a trainer) is gone
+                return lost
+            if dead:  # the first to see the round break names the culprit
+                mine = encode(RoundAbort(sorted(dead), f"rollout rank {self.rank}: {exc}"[:2000]))
+                self.group.post_first(Keys.abort(k), mine)
+                return self._abort(k).as_error(k)
+            if time.monotonic() >= deadline:
+                return exc
+            time.sleep(0.05)
 
     def refetch(
         self,
@@ -213,59 +282,81 @@ class WeightSubscriber:
         started = time.perf_counter()
         received_before = self.bytes_received
         sink = make_target(target, name_map, self._assembly)
-        key = f"again/{self.rank}/{self._asked_again}"
-        self._asked_again += 1
-        offers = self._ask_again(key)
-        version, plan_id = next((o["version"], o["plan"]) for o in offers.values())
+        n = self.group.count(Keys.again_count(self.rank), 1) - 1
+        offers = self._ask_again(n)
+        first = next(iter(offers.values()))
+        version, plan_id = first.version, first.plan
         problems = [f"plan {plan_id} could not be read"]
         try:
-            plan = self._plan(plan_id, self.trainer_ranks[0])
+            plan = self._plan(plan_id)
             problems = self._problems(plan, sink, version)
         finally:
-            self.group.set_json(f"{key}/go", {"go": not problems})
+            self.group.post(Keys.again_go(self.rank, n), encode(AgainGo(not problems)))
         raise_problems(problems, version, self.rank)
         receivers = {t: self._refetch_receiver(t, plan, o) for t, o in offers.items()}
+        ack_key = Keys.again_ack(self.rank, n)
         try:
             self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
         except BaseException as exc:
-            self._ack(f"{key}/ack", {"holds": self.version, "error": str(exc)[:2000]})
+            self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
+            for t, o in offers.items():
+                if o.cache is None:
+                    self.group.drop_subgroup([t, self.rank], self._again_tag())
             raise
         finally:
             for receiver in receivers.values():
                 receiver.close()
         self._hold(version, (sink.kind, atomic))
-        self._ack(f"{key}/ack", {"holds": version})
+        self._ack(ack_key, Ack(version))
         self._log("refetched", version, received_before, started)
         return version
 
-    def _refetch_receiver(self, trainer: int, plan: BucketPlan, offer: dict) -> Receiver:
-        """Read a colocated trainer's cache directly where it offers that, else receive its
-        broadcasts over a group of the two of us."""
-        cache = offer.get("cache")
-        if cache is None:
-            return self._broadcast_receiver(trainer, [self.rank], offer)
-        offsets = {int(g): off for g, off in cache["offsets"].items()}
-        return CacheReader(trainer, cache["pid"], plan, cache["address"], offsets)
+    def _again_tag(self) -> str:
+        return f"again-i{self.group.incarnation}"
 
-    def _ask_again(self, key: str) -> dict[int, dict]:
-        """Ask every trainer to serve its cache again under ``key``; return their offers,
+    def _refetch_receiver(self, trainer: int, plan: BucketPlan, offer: AgainOffer) -> Receiver:
+        """Read a colocated trainer's cache directly where it offers that, else receive its
+        messages over a group of the two of us."""
+        cache = offer.cache
+        if cache is None:
+            assert offer.shape is not None
+            relay = offer.kind == "relay"
+            return network_receiver(
+                self.group,
+                trainer,
+                [self.rank],
+                offer.shape,
+                relay,
+                self._again_tag(),
+                self.timeout,
+            )
+        offsets = {int(g): off for g, off in cache.offsets.items()}
+        return CacheReader(trainer, cache.pid, plan, cache.address, offsets)
+
+    def _ask_again(self, n: int) -> dict[int, AgainOffer]:
+        """Ask every trainer to serve its cache again (request ``n``); return their offers,
         which name one version and plan. When a trainer cannot serve, or the caches hold
         different versions, tell the trainers not to send and raise."""
-        self.group.set_json(key, {})
-        self.group.count(ASK_AGAIN_COUNT, 1)
+        self.group.post(Keys.again(self.rank, n), encode(AgainRequest(self.group.incarnation)))
+        self.group.count(Keys.ASK_AGAIN_COUNT, 1)
         offers = {
-            t: self.group.get_json(
-                f"{key}/from/{t}", t, f"trainer rank {t} to answer a refetch", self.timeout
+            t: AgainOffer.read(
+                self.group.get_text(
+                    Keys.again_offer(self.rank, n, t),
+                    t,
+                    f"trainer rank {t} to answer a refetch",
+                    self.timeout,
+                )
             )
             for t in self.trainer_ranks
         }
-        problems = [f"trainer rank {t}: {o['error']}" for t, o in offers.items() if "error" in o]
-        versions = {t: (o["version"], o["plan"]) for t, o in offers.items() if "error" not in o}
+        problems = [f"trainer rank {t}: {o.error}" for t, o in offers.items() if o.error]
+        versions = {t: (o.version, o.plan) for t, o in offers.items() if not o.error}
         if not problems and len(set(versions.values())) > 1:
             held = {t: v for t, (v, _) in versions.items()}
             problems.append(f"the trainers' caches differ ({held}): receive() the new version")
         if problems:
-            self.group.set_json(f"{key}/go", {"go": False})
+            self.group.post(Keys.again_go(self.rank, n), encode(AgainGo(False)))
             raise SyncError(f"rollout rank {self.rank} cannot refetch: " + "; ".join(problems))
         return offers
 
@@ -302,17 +393,18 @@ class WeightSubscriber:
             time.perf_counter() - started,
         )
 
-    def _ack(self, key: str, value: dict) -> None:
+    def _ack(self, key: str, ack: Ack) -> None:
         try:
-            self.group.set_json(key, value)
+            self.group.post(key, encode(ack))
         except (RuntimeError, SyncError):
             pass
 
-    def _plan(self, plan_id: str, leader: int) -> BucketPlan:
+    def _plan(self, plan_id: str) -> BucketPlan:
+        leader = self.leader
         plan = self._plans.get(plan_id)
         if plan is None:
-            meta = self.group.get_json(f"plan/{plan_id}", leader, f"plan {plan_id}", self.timeout)
-            plan = plan_from_json(meta)
+            meta = self.group.get_text(Keys.plan(plan_id), leader, f"plan {plan_id}", self.timeout)
+            plan = plan_from_json(meta.decode())
             if plan.plan_id != plan_id:
                 raise SyncError(f"plan {plan_id} from trainer rank {leader} does not match its id")
             self._plans = {plan_id: plan}
@@ -430,9 +522,7 @@ class WeightSubscriber:
 
     def close(self) -> None:
         """Unmap shared memory and free buffers (the group stays open)."""
-        for receiver in self._receivers.values():
-            receiver.close()
-        self._receivers.clear()
+        self._drop_receivers()
         self._pool.clear()
 
     def __enter__(self) -> WeightSubscriber:

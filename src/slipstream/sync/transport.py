@@ -225,9 +225,13 @@ class BroadcastSender:
             self._drain(slot)
 
     def close(self) -> None:
+        """Let go of the buffers, the messages in flight and the process group (its
+        connections close once nothing else holds it)."""
         self._slots.clear()
         self._headers.clear()
         self._sending.clear()
+        self._works = [[] for _ in range(self.num_slots)]
+        self.pg = None
 
 
 class BroadcastReceiver:
@@ -359,4 +363,10 @@ class BroadcastReceiver:
         return Pending(finish, release)
 
     def close(self) -> None:
+        """Let go of the buffers, the messages in flight and the process group (its
+        connections close once nothing else holds it)."""
         self._slots.clear()
+        self._posted = None
+        self._passing = [[] for _ in range(self.num_slots)]
+        self._arriving.clear()
+        self.pg = None

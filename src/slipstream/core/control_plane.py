@@ -1,0 +1,184 @@
+"""The control plane: small messages between ranks through a ``torch.distributed`` store.
+
+Checkpoint coordination, the sync group and the shared-memory handshake all wait for keys
+that other ranks write. They wait here, one way:
+
+- **Keys** are built by :func:`store_key` from their parts, never written inline.
+- **Polling, not blocking.** A store client runs one request at a time, so a thread
+  blocked in the store's ``wait`` would hold up every other thread using that client;
+  :func:`wait_for_keys` polls ``check`` with a pause that starts short and doubles up to a
+  cap (a key that comes at once is seen within a millisecond; a long wait costs a few
+  dozen round trips a second, each of which also wakes the store's server thread).
+- **A deadline, and liveness.** A wait ends at its deadline, and earlier as soon as a rank
+  it is still waiting for is found dead (a :data:`DeadRanks` callable, e.g. a
+  :class:`LivenessWatch` over :class:`Heartbeat` counters); either way it raises one error
+  type, :class:`~slipstream.errors.MissingRanksError` (its subclass
+  :class:`~slipstream.errors.PeerDiedError` for the dead), naming the ranks, what was
+  awaited and for how long.
+
+Invariant: every wait here ends by its deadline, and its error names every rank that did
+not answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch.distributed as dist
+
+from ..errors import MissingRanksError, PeerDiedError
+from .waits import Deadline
+
+POLL_FIRST_SECONDS = 0.0005
+POLL_MAX_SECONDS = 0.02
+LIVENESS_EVERY_SECONDS = 0.25
+"""How often a wait asks whether the ranks it still waits for are alive."""
+
+DeadRanks = Callable[[Sequence[int]], dict[int, str]]
+"""``dead(ranks)``: those of ``ranks`` found dead, each with why (e.g. "no heartbeat for
+3.1 s"); ranks not known dead are left out."""
+
+
+def store_key(*parts: object) -> str:
+    """The store key made of ``parts`` joined by ``/`` (numbers written in decimal)."""
+    if not parts:
+        raise ValueError("a store key needs at least one part")
+    return "/".join(str(p) for p in parts)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``rank(s) [1, 3]``."""
+    return f"rank(s) {sorted(ranks)}"
+
+
+def died_error(dead: Mapping[int, str], what: str, waited: float, waiter: str) -> PeerDiedError:
+    """The error for ``dead`` (rank: why) found while ``waiter`` waited for ``what``."""
+    why = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(dead.items()))
+    return PeerDiedError(
+        f"{ranks_text(list(dead))} died while {waiter} waited {waited:.1f} s for {what} ({why})",
+        list(dead),
+        what,
+        waited,
+    )
+
+
+def wait_for_keys(
+    store: dist.Store,
+    keys: Mapping[int, str],
+    what: str,
+    deadline: Deadline,
+    waiter: str,
+    dead: DeadRanks | None = None,
+    idle: Callable[[], None] | None = None,
+    drop_dead: bool = False,
+) -> dict[int, str]:
+    """Wait until every ``keys[rank]`` exists in ``store``.
+
+    ``what`` says what is awaited and ``waiter`` who waits, for the error. Every
+    :data:`LIVENESS_EVERY_SECONDS`, ``dead`` (when given) is asked about the ranks still
+    missing: one found dead raises :class:`PeerDiedError` at once, or with ``drop_dead`` is
+    no longer waited for. ``idle`` runs between polls. Returns the ranks dropped as dead
+    (rank: why). Raises :class:`MissingRanksError` naming the missing ranks once
+    ``deadline`` expired.
+    """
+    start = time.monotonic()
+    pending = dict(keys)
+    dropped: dict[int, str] = {}
+    pause = POLL_FIRST_SECONDS
+    next_look = start + LIVENESS_EVERY_SECONDS
+    while True:
+        for rank, key in list(pending.items()):
+            if store.check([key]):
+                del pending[rank]
+        if not pending:
+            return dropped
+        now = time.monotonic()
+        if dead is not None and now >= next_look:
+            next_look = now + LIVENESS_EVERY_SECONDS
+            found = dead(sorted(pending))
+            if found and not drop_dead:
+                raise died_error(found, what, now - start, waiter)
+            for rank, why in found.items():
+                pending.pop(rank, None)
+                dropped[rank] = why
+            if not pending:
+                return dropped
+        if deadline.expired():
+            missing = sorted(pending)
+            limit = f"{deadline.timeout:.1f} s" if deadline.timeout is not None else "the deadline"
+            raise MissingRanksError(
+                f"{ranks_text(missing)} did not answer within {limit} while {waiter} "
+                f"waited for {what}",
+                missing,
+                what,
+                now - start,
+            )
+        if idle is not None:
+            idle()
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_SECONDS)
+
+
+class Heartbeat:
+    """Adds one to ``key`` in ``store`` every ``interval`` seconds, from a thread it owns,
+    until :meth:`close` (which joins it). Use a store client of its own: a beat must never
+    queue behind another thread's request."""
+
+    def __init__(self, store: dist.Store, key: str, interval: float) -> None:
+        self._store = store
+        self._key = key
+        self._interval = interval
+        self._stop = threading.Event()
+        self._store.add(self._key, 1)
+        self._thread = threading.Thread(target=self._run, name="slipstream-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the store's host is gone: waits on it fail on their own
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10 * self._interval)
+
+
+class LivenessWatch:
+    """When each peer's heartbeat counter last moved, seen from this process (so hosts'
+    clocks need not agree). A rank that never beat is not judged; one that beats again
+    (a restarted process on the same key) is alive again."""
+
+    def __init__(
+        self, store: dist.Store, key_of: Callable[[int], str], silent_after: float
+    ) -> None:
+        self._store = store
+        self._key_of = key_of
+        self.silent_after = silent_after
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def silent(self, ranks: Sequence[int]) -> dict[int, float]:
+        """Of ``ranks``, those that beat once but not in the last ``silent_after`` seconds,
+        with how long they have been silent."""
+        now = time.monotonic()
+        quiet = {}
+        for rank in ranks:
+            key = self._key_of(rank)
+            if not self._store.check([key]):
+                continue
+            count = int(self._store.get(key))
+            with self._lock:
+                last = self._seen.get(rank)
+                if last is None or last[0] != count:
+                    self._seen[rank] = (count, now)
+                elif now - last[1] >= self.silent_after:
+                    quiet[rank] = now - last[1]
+        return quiet
+
+    def dead(self, ranks: Sequence[int]) -> dict[int, str]:
+        """:meth:`silent` as a :data:`DeadRanks`."""
+        return {r: f"no heartbeat for {s:.1f} s" for r, s in self.silent(ranks).items()}

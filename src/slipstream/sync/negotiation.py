@@ -1,0 +1,282 @@
+"""Choosing a transport, and building each epoch's senders and receivers.
+
+When a publisher starts, each trainer rank settles on one kind of transport with the
+rollouts (:func:`negotiate`, answered by :func:`read_offer`): ``cma`` only after every rollout
+read a few bytes of the trainer's memory, ``shm`` on one host, else ``relay`` (host
+weights) or ``broadcast`` (device weights). The kind never changes afterwards.
+
+The transport itself belongs to an *epoch* (see :mod:`.protocol`): a sender or receiver is
+built for the members of the round that starts the epoch (:func:`build_sender`,
+:func:`build_receiver`), over a process group tagged with the epoch, or a shared-memory ring
+of its own. A rank whose process was replaced is met in a new epoch's group with its new
+process; the old group is dropped, never reused.
+
+Invariant: every rank of an epoch builds its end from the same offer, epoch and members, so
+their buffers, segments and process groups match.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..core import process_memory
+from ..errors import SyncError
+from .cma import CmaReceiver, CmaSender
+from .group import SyncGroup
+from .protocol import Keys, Probe, ProbeReply, ReceiverShape, RingInfo, TransportOffer, encode
+from .shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
+from .transport import (
+    RELAY_SEPARATE_MIN_BYTES,
+    SEPARATE_MIN_BYTES,
+    BroadcastReceiver,
+    BroadcastSender,
+    Receiver,
+    Sender,
+)
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma")
+#: Transports over the sync group's process groups (the others need one host).
+NETWORK_TRANSPORTS = ("relay", "broadcast")
+#: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
+#: the trainer's memory).
+LOCAL_TRANSPORTS = ("cma", "shm")
+HEADER_CAP = 64 * 1024
+
+Watch = Callable[[], None]
+
+
+def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -> list[str]:
+    """The transports to try, best first: ``auto`` picks a colocated one when every rollout
+    shares this host (and the weights are in host memory), else relay (host memory) or
+    broadcast (device memory)."""
+    local = group.colocated(rollout_ranks) and group.device.type == "cpu"
+    if transport in LOCAL_TRANSPORTS and not local:
+        raise ValueError(
+            f"transport={transport!r} needs every rollout on trainer rank {group.rank}'s "
+            "host and host buffers"
+        )
+    if transport in LOCAL_TRANSPORTS and not ORDERED_STORES:
+        raise ValueError(
+            f"transport={transport!r} needs an x86 CPU: its handshake relies on ordered "
+            f"stores, which {platform.machine()} does not guarantee; use 'broadcast'"
+        )
+    if transport != "auto":
+        return [transport]
+    if local and ORDERED_STORES:
+        return list(LOCAL_TRANSPORTS)
+    return ["relay" if group.device.type == "cpu" else "broadcast"]
+
+
+def separate_min_for(kind: str, asked: int | None | str) -> int | None:
+    """The ``separate_min_bytes`` asked for, with ``"auto"`` resolved for ``kind``."""
+    if asked != "auto":
+        return asked if asked is None else int(asked)
+    return RELAY_SEPARATE_MIN_BYTES if kind == "relay" else SEPARATE_MIN_BYTES
+
+
+def shape_of(bucket_bytes: int, num_slots: int, separate_min: int | None) -> ReceiverShape:
+    return ReceiverShape(bucket_bytes, num_slots, HEADER_CAP, separate_min)
+
+
+def negotiate(
+    group: SyncGroup,
+    rollouts: Sequence[int],
+    tried: list[str],
+    mode: str,
+    bucket_bytes: int,
+    num_slots: int,
+    separate_min: int | None | str,
+    timeout: float,
+) -> TransportOffer:
+    """Agree with ``rollouts`` on the first of ``tried`` they can all use and post it
+    (``transport/{rank}``); raise :class:`SyncError` (posted too) when none fits."""
+    rank = group.rank
+    refused = probe_remote_reads(group, rollouts, timeout) if "cma" in tried else {}
+    if "cma" not in tried:
+        group.post(Keys.probe(rank), "null")
+    if refused:
+        why = "; ".join(f"rollout rank {r}: {e}" for r, e in refused.items())
+        if tried == ["cma"]:
+            error = (
+                f"transport='cma': rollouts cannot read trainer rank {rank}'s memory "
+                f"({why}); they need ptrace access to it (docs/sync.md), else use 'shm'"
+            )
+            group.post(Keys.transport(rank), encode(TransportOffer(error=error)))
+            raise SyncError(error)
+        logger.info("trainer rank %d: no cross-memory reads (%s); using 'shm'", rank, why)
+        tried = [c for c in tried if c != "cma"]
+    kind = tried[0]
+    shape = shape_of(bucket_bytes, num_slots, separate_min_for(kind, separate_min))
+    offer = TransportOffer(kind, mode, shape)
+    group.post(Keys.transport(rank), encode(offer))
+    return offer
+
+
+def probe_remote_reads(group: SyncGroup, rollouts: Sequence[int], timeout: float) -> dict[int, str]:
+    """Ask every rollout to read a few random bytes from this process; return why each one
+    that could not failed (empty when all could)."""
+    rank = group.rank
+    probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    group.post(Keys.probe(rank), encode(Probe(os.getpid(), probe.data_ptr(), probe.tolist())))
+    replies = {r: Keys.probed(rank, r) for r in rollouts}
+    group.wait_keys(replies, f"rollouts to try reading trainer rank {rank}'s memory", timeout)
+    refused = {}
+    for r, key in replies.items():
+        error = ProbeReply(**group.get_json(key, r, "a memory-read probe")).error
+        if error:
+            refused[r] = error
+    return refused
+
+
+def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer:
+    """A rollout's side of :func:`negotiate`: answer the trainer's probe, return its offer."""
+    what = f"trainer rank {trainer}'s publisher"
+    probe = group.get_json(Keys.probe(trainer), trainer, what, timeout)
+    if probe is not None:
+        p = Probe(**probe)
+        error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
+        group.set_json(Keys.probed(trainer, group.rank), {"error": error})
+    offer = TransportOffer.read(group.get_text(Keys.transport(trainer), trainer, what, timeout))
+    if offer.error:
+        raise SyncError(f"rollout rank {group.rank}: {offer.error}")
+    return offer
+
+
+def epoch_tag(epoch: int) -> str:
+    return f"e{epoch}"
+
+
+def network_sender(
+    group: SyncGroup,
+    rollouts: Sequence[int],
+    shape: ReceiverShape,
+    relay: bool,
+    tag: str,
+    timeout: float,
+) -> BroadcastSender:
+    """A sender over the group of this rank and ``rollouts`` (tagged ``tag``), relaying along
+    them with ``relay``; the rollouts build the matching :func:`network_receiver`."""
+    return BroadcastSender(
+        group.subgroup([group.rank, *rollouts], tag),
+        group.rank,
+        shape.bucket_bytes,
+        shape.header_cap,
+        shape.num_slots,
+        timeout,
+        group.device,
+        shape.separate_min,
+        rollouts,
+        lambda: group.exited(rollouts),
+        relay,
+    )
+
+
+def network_receiver(
+    group: SyncGroup,
+    trainer: int,
+    rollouts: Sequence[int],
+    shape: ReceiverShape,
+    relay: bool,
+    tag: str,
+    timeout: float,
+) -> BroadcastReceiver:
+    """A receiver of what ``trainer`` sends over the group of ``trainer`` and ``rollouts``
+    (tagged ``tag``), relayed along ``rollouts`` with ``relay``."""
+    members = [trainer, *rollouts]
+    return BroadcastReceiver(
+        group.subgroup(members, tag),
+        trainer,
+        shape.bucket_bytes,
+        shape.header_cap,
+        shape.num_slots,
+        timeout,
+        group.device,
+        shape.separate_min,
+        chain=members if relay else None,
+    )
+
+
+def build_sender(
+    group: SyncGroup,
+    offer: TransportOffer,
+    epoch: int,
+    members: Sequence[int],
+    timeout: float,
+    watch: Watch,
+) -> Sender:
+    """This trainer's sender to ``members`` for ``epoch``. A ring is unlinked as soon as
+    every member mapped it."""
+    shape = offer.shape
+    assert shape is not None
+    if offer.kind in NETWORK_TRANSPORTS:
+        return network_sender(
+            group, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
+        )
+    rank = group.rank
+    path = new_ring_path(rank)
+    ring_sender = CmaSender if offer.kind == "cma" else ShmSender
+    sender = ring_sender(
+        path,
+        rank,
+        shape.bucket_bytes,
+        shape.header_cap,
+        shape.num_slots,
+        list(members),
+        [group.member(r).pid for r in members],
+        timeout,
+        watch,
+    )
+    try:
+        group.post(Keys.ring(epoch, rank), encode(RingInfo(path, os.getpid())))
+        group.wait_keys(
+            {r: Keys.ring_opened(epoch, rank, r) for r in members},
+            f"rollouts to map trainer rank {rank}'s shared-memory ring (epoch {epoch})",
+            timeout,
+        )
+    except BaseException:
+        sender.close()
+        raise
+    sender.unlink()
+    return sender
+
+
+def build_receiver(
+    group: SyncGroup,
+    offer: TransportOffer,
+    trainer: int,
+    epoch: int,
+    members: Sequence[int],
+    timeout: float,
+    watch: Watch,
+) -> Receiver:
+    """This rollout's receiver from ``trainer`` for ``epoch`` (``members`` in order)."""
+    shape = offer.shape
+    assert shape is not None
+    if offer.kind in NETWORK_TRANSPORTS:
+        return network_receiver(
+            group, trainer, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
+        )
+    what = f"trainer rank {trainer}'s shared-memory ring (epoch {epoch})"
+    ring = RingInfo(**group.get_json(Keys.ring(epoch, trainer), trainer, what, timeout))
+    ring_receiver = CmaReceiver if offer.kind == "cma" else ShmReceiver
+    receiver = ring_receiver(
+        ring.path,
+        list(members).index(group.rank),
+        len(members),
+        trainer,
+        ring.pid,
+        shape.bucket_bytes,
+        shape.header_cap,
+        shape.num_slots,
+        timeout,
+        watch,
+    )
+    group.set_json(Keys.ring_opened(epoch, trainer, group.rank), True)
+    return receiver

@@ -1,0 +1,291 @@
+"""The wire protocol between publishers and subscribers: store keys and messages.
+
+Every key a publisher/subscriber set uses is built by :class:`Keys` (all under the set's
+channel prefix); every message that crosses the store is one of the dataclasses below,
+written as JSON by :func:`encode` and read back by :func:`decode`.
+
+A publish is one *round* ``k``, counted identically on every rank:
+
+1. each rollout that takes part posts :class:`Request` at ``req/{r}/{k}`` (the version it
+   holds completely); the lead trainer notes ``next_round`` = ``k`` while it gathers them, so
+   a rollout that (re)joins knows which round to ask for;
+2. the lead trainer posts :class:`RoundStart` at ``round/{k}``: the version, the plan id, the
+   *epoch* of the transport and the *members*, the rollouts taking part (those that asked;
+   a rollout found dead is left out and listed in ``absent``). The plan's layout crosses
+   once per plan id at ``plan/{id}``;
+3. each trainer sends the buckets it owns (:class:`BucketMessage`) over the epoch's
+   transport; a trainer that sees the round break posts :class:`RoundAbort` at
+   ``round/{k}/abort`` naming the dead ranks, then drops the epoch's transport, so that
+   every member blocked on it is freed at once and can name the culprit;
+4. each member posts :class:`Ack` at ``ack/{r}/{k}``.
+
+The transport of an epoch is built by every trainer and the round's members when an epoch
+starts: a new epoch starts whenever the members change (a rollout died, or one rejoined)
+and after a round that broke. Ring transports post :class:`RingInfo` at
+``epoch/{e}/{t}`` and each member answers ``epoch/{e}/{t}/opened/{r}``. The kind of
+transport is negotiated once, when the publisher starts (:class:`TransportOffer` at
+``transport/{t}``, after an optional :class:`Probe`).
+
+A refetch (``cached`` mode) is request ``again/{r}/{n}`` (``n`` from the counter
+``again/{r}/count``, so a restarted rollout never reuses one), announced by bumping
+``again/requests``; each trainer answers :class:`AgainOffer` at ``.../from/{t}``, the rollout
+posts :class:`AgainGo` at ``.../go``, the bytes move, and the rollout posts :class:`Ack` at
+``.../ack``.
+
+Invariant: no key is written twice with different meanings: round, epoch and refetch
+numbers only grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from ..core.control_plane import store_key
+from ..errors import PeerDiedError, SyncError
+
+_M = TypeVar("_M")
+
+
+def encode(message: object) -> str:
+    """``message`` (one of this module's dataclasses) as JSON."""
+    return json.dumps(dataclasses.asdict(message))  # type: ignore[call-overload]
+
+
+def decode(cls: type[_M], text: bytes | str) -> _M:
+    """The ``cls`` message in ``text``; fields it does not know are ignored."""
+    raw: dict[str, Any] = json.loads(text)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass
+class Request:
+    """A rollout asks for round ``k``; ``held`` is the version it holds completely (the
+    trainers leave out what is unchanged since), or ``None`` (every byte)."""
+
+    held: int | None
+    incarnation: int = 0
+
+
+@dataclass
+class RoundStart:
+    """The lead trainer starts round ``k``. ``cancelled`` (with no members): the round never
+    started (the trainer gave up waiting); a rollout that asked moves on to the next one."""
+
+    version: int
+    plan: str
+    epoch: int
+    members: list[int]
+    absent: dict[str, str] = field(default_factory=dict)
+    lives: dict[str, int] = field(default_factory=dict)
+    """Each member's incarnation: which process of that rank takes part."""
+    cancelled: str | None = None
+
+    def takes_part(self, rank: int, incarnation: int) -> bool:
+        """Whether process ``incarnation`` of ``rank`` is a member of this round."""
+        return self.cancelled is None and self.lives.get(str(rank)) == incarnation
+
+    def agrees(self, other: RoundStart) -> bool:
+        return (self.version, self.plan) == (other.version, other.plan)
+
+
+@dataclass
+class RoundAbort:
+    """A round broke: ``dead`` are the ranks found dead (maybe none), ``reason`` the error."""
+
+    dead: list[int]
+    reason: str
+
+    def as_error(self, k: int) -> Exception:
+        """The error a member of round ``k`` raises: the dead ranks as its subject."""
+        if self.dead:
+            return PeerDiedError(
+                f"rollout rank(s) {self.dead} died during round {k}, which the trainers gave "
+                f"up: {self.reason}",
+                self.dead,
+                f"round {k}",
+            )
+        return SyncError(f"round {k} was given up by a trainer: {self.reason}")
+
+
+@dataclass
+class Ack:
+    """A rollout's answer to a round or a refetch: the version it now holds completely
+    (``None``: none), and the error if it did not apply the version."""
+
+    holds: int | None
+    error: str | None = None
+
+
+@dataclass
+class Probe:
+    """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid``."""
+
+    pid: int
+    addr: int
+    bytes: list[int]
+
+
+@dataclass
+class ProbeReply:
+    error: str | None
+
+
+@dataclass
+class ReceiverShape:
+    """What a rollout needs to build a receiver matching a trainer's sender."""
+
+    bucket_bytes: int
+    num_slots: int
+    header_cap: int
+    separate_min: int | None
+
+
+@dataclass
+class TransportOffer:
+    """The transport a trainer settled on (``kind``), its publishing ``mode``, and the shape
+    of its buffers; or ``error`` when none could be agreed."""
+
+    kind: str = ""
+    mode: str = ""
+    shape: ReceiverShape | None = None
+    error: str | None = None
+
+    @classmethod
+    def read(cls, text: bytes | str) -> TransportOffer:
+        offer = decode(cls, text)
+        if isinstance(offer.shape, dict):
+            offer.shape = ReceiverShape(**offer.shape)
+        return offer
+
+
+@dataclass
+class RingInfo:
+    """Where an epoch's shared-memory ring of a trainer lies, and the trainer's pid."""
+
+    path: str
+    pid: int
+
+
+@dataclass
+class AgainRequest:
+    incarnation: int
+
+
+@dataclass
+class CacheAddress:
+    """Where a colocated trainer's host cache lies: process, address, bucket offsets."""
+
+    pid: int
+    address: int
+    offsets: dict[str, int]
+
+
+@dataclass
+class AgainOffer:
+    """What a trainer can serve again from its cache, or why not (``error``)."""
+
+    version: int = 0
+    plan: str = ""
+    kind: str = ""
+    shape: ReceiverShape | None = None
+    cache: CacheAddress | None = None
+    error: str | None = None
+
+    @classmethod
+    def read(cls, text: bytes | str) -> AgainOffer:
+        offer = decode(cls, text)
+        if isinstance(offer.shape, dict):
+            offer.shape = ReceiverShape(**offer.shape)
+        if isinstance(offer.cache, dict):
+            offer.cache = CacheAddress(**offer.cache)
+        return offer
+
+
+@dataclass
+class AgainGo:
+    go: bool
+
+
+@dataclass
+class BucketMessage:
+    """One bucket on its way from its owning trainer: ``header`` (payload bytes, then one
+    byte per slice of the bucket saying how its bytes travel: 1 dense in the payload, 0 left
+    out as unchanged; other values are free for other encodings) and ``parts``, the
+    payload's segments in order (:func:`.packing.payload_segments`)."""
+
+    index: int
+    header: torch.Tensor
+    parts: list[torch.Tensor]
+
+
+class Keys:
+    """Every store key of one publisher/subscriber set (relative to its channel prefix)."""
+
+    ASK_AGAIN_COUNT = "again/requests"
+    NEXT_ROUND = "next_round"
+
+    @staticmethod
+    def plan(plan_id: str) -> str:
+        return store_key("plan", plan_id)
+
+    @staticmethod
+    def request(rollout: int, k: int) -> str:
+        return store_key("req", rollout, k)
+
+    @staticmethod
+    def round(k: int) -> str:
+        return store_key("round", k)
+
+    @staticmethod
+    def abort(k: int) -> str:
+        return store_key("round", k, "abort")
+
+    @staticmethod
+    def ack(rollout: int, k: int) -> str:
+        return store_key("ack", rollout, k)
+
+    @staticmethod
+    def transport(trainer: int) -> str:
+        return store_key("transport", trainer)
+
+    @staticmethod
+    def probe(trainer: int) -> str:
+        return store_key("transport", trainer, "probe")
+
+    @staticmethod
+    def probed(trainer: int, rollout: int) -> str:
+        return store_key("transport", trainer, "probed", rollout)
+
+    @staticmethod
+    def ring(epoch: int, trainer: int) -> str:
+        return store_key("epoch", epoch, trainer)
+
+    @staticmethod
+    def ring_opened(epoch: int, trainer: int, rollout: int) -> str:
+        return store_key("epoch", epoch, trainer, "opened", rollout)
+
+    @staticmethod
+    def again_count(rollout: int) -> str:
+        return store_key("again", rollout, "count")
+
+    @staticmethod
+    def again(rollout: int, n: int) -> str:
+        return store_key("again", rollout, n)
+
+    @staticmethod
+    def again_offer(rollout: int, n: int, trainer: int) -> str:
+        return store_key("again", rollout, n, "from", trainer)
+
+    @staticmethod
+    def again_go(rollout: int, n: int) -> str:
+        return store_key("again", rollout, n, "go")
+
+    @staticmethod
+    def again_ack(rollout: int, n: int) -> str:
+        return store_key("again", rollout, n, "ack")
