@@ -174,9 +174,18 @@ def test_a_delta_that_would_outgrow_the_dense_bytes_stops_early():
     perturb(pair.tensors, 1.0, gen)
     _, stats = pair.publish()
     assert stats.dense_buckets == 1
-    total = words_of(big.numel() * 2)
-    # 12 bytes a changed word: past two thirds of the words the delta cannot pay
-    assert 2 * total // 3 <= stats.compared_words <= 2 * total // 3 + 64 < total
+    # every word of the first chunk changed: its delta outgrew its bytes, the rest is copied
+    assert stats.compared_words == 64 and stats.changed_words == 64
+
+
+def test_a_few_changed_words_at_the_head_of_a_bucket_decide_nothing():
+    gen = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(3, generator=gen), torch.randn(64 * 1024, generator=gen)]
+    pair = Pair(tensors, bucket_bytes=512 * 1024)
+    tensors[0].add_(1)  # every word of the small tensor, nothing of the big one
+    deltas, stats = pair.publish()
+    assert deltas[0] is not None and deltas[0].count == 2
+    pair.assert_exact()
     pair.assert_exact()
 
 

@@ -55,7 +55,7 @@ from .plan import Slice
 
 WORD = 8
 #: Words compared per step: the mask (one byte per word) stays in the core's cache.
-CHUNK_WORDS = 1 << 18
+CHUNK_WORDS = 1 << 20
 #: Bytes per changed word in a delta's payload: an ``int32`` index and an ``int64`` value.
 BYTES_PER_WORD = 12
 
@@ -209,6 +209,14 @@ def decode_delta(message: torch.Tensor) -> tuple[DeltaHeader, torch.Tensor]:
     return header, message[DeltaHeader.NBYTES :]
 
 
+def _pays(count: int, compared_words: int, limit: int, chunk_words: int) -> bool:
+    """Whether a delta of ``count`` words, after ``compared_words`` compared, is still worth
+    diffing on: smaller than ``limit`` and, once a chunk's worth was compared, than the
+    dense bytes compared (a few small tensors alone decide nothing)."""
+    size = payload_bytes(count)
+    return size < limit and (compared_words < chunk_words or size <= WORD * compared_words)
+
+
 def _aligned_words(data: torch.Tensor) -> torch.Tensor | None:
     """``data`` (uint8, a multiple of 8 bytes) seen as ``int64`` words, or ``None`` when its
     address is not 8-byte aligned."""
@@ -242,9 +250,13 @@ class Differ:
         ``base`` (the bucket's base bytes, ``uint8``, 8-byte aligned, at least
         ``words_of(nbytes) * 8`` long) and bring ``base`` up to date.
 
-        Returns the delta, or ``None`` once its payload would reach ``limit`` bytes (default:
-        the bucket's dense bytes), in which case the rest was copied without diffing (the
-        stats then count the words changed among those compared before the cut).
+        Returns the delta, or ``None`` (dense) once its payload reaches ``limit`` bytes
+        (default: the bucket's dense bytes) or is larger than the words compared so far,
+        checked after each chunk: the rest is then copied without diffing (the stats count
+        the words changed among those compared before the cut). Deciding on the words seen
+        so far keeps an all-changed bucket (fp32 masters, a first step at a large learning
+        rate) from being diffed to the end; a bucket whose first chunk changed much more than
+        its rest goes dense though its delta as a whole might have been smaller.
         """
         started = time.perf_counter()
         nbytes = max((s.bucket_offset + s.nbytes for s in slices), default=0)
@@ -264,7 +276,7 @@ class Differ:
                 stop = min(full, start + self.chunk_words * WORD)
                 self._diff_chunk(new[start:stop], dst[start:stop], word0 + start // WORD, delta)
                 stats.compared_words += (stop - start) // WORD
-                if payload_bytes(delta.count) >= limit:
+                if not _pays(delta.count, stats.compared_words, limit, self.chunk_words):
                     copy_in_slices(dst[stop:], new[stop:])
                     dense = True
                     break

@@ -62,6 +62,10 @@ from .transport import Sender
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "cached")
+#: In ``direct`` mode, after a publish whose diff found no bucket where a delta was smaller,
+#: this many publishes go without the kept copy (sent straight from the tensors, as with
+#: ``delta=False``); the next one refreshes the copy and the one after diffs again.
+PLAIN_AFTER_NO_GAIN = 8
 #: How long a trainer whose transfer broke looks for the rank that broke it (a process of
 #: this host is seen gone at once; one elsewhere once its heartbeat has been still).
 FIND_DEAD_GRACE = 4.0
@@ -246,6 +250,7 @@ class WeightPublisher:
         self.history = history
         self.delta = delta and self.group.device.type == "cpu"
         self._differ = Differ() if self.delta else None
+        self._plain_publishes = 0
         self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
         self.bytes_sent = 0
         self.peak_gathered_bytes = 0
@@ -567,9 +572,12 @@ class WeightPublisher:
         version: int,
         timings: PublishTimings,
     ) -> None:
-        if self.delta:
+        if self.delta and self._plain_publishes == 0:
             self._diff_and_send(plan, sources, requests, version, timings)
             return
+        if self.delta:  # deltas did not pay lately: the kept copy is not brought along
+            self._plain_publishes -= 1
+            self._cache.version = None
         sender = self._sender
         unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
         separate_min = sender.separate_min if sender is not None else None
@@ -633,6 +641,8 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
         _record_diff(timings, stats)
+        if stats.compared_words and not stats.delta_buckets:
+            self._plain_publishes = PLAIN_AFTER_NO_GAIN
 
     def _serve_cached(
         self,
