@@ -30,7 +30,7 @@ CONFIGS = [
     *([("direct", "cma"), ("cached", "cma")] if remote_reads_allowed() else []),
 ]
 #: what each version does to the weights of the version before
-PATTERN = {2: "sparse", 3: "sparse", 4: "all", 5: "none", 6: "sparse", 7: "sparse"}
+PATTERN = {2: "sparse", 3: "none", 4: "sparse", 5: "sparse", 6: "all", 7: "sparse"}
 VERSIONS = [1, *PATTERN]
 
 
@@ -133,6 +133,10 @@ def test_many_versions_of_deltas_stay_exact_on_every_transport_and_send_little()
             assert dense >= DENSE
             if version == 1:
                 assert nbytes >= DENSE and changed is None, what  # nothing to diff against
+            elif version == 7 and channel.startswith("direct"):
+                # the diff of version 6 gained nothing: direct sends the plain way for a while
+                # (every tensor but a tiny one that the 1% step left alone changed)
+                assert nbytes > 0.99 * DENSE and changed is None, what
             elif PATTERN[version] == "sparse":
                 assert 0 < changed < 0.1, what
                 assert 0 < nbytes < dense / 4, what
