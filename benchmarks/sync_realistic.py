@@ -18,8 +18,8 @@ After every round each rollout checks its module against the raw broadcast's byt
 or the run fails. The trainer runs with every core as intra-op threads (torch's default):
 it diffs while the rollouts wait for bytes.
 
-Then the snapshot part, on the trainer: the bf16 weights and their fp32 masters checkpointed
-(``Checkpointer.save``) alone, against ``ss.stage`` once then a checkpoint and a
+Then the snapshot part, on the trainer: the bf16 weights checkpointed (``Checkpointer.save``)
+alone, against ``ss.stage`` once then a checkpoint and a
 ``direct`` publish (``delta=False``) both reading the snapshot; host memory is the staging
 buffers and publisher buffers allocated for them, copy time the seconds spent copying the
 state into host memory.
@@ -49,6 +49,8 @@ PEERS = {
     "slipstream dense direct": {"mode": "direct", "delta": False},
 }
 SNAPSHOT_BUCKET = 16 * 2**20
+#: Checkpoints of the snapshot part after its warm-up (each writes the weights twice).
+SNAPSHOT_REPEATS = 2
 
 
 class Module(nn.Module):
@@ -161,13 +163,10 @@ def snapshot_runs(rank: int, group, args, updates, module) -> dict:
     solo = dist.new_group([0])  # the trainer checkpoints alone (every rank makes the group)
     if not trainer:
         with ss.WeightSubscriber(group, [0], [1, 2], channel=channel) as sub:
-            for _ in range(args.repeats + 1):
+            for _ in range(SNAPSHOT_REPEATS + 1):
                 sub.receive(module)
         return {}
-    state = {
-        "model": {f"w{i}": w for i, w in enumerate(updates.weights)},
-        "masters": updates.masters,
-    }
+    state = {"model": {f"w{i}": w for i, w in enumerate(updates.weights)}, "step": 0}
     root = tempfile.mkdtemp(prefix="slipstream-bench-snapshot-")
     rows: dict[str, list[dict[str, float]]] = {
         "checkpoint alone": [],
@@ -184,7 +183,7 @@ def snapshot_runs(rank: int, group, args, updates, module) -> dict:
     )
     try:
         with ss.Checkpointer(root, keep_last=1, process_group=solo) as ck:
-            for rep in range(args.repeats + 1):
+            for rep in range(SNAPSHOT_REPEATS + 1):
                 response = ck.save(2 * rep, state)
                 response.upload_completion.result(600)
                 alone = {
@@ -272,7 +271,7 @@ def report(result: Result, trainer: dict, total: int) -> None:
     result.tables.append(
         Table(
             "One step checkpointed, or staged once and both checkpointed and published "
-            "from the snapshot (bf16 weights and fp32 masters; publish of the weights, direct "
+            "from the snapshot (the bf16 weights; published direct "
             "over relay, 16 MiB buckets, delta=False); memory = staging and publisher "
             "buffers, MiB",
             ["what", "copy s", "host memory MiB", "publish s"],
