@@ -9,7 +9,9 @@ tensor starts on a 64-byte boundary): comparing ``int64`` views is dtype-agnosti
 fp16, fp32 and integers alike, bit-exact, NaNs included) and touches a quarter of the
 elements a bf16 comparison would. A delta's payload is the changed words' indices in the
 bucket (``int32``, ascending), padded to 8 bytes, then their new values (``int64``): 12
-bytes per changed word, so it pays while fewer than two thirds of the words changed.
+bytes per changed word, so it is smaller while fewer than two thirds of the words changed;
+it is sent only while it is at most a quarter of the dense bytes (:data:`MAX_DELTA_FRACTION`),
+since finding changed words costs more than sending them.
 Measured on this project's 2-core host with torch's CPU kernels: ``ne`` on ``int64`` views
 into a reused mask then ``nonzero`` was the cheapest way to find the changed words
 (``masked_select`` cost as much, ``repeat_interleave`` and scatter-based compaction more,
@@ -58,6 +60,11 @@ WORD = 8
 CHUNK_WORDS = 1 << 20
 #: Bytes per changed word in a delta's payload: an ``int32`` index and an ``int64`` value.
 BYTES_PER_WORD = 12
+#: A bucket goes as a delta only while its delta is at most this fraction of its dense
+#: bytes (a sixth of the words changed). Finding a changed word costs far more than
+#: sending it (torch's ``nonzero`` dominates a diff), so a delta that saves less than this
+#: costs more time than it saves on the wire.
+MAX_DELTA_FRACTION = 0.25
 
 
 def words_of(nbytes: int) -> int:
@@ -211,10 +218,12 @@ def decode_delta(message: torch.Tensor) -> tuple[DeltaHeader, torch.Tensor]:
 
 def _pays(count: int, compared_words: int, limit: int, chunk_words: int) -> bool:
     """Whether a delta of ``count`` words, after ``compared_words`` compared, is still worth
-    diffing on: smaller than ``limit`` and, once a chunk's worth was compared, than the
-    dense bytes compared (a few small tensors alone decide nothing)."""
+    diffing on: smaller than ``limit`` and, once a chunk's worth was compared, than
+    :data:`MAX_DELTA_FRACTION` of the dense bytes compared (a few small tensors alone
+    decide nothing)."""
     size = payload_bytes(count)
-    return size < limit and (compared_words < chunk_words or size <= WORD * compared_words)
+    seen = WORD * compared_words * MAX_DELTA_FRACTION
+    return size < limit and (compared_words < chunk_words or size <= seen)
 
 
 def _aligned_words(data: torch.Tensor) -> torch.Tensor | None:
@@ -251,8 +260,8 @@ class Differ:
         ``words_of(nbytes) * 8`` long) and bring ``base`` up to date.
 
         Returns the delta, or ``None`` (dense) once its payload reaches ``limit`` bytes
-        (default: the bucket's dense bytes) or is larger than the words compared so far,
-        checked after each chunk: the rest is then copied without diffing (the stats count
+        (default: :data:`MAX_DELTA_FRACTION` of the bucket's dense bytes) or that fraction
+        of the words compared so far, checked after each chunk: the rest is then copied without diffing (the stats count
         the words changed among those compared before the cut). Deciding on the words seen
         so far keeps an all-changed bucket (fp32 masters, a first step at a large learning
         rate) from being diffed to the end; a bucket whose first chunk changed much more than
@@ -260,7 +269,7 @@ class Differ:
         """
         started = time.perf_counter()
         nbytes = max((s.bucket_offset + s.nbytes for s in slices), default=0)
-        limit = nbytes if limit is None else limit
+        limit = int(nbytes * MAX_DELTA_FRACTION) if limit is None else limit
         delta = BucketDelta()
         stats = DeltaStats(dense_bytes=nbytes)
         dense = False
