@@ -69,17 +69,11 @@ def realistic_runs(rank: int, group, args: argparse.Namespace) -> dict:
         torch.set_num_threads(os.cpu_count() or 1)
         updates = RealisticUpdates(shapes)
         named = {f"w{i}": w for i, w in enumerate(updates.weights)}
-        ends = [
-            ss.WeightPublisher(
-                group, [0], [1, 2], transport="relay", channel=f"realistic/{name}", **kw
-            )
-            for name, kw in PEERS.items()
-        ]
         total = updates.nbytes
     else:
         module = Module(shapes)
-        ends = [ss.WeightSubscriber(group, [0], [1, 2], channel=f"realistic/{n}") for n in PEERS]
         total = sum(b.numel() * 2 for b in module.buffers())
+    ends: list = []
     flat = torch.zeros(total, dtype=torch.uint8)
     versions = iter(range(1, 10**9))
     version = 0
@@ -140,16 +134,22 @@ def realistic_runs(rank: int, group, args: argparse.Namespace) -> dict:
 
         return run
 
-    for lr in LRS:
+    for lr in LRS:  # new publishers per learning rate: each starts without a base
+        if trainer:
+            ends[:] = [
+                ss.WeightPublisher(group, [0], [1, 2], transport="relay", channel=f"{lr}/{n}", **kw)
+                for n, kw in PEERS.items()
+            ]
+        else:
+            ends[:] = [ss.WeightSubscriber(group, [0], [1, 2], channel=f"{lr}/{n}") for n in PEERS]
         runners = {"raw broadcast": raw}
         runners.update({name: runner(k) for k, name in enumerate(PEERS)})
         # warm-up: the first publish of each peer is dense (no base yet), the second diffs
         out[lr] = interleave(runners, args.repeats, warmup=2)
-    out["base_bytes"] = (
-        {n: e.base_bytes for n, e in zip(PEERS, ends, strict=True)} if trainer else {}
-    )
-    for end in ends:
-        end.close()
+        if trainer:
+            out["base_bytes"] = {n: e.base_bytes for n, e in zip(PEERS, ends, strict=True)}
+        for end in ends:
+            end.close()
     out["snapshot"] = snapshot_runs(
         rank, group, args, updates if trainer else None, module if not trainer else None
     )
