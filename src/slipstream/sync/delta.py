@@ -261,11 +261,12 @@ class Differ:
 
         Returns the delta, or ``None`` (dense) once its payload reaches ``limit`` bytes
         (default: :data:`MAX_DELTA_FRACTION` of the bucket's dense bytes) or that fraction
-        of the words compared so far, checked after each chunk: the rest is then copied without diffing (the stats count
-        the words changed among those compared before the cut). Deciding on the words seen
-        so far keeps an all-changed bucket (fp32 masters, a first step at a large learning
-        rate) from being diffed to the end; a bucket whose first chunk changed much more than
-        its rest goes dense though its delta as a whole might have been smaller.
+        of the words compared so far, checked after each chunk: the rest is then copied
+        without diffing (the stats count the words changed among those compared before
+        the cut). Deciding on the words seen so far keeps an all-changed bucket (fp32
+        masters, a first step at a large learning rate) from being diffed to the end; a
+        bucket whose first chunk changed much more than its rest goes dense though its
+        delta as a whole might have been smaller.
         """
         started = time.perf_counter()
         nbytes = max((s.bucket_offset + s.nbytes for s in slices), default=0)

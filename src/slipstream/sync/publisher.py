@@ -62,9 +62,10 @@ from .transport import Sender
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "cached")
-#: In ``direct`` mode, after a publish whose diff found no bucket where a delta was smaller,
-#: this many publishes go without the kept copy (sent straight from the tensors, as with
-#: ``delta=False``); the next one refreshes the copy and the one after diffs again.
+#: After a publish whose diff found no bucket where a delta paid, this many publishes are
+#: not diffed: in ``direct`` mode they go without the kept copy (sent straight from the
+#: tensors, as with ``delta=False``; the next one refreshes the copy and the one after
+#: diffs again), in ``cached`` mode they copy into the cache without comparing.
 PLAIN_AFTER_NO_GAIN = 8
 #: How long a trainer whose transfer broke looks for the rank that broke it (a process of
 #: this host is seen gone at once; one elsewhere once its heartbeat has been still).
@@ -341,9 +342,12 @@ class WeightPublisher:
                 handle.staged.set_result(None)
                 job = functools.partial(self._finish_round, k, start)
             else:
-                peak, deltas, stats = self._cache.snapshot(plan, tensors, version, self._differ)
+                differ = self._differ if self._plain_publishes == 0 else None
+                self._plain_publishes = max(0, self._plain_publishes - 1)
+                peak, deltas, stats = self._cache.snapshot(plan, tensors, version, differ)
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
                 _record_diff(handle.timings, stats)
+                self._note_gain(stats)
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
                 job = functools.partial(self._serve_cached, k, version, plan, handle, deltas)
@@ -641,6 +645,10 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
         _record_diff(timings, stats)
+        self._note_gain(stats)
+
+    def _note_gain(self, stats: DeltaStats) -> None:
+        """After a diff in which no bucket gained, skip diffing for a while."""
         if stats.compared_words and not stats.delta_buckets:
             self._plain_publishes = PLAIN_AFTER_NO_GAIN
 
