@@ -16,13 +16,16 @@ from slipstream.core.buffers import as_bytes
 from slipstream.sync.delta import (
     WORD,
     BaseMismatch,
+    BucketDelta,
     DeltaHeader,
     DeltaStats,
     Differ,
     apply_delta,
     chained_token,
-    dense_token,
+    decode_delta,
+    encode_delta,
     payload_bytes,
+    root_token,
     words_of,
 )
 from slipstream.sync.plan import BucketPlan, TensorSpec
@@ -171,9 +174,18 @@ def test_a_delta_that_would_outgrow_the_dense_bytes_stops_early():
     perturb(pair.tensors, 1.0, gen)
     _, stats = pair.publish()
     assert stats.dense_buckets == 1
-    total = words_of(big.numel() * 2)
-    # 12 bytes a changed word: past two thirds of the words the delta cannot pay
-    assert 2 * total // 3 <= stats.compared_words <= 2 * total // 3 + 64 < total
+    # every word of the first chunk changed: its delta outgrew its bytes, the rest is copied
+    assert stats.compared_words == 64 and stats.changed_words == 64
+
+
+def test_a_few_changed_words_at_the_head_of_a_bucket_decide_nothing():
+    gen = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(3, generator=gen), torch.randn(64 * 1024, generator=gen)]
+    pair = Pair(tensors, bucket_bytes=512 * 1024)
+    tensors[0].add_(1)  # every word of the small tensor, nothing of the big one
+    deltas, stats = pair.publish()
+    assert deltas[0] is not None and deltas[0].count == 2
+    pair.assert_exact()
     pair.assert_exact()
 
 
@@ -213,17 +225,22 @@ def test_realistic_adamw_updates_are_exact_and_small():
 
 
 def test_header_round_trips_and_refuses_another_base():
-    payload = torch.arange(24, dtype=torch.uint8)
-    base = dense_token(torch.arange(64, dtype=torch.uint8))
-    token = chained_token(base, payload)
-    header = DeltaHeader(count=2, base_version=7, base_token=base, token=token)
-    assert DeltaHeader.unpack(header.pack() + b"rest") == header
+    base = root_token("plan", 3, 7)
+    assert base != root_token("plan", 3, 8) and base != root_token("plan", 4, 7)
+    delta = BucketDelta([torch.tensor([1, 5])], [torch.tensor([-1, 2**40])], count=2)
+    message, header = encode_delta(torch.empty(100, dtype=torch.uint8), delta, 7, base)
+    decoded, payload = decode_delta(message)
+    assert decoded == header == DeltaHeader(2, 7, base, chained_token(base, payload))
+    assert payload.numel() == payload_bytes(2)
+    assert payload[:8].view(torch.int32).tolist() == [1, 5]
+    assert payload[8:].view(torch.int64).tolist() == [-1, 2**40]
     header.check_base(base, "rollout rank 1, bucket 0")
     with pytest.raises(BaseMismatch, match="rollout rank 1, bucket 0.*version 7"):
         header.check_base(base ^ 1, "rollout rank 1, bucket 0")
     with pytest.raises(BaseMismatch, match="nothing recorded"):
         header.check_base(None, "rollout rank 1, bucket 0")
     assert chained_token(base, payload) != chained_token(base ^ 1, payload)
+    assert chained_token(base, payload) != chained_token(base, payload[1:])
 
 
 def test_a_payload_of_the_wrong_size_is_refused():

@@ -9,7 +9,9 @@ tensor starts on a 64-byte boundary): comparing ``int64`` views is dtype-agnosti
 fp16, fp32 and integers alike, bit-exact, NaNs included) and touches a quarter of the
 elements a bf16 comparison would. A delta's payload is the changed words' indices in the
 bucket (``int32``, ascending), padded to 8 bytes, then their new values (``int64``): 12
-bytes per changed word, so it pays while fewer than two thirds of the words changed.
+bytes per changed word, so it is smaller while fewer than two thirds of the words changed;
+it is sent only while it is at most a quarter of the dense bytes (:data:`MAX_DELTA_FRACTION`),
+since finding changed words costs more than sending them.
 Measured on this project's 2-core host with torch's CPU kernels: ``ne`` on ``int64`` views
 into a reused mask then ``nonzero`` was the cheapest way to find the changed words
 (``masked_select`` cost as much, ``repeat_interleave`` and scatter-based compaction more,
@@ -21,12 +23,16 @@ Diffing runs over chunks of ``CHUNK_WORDS`` words so the mask stays in cache, an
 early: once a bucket's delta would outgrow its dense bytes, the rest is copied and the
 bucket goes dense. Either way the base ends equal to the new bytes.
 
-Identity of a base. Each bucket's base carries a 64-bit *token*: after a dense send, the
-xxh3 of the bucket's bytes; after a delta, the xxh3 of the previous token and the delta's
-payload. A delta names the token of the base it was computed from and the token it leads
-to; a rollout applies it only if the token it recorded for that bucket is the named base
+Identity of a base. Each bucket's bytes, on the trainer and on every rollout, carry a
+64-bit *token*: after a dense send of version ``v``, the xxh3 of the plan, the bucket and
+``v`` (both sides derive it); after a delta, the xxh3 of the base's token and the delta's
+payload (a checksum chained over every delta since the last dense send). A delta names the
+version and token of the base it was computed from and the token it leads to; a rollout
+applies it only if the token it recorded for that bucket is the named base
 (:class:`BaseMismatch` otherwise), so a delta never lands on bytes it was not computed
-from: a rollout that restarted, missed a version or refetched another one gets dense bytes.
+from. The trainers send deltas only to rounds whose every member says it holds the base
+version with its tokens recorded: a rollout that restarted, missed a version or refetched
+gets dense bytes.
 
 Invariant: applying a bucket's delta onto its base gives exactly the bytes a dense send of
 the same version gives.
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import xxhash
 
 from ..core.buffers import byte_view
 from ..core.checksum import checksum
@@ -50,9 +57,14 @@ from .plan import Slice
 
 WORD = 8
 #: Words compared per step: the mask (one byte per word) stays in the core's cache.
-CHUNK_WORDS = 1 << 18
+CHUNK_WORDS = 1 << 20
 #: Bytes per changed word in a delta's payload: an ``int32`` index and an ``int64`` value.
 BYTES_PER_WORD = 12
+#: A bucket goes as a delta only while its delta is at most this fraction of its dense
+#: bytes (a sixth of the words changed). Finding a changed word costs far more than
+#: sending it (torch's ``nonzero`` dominates a diff), so a delta that saves less than this
+#: costs more time than it saves on the wire.
+MAX_DELTA_FRACTION = 0.25
 
 
 def words_of(nbytes: int) -> int:
@@ -69,14 +81,19 @@ def _values_offset(count: int) -> int:
     return (4 * count + WORD - 1) // WORD * WORD
 
 
-def dense_token(data: torch.Tensor) -> int:
-    """The token of a base whose bytes are ``data`` (after a dense send)."""
-    return checksum(byte_view(data))
+#: The header code (one byte per slice, :func:`.plan.encode_header`) of a bucket whose
+#: payload is a delta: :class:`DeltaHeader`, then the changed words.
+DELTA = 2
+
+
+def root_token(plan_id: str, bucket: int, version: int) -> int:
+    """The token of bucket ``bucket`` of plan ``plan_id`` after a dense send of ``version``."""
+    return checksum(f"{plan_id}/{bucket}/{version}".encode())
 
 
 def chained_token(base_token: int, payload: torch.Tensor) -> int:
     """The token a delta with ``payload`` leads to from a base with ``base_token``."""
-    return checksum(struct.pack("<Q", base_token) + bytes(byte_view(payload)))
+    return int(xxhash.xxh3_64(byte_view(payload), seed=base_token).intdigest())
 
 
 class BaseMismatch(SyncError):
@@ -180,6 +197,35 @@ class BucketDelta:
         return payload
 
 
+def encode_delta(
+    out: torch.Tensor, delta: BucketDelta, base_version: int, base_token: int
+) -> tuple[torch.Tensor, DeltaHeader]:
+    """Write a bucket's delta message into the ``uint8`` buffer ``out``: its
+    :class:`DeltaHeader` then its payload. Returns the message and its header."""
+    body = delta.write(out[DeltaHeader.NBYTES :])
+    header = DeltaHeader(delta.count, base_version, base_token, chained_token(base_token, body))
+    out[: DeltaHeader.NBYTES].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
+    return out[: DeltaHeader.NBYTES + body.numel()], header
+
+
+def decode_delta(message: torch.Tensor) -> tuple[DeltaHeader, torch.Tensor]:
+    """The header and payload of a delta message written by :func:`encode_delta`."""
+    if message.numel() < DeltaHeader.NBYTES:
+        raise SyncError(f"a delta message of {message.numel()} bytes has no header")
+    header = DeltaHeader.unpack(bytes(message[: DeltaHeader.NBYTES].cpu().tolist()))
+    return header, message[DeltaHeader.NBYTES :]
+
+
+def _pays(count: int, compared_words: int, limit: int, chunk_words: int) -> bool:
+    """Whether a delta of ``count`` words, after ``compared_words`` compared, is still worth
+    diffing on: smaller than ``limit`` and, once a chunk's worth was compared, than
+    :data:`MAX_DELTA_FRACTION` of the dense bytes compared (a few small tensors alone
+    decide nothing)."""
+    size = payload_bytes(count)
+    seen = WORD * compared_words * MAX_DELTA_FRACTION
+    return size < limit and (compared_words < chunk_words or size <= seen)
+
+
 def _aligned_words(data: torch.Tensor) -> torch.Tensor | None:
     """``data`` (uint8, a multiple of 8 bytes) seen as ``int64`` words, or ``None`` when its
     address is not 8-byte aligned."""
@@ -213,13 +259,18 @@ class Differ:
         ``base`` (the bucket's base bytes, ``uint8``, 8-byte aligned, at least
         ``words_of(nbytes) * 8`` long) and bring ``base`` up to date.
 
-        Returns the delta, or ``None`` once its payload would reach ``limit`` bytes (default:
-        the bucket's dense bytes), in which case the rest was copied without diffing (the
-        stats then count the words changed among those compared before the cut).
+        Returns the delta, or ``None`` (dense) once its payload reaches ``limit`` bytes
+        (default: :data:`MAX_DELTA_FRACTION` of the bucket's dense bytes) or that fraction
+        of the words compared so far, checked after each chunk: the rest is then copied
+        without diffing (the stats count the words changed among those compared before
+        the cut). Deciding on the words seen so far keeps an all-changed bucket (fp32
+        masters, a first step at a large learning rate) from being diffed to the end; a
+        bucket whose first chunk changed much more than its rest goes dense though its
+        delta as a whole might have been smaller.
         """
         started = time.perf_counter()
         nbytes = max((s.bucket_offset + s.nbytes for s in slices), default=0)
-        limit = nbytes if limit is None else limit
+        limit = int(nbytes * MAX_DELTA_FRACTION) if limit is None else limit
         delta = BucketDelta()
         stats = DeltaStats(dense_bytes=nbytes)
         dense = False
@@ -235,14 +286,15 @@ class Differ:
                 stop = min(full, start + self.chunk_words * WORD)
                 self._diff_chunk(new[start:stop], dst[start:stop], word0 + start // WORD, delta)
                 stats.compared_words += (stop - start) // WORD
-                if payload_bytes(delta.count) >= limit:
+                if not _pays(delta.count, stats.compared_words, limit, self.chunk_words):
                     copy_in_slices(dst[stop:], new[stop:])
                     dense = True
                     break
             if not dense and full < s.nbytes:
                 stats.compared_words += 1
-                if not torch.equal(new[full:], dst[full:]):
-                    dst[full:].copy_(new[full:])
+                tail = new[full:].cpu()
+                if not torch.equal(tail, dst[full:]):
+                    dst[full:].copy_(tail)
                     word = base[s.bucket_offset + full : s.bucket_offset + full + WORD]
                     delta.indices.append(torch.tensor([word0 + full // WORD]))
                     delta.values.append(word.clone().view(torch.int64))
@@ -258,8 +310,8 @@ class Differ:
         self, new: torch.Tensor, base: torch.Tensor, word0: int, delta: BucketDelta
     ) -> None:
         words = new.numel() // WORD
-        new_words = _aligned_words(new)
-        if new_words is None:  # a tensor at an odd address: compare an aligned copy
+        new_words = _aligned_words(new) if new.device.type == "cpu" else None
+        if new_words is None:  # device memory, or an odd address: compare a host copy
             new_words = self._scratch[:words]
             new_words.view(torch.uint8).copy_(new)
         base_words = _aligned_words(base)
