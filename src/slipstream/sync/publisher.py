@@ -199,6 +199,12 @@ class WeightPublisher:
     slices are packed into buckets. ``"auto"`` means 1 MiB over relay and 16 MiB over
     broadcast (where a message costs more); ``None`` packs everything.
 
+    ``delta`` (host weights): keep the bytes the rollouts hold as a base (the cache in
+    ``cached`` mode, a copy of the last version sent in ``direct`` mode, see
+    :attr:`base_bytes`) and send each owned bucket as its changed 8-byte words where that
+    is at most a quarter of its bytes (:mod:`.delta`); rollouts apply deltas in place and
+    only onto the exact base they were computed from.
+
     ``channel`` names this publisher/subscriber set: its store keys, process groups and
     shared-memory ring are its own, so several sets (several models) run on one group at
     once. Left out, it is numbered in creation order among this process's unnamed sets of the
@@ -310,7 +316,11 @@ class WeightPublisher:
         resolved): this rank packed its last bucket and the slices sent straight from the
         tensors have left; the packed buckets still in flight finish in the background.
         ``cached``: returns once the weights are snapshotted into the host cache; the worker
-        thread sends from the cache.
+        thread sends from the cache. With deltas on (``delta=True``) each owned bucket is
+        diffed against the bytes the rollouts hold and sent as its changed words where that
+        is smaller (``handle.timings`` reports the dense bytes, the changed fraction and the
+        diff's time). ``named_tensors`` may be (part of) a snapshot from
+        :func:`slipstream.stage`: it is held, so not restaged, while this call reads it.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
