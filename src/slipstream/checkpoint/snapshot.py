@@ -178,7 +178,10 @@ class StagedState(Mapping[str, Any]):
     def image_matches(self, plan: SavePlan) -> bool:
         """Whether ``plan`` has this rank write exactly the snapshot's records, so the
         buffer can be written as it is."""
-        return self._buffer.plan.records == plan.records and not self.path
+        def layout(records: list[RecordPlan]) -> list[tuple[Any, ...]]:
+            return [(r.chunk, r.offset, r.length, r.data_offset, r.nbytes) for r in records]
+
+        return not self.path and layout(self._buffer.plan.records) == layout(plan.records)
 
 
 def stage(state_dict: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT) -> StagedState:
