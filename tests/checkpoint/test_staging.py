@@ -213,3 +213,26 @@ def test_timings_fill_in_phase_by_phase_and_both_ends_log_what_they_moved(tmp_pa
     loaded = [r.getMessage() for r in caplog.records if "loaded" in r.getMessage()]
     assert len(saved) == 1 and str(tmp_path / "ck") in saved[0] and "durable in" in saved[0]
     assert len(loaded) == 1 and str(tmp_path / "ck") in loaded[0] and "GiB/s" in loaded[0]
+
+
+def test_a_before_staging_hook_that_raises_fails_that_save_only(tmp_path):
+    # the upload thread must hear of the failure at once, not wait for staging until the
+    # saver's timeout: the next save, queued behind it, is bounded far below that timeout
+    saver = CheckpointSaver(options=SaveOptions(timeout=300.0))
+    try:
+
+        def refuse() -> None:
+            raise RuntimeError("staging refused by the hook")
+
+        saver.before_staging = refuse
+        response = saver.save(_big_state(), tmp_path / "ck")
+        with pytest.raises(CheckpointError, match="staging refused by the hook"):
+            response.staging_completion.result(60)
+        with pytest.raises(CheckpointError, match="staging refused by the hook"):
+            response.upload_completion.result(60)
+        assert not (tmp_path / "ck" / ".metadata").exists()
+        saver.before_staging = None
+        saver.save(_big_state(), tmp_path / "next").upload_completion.result(30)
+        assert torch.equal(_load_fresh(tmp_path / "next")["w"], _big_state()["w"])
+    finally:
+        saver.close()
