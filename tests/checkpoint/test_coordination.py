@@ -112,16 +112,17 @@ def test_saver_rejects_use_after_close(tmp_path):
 
 
 def test_async_save_coordinates_through_a_recreated_process_groups_store(tmp_path):
-    from slipstream.checkpoint import api
-
     for i in range(2):
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        store = dist.TCPStore(
+            "127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10)
         )
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
+            before = store.num_keys()
             ss.save({"w": torch.full((4,), float(i))}, tmp_path / f"c{i}", timeout=10)
-            saver = api._saver(None, 10)
-            assert saver.channel.store is dist.distributed_c10d._get_default_store()
+            # a save coordinated through a destroyed group's store would leave this one as
+            # it was
+            assert store.num_keys() > before, f"save {i} did not use the live group's store"
         finally:
             dist.destroy_process_group()
     loaded = {"w": torch.zeros(4)}

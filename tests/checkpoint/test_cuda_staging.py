@@ -66,10 +66,9 @@ def test_save_stages_what_queued_kernels_write_without_waiting_for_them(tmp_path
             if torch.is_tensor(v):
                 v.mul_(-3)  # allowed once staging is complete; must not reach the file
         resp.result(timeout=30)
-        (buffer,) = saver._stager._pool._buffers.values()
-        assert buffer.is_pinned()
+        assert saver.staging_pinned
         saver.save(state, tmp_path / "ck2").result(timeout=30)
-        assert saver._stager._pool.allocations == 1  # the second save reused the pinned buffer
+        assert saver.staging_allocations == 1  # the second save reused the pinned buffer
     finally:
         saver.close()
     got = _zeros_like(state, "cpu")

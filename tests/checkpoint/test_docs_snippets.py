@@ -37,3 +37,12 @@ def test_managing_a_run_snippet_saves_and_resumes_a_bare_stateful(tmp_path, monk
     for index, buffers in trained_optim.items():
         for name, value in buffers.items():
             assert torch.equal(resumed_optim[index][name], value), (index, name)
+
+
+def test_options_snippet_counts_one_staging_buffer_and_every_staging_start(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(_snippet("Options"), str(DOC), "exec"), namespace)
+    assert namespace["started"] == ["staging"] * 3
+    assert sorted(p.name for p in (tmp_path / "options-demo").iterdir()) == ["0", "1", "2"]
+    assert all((tmp_path / "options-demo" / s / ".metadata").is_file() for s in "012")

@@ -18,7 +18,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
-from slipstream.checkpoint import writer as writer_module
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.recycle import SPARE_DIR
 from slipstream.checkpoint.safe_pickle import load_metadata
@@ -232,8 +231,7 @@ def test_full_disk_while_publishing_metadata_leaves_the_step_uncommitted(tmp_pat
         assert ck.load(_blank()) == 1
 
 
-def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_module, "WRITE_PIECE_BYTES", 64 * 1024)
+def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_path):
     failed = threading.Event()
     fstat_after_failure: list[bool] = []
 
@@ -253,7 +251,7 @@ def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_pa
     path = tmp_path / "ck" / "__0_0.distcp"
     storage = FaultStorage(LocalStorage(tmp_path / "ck", direct_io=False))
     storage.faults.hook("write", first_piece_fails)
-    saver = CheckpointSaver(options=SaveOptions(direct_io=False))
+    saver = CheckpointSaver(options=SaveOptions(direct_io=False, write_piece_bytes=64 * 1024))
     try:
         response = saver.save(_state(), storage)
         with pytest.raises(ss.CheckpointError, match="disk full"):
@@ -265,6 +263,9 @@ def test_failed_write_waits_for_the_file_s_other_writes_before_closing_it(tmp_pa
 
 
 def _rank0_disk_full(rank: int, world: int, root: str) -> None:
+    """Rank 0's disk is full: ``os.pwrite`` fails there, below the storage seam on purpose,
+    so the error every rank must report is the one ``LocalStorage`` itself makes of it
+    (naming the file), not one a test backend would invent."""
     saver = CheckpointSaver(options=SaveOptions(timeout=30.0))
     try:
         state = {"w": torch.full((1000,), float(rank)), f"own{rank}": torch.zeros(3)}

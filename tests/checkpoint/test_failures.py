@@ -27,8 +27,7 @@ from dist_utils import run_workers
 from fault_storage import Faults, FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint import CheckpointSaver
-from slipstream.checkpoint import writer as writer_module
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.commit import METADATA_FILE
 from slipstream.checkpoint.recycle import SPARE_DIR
 from slipstream.checkpoint.storage import LocalStorage, MemoryStorage, Storage, resolve_storage
@@ -104,7 +103,10 @@ def _fd_path(fd: int) -> str:
 @contextlib.contextmanager
 def _fail_in_the_os(point: str, directory: str) -> Iterator[None]:
     """Make the system call behind ``point`` fail with ENOSPC for the files in ``directory``
-    that ``point`` concerns, as a full disk would; the backend's own code handles it."""
+    that ``point`` concerns, as a full disk would; the backend's own code handles it.
+
+    Deliberately below the storage seam: this tests ``LocalStorage``'s handling of the
+    operating system's errors, which a :class:`FaultStorage` wrapped around it would skip."""
 
     def hit(fd: int) -> bool:
         path = _fd_path(fd)
@@ -149,13 +151,12 @@ def _object_names(storage: Storage) -> list[str]:
     inner = storage.inner if isinstance(storage, FaultStorage) else storage
     cut = len(inner.prefix) + 1
     if isinstance(inner, MemoryStorage):
-        keys = list(inner._bucket.objects)
-    else:
-        import boto3
+        return inner.object_names()
+    import boto3
 
-        pages = boto3.client("s3").get_paginator("list_objects_v2")
-        listing = pages.paginate(Bucket=inner.bucket, Prefix=inner.prefix + "/")
-        keys = [o["Key"] for page in listing for o in page.get("Contents", [])]
+    pages = boto3.client("s3").get_paginator("list_objects_v2")
+    listing = pages.paginate(Bucket=inner.bucket, Prefix=inner.prefix + "/")
+    keys = [o["Key"] for page in listing for o in page.get("Contents", [])]
     return sorted(k[cut:] for k in keys if k.startswith(inner.prefix + "/"))
 
 
@@ -288,10 +289,7 @@ def test_sigkill_mid_write_over_a_checkpoint_keeps_it_loadable(tmp_path, backend
 
 
 @pytest.mark.parametrize("fail_at", ["write", "finish"])
-def test_a_failed_save_removes_its_partial_data_file_before_returning(
-    tmp_path, monkeypatch, fail_at
-):
-    monkeypatch.setattr(writer_module, "WRITE_PIECE_BYTES", 64 * 1024)
+def test_a_failed_save_removes_its_partial_data_file_before_returning(tmp_path, fail_at):
     directory = tmp_path / "ck"
     ss.save(_state(1), directory)
     state = dict(_state(2), big=torch.randn(256 * 1024))  # 1 MiB: 16 pieces
@@ -307,8 +305,12 @@ def test_a_failed_save_removes_its_partial_data_file_before_returning(
 
     storage = FaultStorage(LocalStorage(directory))
     storage.faults.hook(fail_at, fail_late)
-    with pytest.raises(ss.CheckpointError, match="No space left"):
-        ss.save(state, storage)
+    saver = CheckpointSaver(options=SaveOptions(write_piece_bytes=64 * 1024))
+    try:
+        with pytest.raises(ss.CheckpointError, match="No space left"):
+            saver.save(state, storage).result(60)
+    finally:
+        saver.close()
     assert seen and max(seen) > 0, "the failed save had written nothing"
     assert not data_file.exists(), "the failed save's partial data file is still there"
     assert sorted(os.listdir(directory)) == OLD_FILES
@@ -352,6 +354,8 @@ def test_a_failed_commit_removes_every_rank_s_data_file_at_once(tmp_path):
 
 @pytest.mark.parametrize("syscall", ["fsync", "replace"])
 def test_a_failed_atomic_put_leaves_no_tmp_file(tmp_path, monkeypatch, syscall):
+    """``LocalStorage.put_atomic`` itself, below the storage seam: the system call it
+    makes fails, as on a full disk, and its own clean-up must run."""
     storage = LocalStorage(tmp_path)
     storage.put_atomic(METADATA_FILE, b"old")
     real = getattr(os, syscall)

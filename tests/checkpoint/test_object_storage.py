@@ -225,8 +225,8 @@ def test_children_and_equal_urls_share_one_store(s3_bucket):
     storage = ObjectStorage(f"s3://{s3_bucket}/run", part_bytes=PART)
     child = storage.child("step-3")
     assert child.url == f"{storage.url}/step-3"
-    assert child._store is storage._store
-    assert ObjectStorage(storage.url)._store is storage._store
+    assert child.client is storage.client
+    assert ObjectStorage(storage.url).client is storage.client
 
 
 def test_memory_stores_are_shared_by_name_only():

@@ -165,9 +165,11 @@ def test_sigkill_mid_upload_keeps_the_previous_step_and_the_next_save_cleans_up(
     child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url], env=env)
     try:
         deadline = time.monotonic() + 60
-        while not _uploads(s3_bucket):
+        # Step 1 goes up as a multipart upload too: wait for step 2's, or the kill can land
+        # between step 1's upload and its commit (and then no step is committed at all).
+        while not any("step_2/" in key for key in _uploads(s3_bucket)):
             assert child.poll() is None, f"the writer exited with {child.returncode}"
-            assert time.monotonic() < deadline, "no multipart upload ever started"
+            assert time.monotonic() < deadline, "step 2's multipart upload never started"
             time.sleep(0.05)
         child.kill()
     finally:

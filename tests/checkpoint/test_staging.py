@@ -1,8 +1,8 @@
 """Staging off the caller's thread, what is safe after ``staging_completion``, backpressure.
 
-Orderings are forced with gates (a staging copy, or a data write through a
-:class:`FaultStorage` backend, that waits on an event), never with sleeps or timing
-assertions, so each test shows a structural fact.
+Orderings are forced with gates (the saver's ``before_staging`` hook, or a data write
+through a :class:`FaultStorage` backend, that waits on an event), never with sleeps or
+timing assertions, so each test shows a structural fact.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from fault_storage import FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
-from slipstream.checkpoint import staging as staging_module
 from slipstream.checkpoint.storage import LocalStorage
 from slipstream.core.buffers import StagingBudgetError
 from slipstream.errors import CheckpointError
@@ -40,20 +39,19 @@ def _big_state() -> dict:
     }
 
 
-def _gate(monkeypatch, name: str) -> tuple[threading.Event, list[int]]:
-    """Make ``saver.<name>`` wait for the returned event; record the calling threads."""
+def _hold_staging(saver: CheckpointSaver) -> tuple[threading.Event, list[int]]:
+    """Make ``saver``'s staging wait, before it copies anything, for the returned event;
+    record the threads staging ran on."""
     gate = threading.Event()
-    callers: list[int] = []
-    real = getattr(staging_module, name)
+    stagers: list[int] = []
 
-    def gated(*args, **kwargs):
-        callers.append(threading.get_ident())
+    def hold() -> None:
+        stagers.append(threading.get_ident())
         if not gate.wait(GATE_TIMEOUT):
-            raise TimeoutError(f"test gate on {name} was never opened")
-        return real(*args, **kwargs)
+            raise TimeoutError("test gate on staging was never opened")
 
-    monkeypatch.setattr(staging_module, name, gated)
-    return gate, callers
+    saver.before_staging = hold
+    return gate, stagers
 
 
 def _gated_writes(path) -> tuple[FaultStorage, threading.Event]:
@@ -73,20 +71,22 @@ def _load_fresh(path) -> dict:
     return out
 
 
-def test_async_save_returns_before_any_tensor_data_is_copied(tmp_path, monkeypatch):
-    # "w" is contiguous (copied by address), "b" a transposed view (copied through a view)
-    gates = [_gate(monkeypatch, name) for name in ("copy_to_address", "copy_in_slices")]
+def test_async_save_returns_before_any_tensor_data_is_copied(tmp_path, saver):
+    # "w" is contiguous (copied by address), "b" a transposed view (copied through a view):
+    # what they hold after save() returned, not what they held at the call, is saved
+    gate, stagers = _hold_staging(saver)
     state = _big_state()
-    response = ss.async_save(state, tmp_path / "ck")
+    response = saver.save(state, tmp_path / "ck")
     assert not response.staging_completion.done()
     assert not response.upload_completion.done()
-    for gate, _ in gates:
-        gate.set()
+    state["w"].mul_(-1).add_(3)
+    state["b"].fill_(7)
+    gate.set()
     response.upload_completion.result(60)
-    copiers = [ident for _, callers in gates for ident in callers]
-    assert all(callers for _, callers in gates), "a staging copy path was never taken"
-    assert threading.get_ident() not in copiers
-    assert torch.equal(_load_fresh(tmp_path / "ck")["w"], state["w"])
+    assert stagers and threading.get_ident() not in stagers
+    loaded = _load_fresh(tmp_path / "ck")
+    assert torch.equal(loaded["w"], state["w"])
+    assert torch.equal(loaded["b"], state["b"])
 
 
 def test_mutating_state_right_after_staging_does_not_change_the_checkpoint(tmp_path):
@@ -158,33 +158,20 @@ def test_saves_of_the_same_layout_reuse_one_staging_buffer(tmp_path, saver):
         state["w"].add_(1)
         state["step"] = i
         saver.save(state, tmp_path / f"s{i}").upload_completion.result(60)
-    assert saver._stager._pool.allocations == 1
+    assert saver.staging_allocations == 1
     assert torch.equal(_load_fresh(tmp_path / "s2")["w"], state["w"])
     state["extra"] = torch.ones(10)
     saver.save(state, tmp_path / "new_layout").upload_completion.result(60)
-    assert saver._stager._pool.allocations == 2
+    assert saver.staging_allocations == 2
 
 
-def test_tensor_resized_before_staging_fails_the_save_naming_it(tmp_path, monkeypatch):
-    gate, entered = threading.Event(), threading.Event()
-    first: list[int] = []
-    real = staging_module.copy_to_address
-
-    def gated(address: int, src: torch.Tensor) -> bool:
-        if not first:
-            first.append(src.data_ptr())
-            entered.set()
-            assert gate.wait(GATE_TIMEOUT), "test gate never opened"
-        return real(address, src)
-
-    monkeypatch.setattr(staging_module, "copy_to_address", gated)
+def test_tensor_resized_before_staging_fails_the_save_naming_it(tmp_path, saver):
+    gate, _ = _hold_staging(saver)
     state = {"x": torch.ones(1000), "y": torch.ones(1000)}
-    response = ss.async_save(state, tmp_path / "ck")
-    assert entered.wait(GATE_TIMEOUT), "staging never started"
-    later = "y" if first[0] == state["x"].data_ptr() else "x"
-    state[later].resize_(10)  # against the rule: only after staging_completion
+    response = saver.save(state, tmp_path / "ck")
+    state["y"].resize_(10)  # against the rule: only after staging_completion
     gate.set()
-    with pytest.raises(CheckpointError, match=f"'{later}' holds 40 bytes, its record .* 4000"):
+    with pytest.raises(CheckpointError, match="'y' holds 40 bytes, its record .* 4000"):
         response.staging_completion.result(60)
     with pytest.raises(CheckpointError):
         response.upload_completion.result(60)
@@ -226,3 +213,26 @@ def test_timings_fill_in_phase_by_phase_and_both_ends_log_what_they_moved(tmp_pa
     loaded = [r.getMessage() for r in caplog.records if "loaded" in r.getMessage()]
     assert len(saved) == 1 and str(tmp_path / "ck") in saved[0] and "durable in" in saved[0]
     assert len(loaded) == 1 and str(tmp_path / "ck") in loaded[0] and "GiB/s" in loaded[0]
+
+
+def test_a_before_staging_hook_that_raises_fails_that_save_only(tmp_path):
+    # the upload thread must hear of the failure at once, not wait for staging until the
+    # saver's timeout: the next save, queued behind it, is bounded far below that timeout
+    saver = CheckpointSaver(options=SaveOptions(timeout=300.0))
+    try:
+
+        def refuse() -> None:
+            raise RuntimeError("staging refused by the hook")
+
+        saver.before_staging = refuse
+        response = saver.save(_big_state(), tmp_path / "ck")
+        with pytest.raises(CheckpointError, match="staging refused by the hook"):
+            response.staging_completion.result(60)
+        with pytest.raises(CheckpointError, match="staging refused by the hook"):
+            response.upload_completion.result(60)
+        assert not (tmp_path / "ck" / ".metadata").exists()
+        saver.before_staging = None
+        saver.save(_big_state(), tmp_path / "next").upload_completion.result(30)
+        assert torch.equal(_load_fresh(tmp_path / "next")["w"], _big_state()["w"])
+    finally:
+        saver.close()

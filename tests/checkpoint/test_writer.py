@@ -1,12 +1,16 @@
 """The data-file writer: direct and buffered paths, and the record format."""
 
 import io
+from collections import Counter
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fault_storage import FaultStorage
 
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.records import locate_tensor_data, tensor_frame
+from slipstream.checkpoint.storage import LocalStorage
 
 
 def _state():
@@ -68,3 +72,31 @@ def test_staging_split_over_two_threads_writes_the_same_file(tmp_path):
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "split"), no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("piece_bytes", [64 * 1024, 256 * 1024])
+def test_a_data_file_is_written_in_pieces_of_write_piece_bytes(tmp_path, piece_bytes):
+    state = {"big": torch.randn(256 * 1024)}  # 1 MiB of data, plus the record's framing
+    storage = FaultStorage(LocalStorage(tmp_path / "ck", direct_io=False))
+    pieces: list[tuple[int, int]] = []
+    storage.faults.hook("write", lambda writer, name, start, end: pieces.append((start, end)))
+    saver = CheckpointSaver(options=SaveOptions(write_piece_bytes=piece_bytes))
+    try:
+        saver.save(state, storage).result(60)
+    finally:
+        saver.close()
+    pieces.sort()
+    assert pieces[0][0] == 0 and all(
+        a[1] == b[0] for a, b in zip(pieces[:-1], pieces[1:], strict=True)
+    )
+    lengths = Counter(end - start for start, end in pieces[:-1])
+    assert set(lengths) == {piece_bytes} and pieces[-1][1] - pieces[-1][0] <= piece_bytes
+    loaded = {"big": torch.zeros(256 * 1024)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ck")
+    assert torch.equal(loaded["big"], state["big"])
+
+
+@pytest.mark.parametrize("bad", [0, -4096, 100, 4096 + 1])
+def test_write_piece_bytes_must_be_a_positive_multiple_of_the_page(bad):
+    with pytest.raises(ValueError, match=f"write_piece_bytes={bad}: must be a positive multiple"):
+        SaveOptions(write_piece_bytes=bad)

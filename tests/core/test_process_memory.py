@@ -22,6 +22,8 @@ def test_read_into_fills_every_destination_across_many_system_calls():
 
 
 def test_a_short_read_is_continued_where_it_stopped(monkeypatch):
+    """A unit test of this module's own retry loop: the kernel may return a short read,
+    which no caller can provoke on demand, so the bound system call is wrapped here."""
     real = process_memory._process_vm_readv
     calls = []
 

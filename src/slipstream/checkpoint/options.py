@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.buffers import PAGE_BYTES
+
 
 @dataclass
 class SaveOptions:
@@ -13,6 +15,9 @@ class SaveOptions:
     """Seconds any wait on another rank may take before failing with the rank's name."""
     io_threads: int = 4
     """Parallel writes per rank."""
+    write_piece_bytes: int = 64 * 1024 * 1024
+    """Size of the pieces a data file is cut into for ``io_threads`` to write in parallel;
+    a positive multiple of the page (4096 bytes), so that ``O_DIRECT`` writes stay page-aligned."""
     staging_budget_bytes: int | None = None
     """Upper bound on host staging memory; ``None`` means the size of one save."""
     pin_memory: bool | None = None
@@ -35,3 +40,10 @@ class SaveOptions:
     all busy, a save then makes progress only once the training loop waits for it, and a
     saver that falls behind stalls the next save call; docs/checkpoint.md has the
     measurements."""
+
+    def __post_init__(self) -> None:
+        if self.write_piece_bytes <= 0 or self.write_piece_bytes % PAGE_BYTES:
+            raise ValueError(
+                f"SaveOptions.write_piece_bytes={self.write_piece_bytes}: must be a positive "
+                f"multiple of {PAGE_BYTES}"
+            )

@@ -91,10 +91,26 @@ class CheckpointSaver:
         self._closed = False
         self._lock = threading.Lock()
         self.plans_made = 0
+        self.before_staging: Callable[[], None] | None = None
+        """Called on the staging thread as each save's staging begins, before any tensor
+        byte is copied (instrumentation, and tests that hold staging to order events). It
+        may block, which holds that save's staging (and its writes) until it returns; an
+        exception it raises fails the save."""
 
     @property
     def rank(self) -> int:
         return self.channel.rank
+
+    @property
+    def staging_allocations(self) -> int:
+        """Staging buffers allocated so far: a save of a layout already staged reuses its
+        buffer, so only a new layout allocates."""
+        return self._stager.pool.allocations
+
+    @property
+    def staging_pinned(self) -> bool | None:
+        """Whether the staging buffers this saver holds are pinned (``None`` before any)."""
+        return self._stager.pool.all_pinned
 
     def save(
         self,
@@ -227,6 +243,12 @@ class CheckpointSaver:
     def _stage(self, job: SaveJob) -> None:
         try:
             with tracing.span("slipstream.save.stage", url=job.storage.url):
+                if self.before_staging is not None:
+                    try:
+                        self.before_staging()
+                    except BaseException as exc:
+                        job.progress.fail(exc)
+                        raise
                 self._stager.stage(job)
         except BaseException as exc:
             self._fail(job, exc)

@@ -46,6 +46,11 @@ class Stager:
             1, "slipstream-stage-tail", initializer=lower_thread_priority, initargs=priority
         )
 
+    @property
+    def pool(self) -> StagingPool:
+        """The staging buffers, for the saver's counters (read-only use)."""
+        return self._pool
+
     def _buffer(self, job: SaveJob) -> torch.Tensor:
         if self._pool.allocations == 0:
             pin = self.options.pin_memory

@@ -23,8 +23,6 @@ from .options import SaveOptions
 from .save_job import SaveJob
 from .storage import DataWriter
 
-WRITE_PIECE_BYTES = 64 * 1024 * 1024
-
 
 class RankWriter:
     """Owns the threads that write one rank's pieces in parallel (``io_threads``)."""
@@ -59,7 +57,7 @@ class RankWriter:
             try:
                 writes = [
                     self._io_pool.submit(self._write_piece, job, out, start, end)
-                    for start, end in out.pieces(WRITE_PIECE_BYTES)
+                    for start, end in out.pieces(self.options.write_piece_bytes)
                 ]
                 try:
                     job.progress.wait_for(len(image), self.options.timeout, f"staging of {where}")

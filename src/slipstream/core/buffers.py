@@ -119,6 +119,13 @@ class StagingPool:
         with self._lock:
             return sum(b.numel() for b in self._buffers.values())
 
+    @property
+    def all_pinned(self) -> bool | None:
+        """Whether every buffer held is pinned (``None`` while none is held)."""
+        with self._lock:
+            held = list(self._buffers.values())
+        return all(b.is_pinned() for b in held) if held else None
+
     def acquire(self, key: Hashable, nbytes: int) -> torch.Tensor:
         with self._lock:
             if key in self._in_use:

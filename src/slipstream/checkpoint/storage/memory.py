@@ -122,6 +122,13 @@ class MemoryStorage(Storage):
     def child(self, name: str) -> MemoryStorage:
         return MemoryStorage(self._where(name.strip("/")))
 
+    def object_names(self) -> list[str]:
+        """Every object under this location, at any depth, relative to it and sorted: what
+        a save left in the bucket (an object store's own listing, for memory://)."""
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        with self._bucket.lock:
+            return sorted(k[len(prefix) :] for k in self._bucket.objects if k.startswith(prefix))
+
     def prepare(self) -> None:
         return None
 

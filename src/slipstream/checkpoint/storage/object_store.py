@@ -129,6 +129,12 @@ class ObjectStorage(Storage):
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
 
+    @property
+    def client(self) -> Any:
+        """The obstore client this location uses: one per bucket and options, shared by its
+        children and by every location with the same URL, so connections are reused."""
+        return self._store
+
     # -- naming ---------------------------------------------------------------------------
 
     def _key(self, name: str) -> str:
