@@ -18,8 +18,8 @@ After every round each rollout checks its module against the raw broadcast's byt
 or the run fails. The trainer runs with every core as intra-op threads (torch's default):
 it diffs while the rollouts wait for bytes.
 
-Then the snapshot part, on the trainer: the bf16 weights checkpointed (``Checkpointer.save``)
-alone, against ``ss.stage`` once then a checkpoint and a
+Then the snapshot part, on the trainer: the bf16 weights checkpointed (a ``CheckpointSaver``
+of the trainer alone) by themselves, against ``ss.stage`` once then a checkpoint and a
 ``direct`` publish (``delta=False``) both reading the snapshot; host memory is the staging
 buffers and publisher buffers allocated for them, copy time the seconds spent copying the
 state into host memory.
@@ -40,6 +40,7 @@ from realistic_updates import AdamW, RealisticUpdates, transformer_like_shapes
 from torch import nn
 
 import slipstream as ss
+from slipstream.checkpoint import CheckpointSaver
 
 GIB = 2**30
 LRS = (1e-5, 1e-6)
@@ -181,29 +182,30 @@ def snapshot_runs(rank: int, group, args, updates, module) -> dict:
         delta=False,
         bucket_bytes=SNAPSHOT_BUCKET,
     )
+    alone_saver = CheckpointSaver(solo)  # each path its own saver: its own staging memory
+    snap_saver = CheckpointSaver(solo)
     try:
-        with ss.Checkpointer(root, keep_last=1, process_group=solo) as ck:
-            for rep in range(SNAPSHOT_REPEATS + 1):
-                response = ck.save(2 * rep, state)
-                response.upload_completion.result(600)
-                alone = {
-                    "copy": response.timings.staged or 0.0,
-                    "memory": float(ck._saver._stager._pool.live_bytes),
-                }
-                snap = ss.stage(state)
-                response = ck.save(2 * rep + 1, snap)
-                h = pub.publish(snap["model"], version=rep + 1)
-                response.upload_completion.result(600)
-                h.delivered.result(600)
-                both = {
-                    "copy": snap.seconds,
-                    "memory": float(snap.nbytes + pub.buffer_bytes),
-                    "publish": h.timings.delivered or 0.0,
-                }
-                if rep:
-                    rows["checkpoint alone"].append(alone)
-                    rows["stage, checkpoint and publish"].append(both)
+        for rep in range(SNAPSHOT_REPEATS + 1):
+            response = alone_saver.save(state, os.path.join(root, "alone"))
+            response.upload_completion.result(600)
+            alone = {"copy": response.timings.staged or 0.0, "memory": alone_saver.staging_bytes}
+            snap = ss.stage(state)
+            response = snap_saver.save(snap, os.path.join(root, "snapshot"))
+            h = pub.publish(snap["model"], version=rep + 1)
+            response.upload_completion.result(600)
+            h.delivered.result(600)
+            memory = snap.nbytes + snap_saver.staging_bytes + pub.buffer_bytes
+            both = {
+                "copy": snap.seconds,
+                "memory": float(memory),
+                "publish": h.timings.delivered or 0.0,
+            }
+            if rep:
+                rows["checkpoint alone"].append(alone)
+                rows["stage, checkpoint and publish"].append(both)
     finally:
+        alone_saver.close()
+        snap_saver.close()
         pub.close()
         shutil.rmtree(root, ignore_errors=True)
     return rows

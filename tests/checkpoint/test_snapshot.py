@@ -16,7 +16,6 @@ from fault_storage import FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver
-from slipstream.checkpoint import staging as staging_module
 from slipstream.checkpoint.storage import LocalStorage
 from slipstream.errors import CheckpointError, PeerTimeoutError
 
@@ -61,20 +60,6 @@ def _assert_equal(a: dict, b: dict) -> None:
     assert a["optim"]["lr"] == b["optim"]["lr"] and a["step"] == b["step"]
 
 
-def _count_staging_copies(monkeypatch) -> list[str]:
-    """Record every copy the checkpoint's staging makes."""
-    copies: list[str] = []
-    for name in ("copy_to_address", "copy_in_slices"):
-        real = getattr(staging_module, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            copies.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(staging_module, name, counted)
-    return copies
-
-
 def test_the_snapshot_holds_the_state_as_staged_with_its_structure():
     state = _state()
     before = _clone(state)
@@ -95,34 +80,44 @@ def test_the_snapshot_holds_the_state_as_staged_with_its_structure():
     assert snap.nbytes >= sum(r.nbytes for r in snap.records)
 
 
-def test_a_checkpoint_of_a_snapshot_writes_its_buffer_without_copying(tmp_path, monkeypatch):
+def test_a_checkpoint_of_a_snapshot_writes_its_buffer_without_copying(tmp_path):
     state = _state()
     before = _clone(state)
     snap = ss.stage(state)
     state["model"]["w"].add_(1)  # the live state moves on; the checkpoint is of the snapshot
-    copies = _count_staging_copies(monkeypatch)
-    with ss.Checkpointer(tmp_path) as ck:
-        response = ck.save(3, snap)
+    saver = CheckpointSaver()
+    try:
+        response = saver.save(snap, tmp_path / "ck")
+        assert response.staging_completion.done()  # nothing to copy: staged at once
         response.upload_completion.result(GATE_TIMEOUT)
-        assert copies == []
+        assert saver.staging_allocations == 0 and saver.staging_bytes == 0
+    finally:
+        saver.close()
+    with ss.Checkpointer(tmp_path / "run") as ck:  # the same through a Checkpointer
+        ck.save(3, snap).upload_completion.result(GATE_TIMEOUT)
         out = _zeros_like(state)
         ck.load(out, 3)
     _assert_equal(out, before)
     reference = _zeros_like(state)
-    dcp.load(reference, checkpoint_id=str(tmp_path / "step_3"))  # DCP reads it as its own
+    dcp.load(reference, checkpoint_id=str(tmp_path / "ck"))  # DCP reads it as its own
     _assert_equal(reference, before)
 
 
-def test_async_save_of_a_sub_dict_of_a_snapshot_copies_out_of_it(tmp_path, monkeypatch):
+def test_async_save_of_a_sub_dict_of_a_snapshot_copies_out_of_it(tmp_path):
     state = _state()
     snap = ss.stage(state)
-    copies = _count_staging_copies(monkeypatch)
-    ss.async_save(snap["model"], tmp_path / "model").upload_completion.result(GATE_TIMEOUT)
-    assert copies  # laid out otherwise than the whole snapshot: staged by copy
-    out = {k: torch.zeros_like(v) for k, v in state["model"].items()}
-    ss.load(out, tmp_path / "model")
-    for k, v in state["model"].items():
-        assert torch.equal(out[k], v)
+    saver = CheckpointSaver()
+    try:
+        saver.save(snap["model"], tmp_path / "model").upload_completion.result(GATE_TIMEOUT)
+        assert saver.staging_allocations == 1  # laid out otherwise: staged by copy
+    finally:
+        saver.close()
+    ss.async_save(snap["model"], tmp_path / "again").upload_completion.result(GATE_TIMEOUT)
+    for where in ("model", "again"):
+        out = {k: torch.zeros_like(v) for k, v in state["model"].items()}
+        ss.load(out, tmp_path / where)
+        for k, v in state["model"].items():
+            assert torch.equal(out[k], v)
 
 
 def test_the_buffer_is_not_restaged_while_a_save_still_writes_it(tmp_path):
@@ -183,13 +178,14 @@ def _dtensor_snapshot_run(rank: int, world: int, root: str) -> None:
     assert isinstance(staged, DTensor) and staged.placements == live["w"].placements
     assert torch.equal(staged.to_local(), state(1)["w"].to_local())
     assert torch.equal(staged.full_tensor(), torch.arange(80.0).reshape(8, 10) + 1)
-    copies = []
-    for name in ("copy_to_address", "copy_in_slices"):  # count the staging copies
-        real = getattr(staging_module, name)
-        setattr(staging_module, name, lambda *a, _r=real, **k: copies.append(1) or _r(*a, **k))
-    with ss.Checkpointer(root) as ck:
-        ck.save(1, snap).result(60)  # every tensor sharded: each rank writes its snapshot
-        assert copies == []  # as it is
+    saver = CheckpointSaver()
+    try:  # every tensor sharded: each rank writes its snapshot as it is
+        saver.save(snap, root).result(60)
+        assert saver.staging_allocations == 0
+    finally:
+        saver.close()
+    with ss.Checkpointer(root + "/run") as ck:
+        ck.save(1, snap).result(60)
         target = state(0)
         ck.load(target, 1)
     assert torch.equal(target["w"].full_tensor(), torch.arange(80.0).reshape(8, 10) + 1)

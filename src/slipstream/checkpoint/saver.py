@@ -108,6 +108,12 @@ class CheckpointSaver:
         return self._stager.pool.allocations
 
     @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging buffers this saver holds (none for the saves of a
+        snapshot written as it is, see :func:`~.snapshot.stage`)."""
+        return self._stager.pool.live_bytes
+
+    @property
     def staging_pinned(self) -> bool | None:
         """Whether the staging buffers this saver holds are pinned (``None`` before any)."""
         return self._stager.pool.all_pinned

@@ -178,6 +178,7 @@ class StagedState(Mapping[str, Any]):
     def image_matches(self, plan: SavePlan) -> bool:
         """Whether ``plan`` has this rank write exactly the snapshot's records, so the
         buffer can be written as it is."""
+
         def layout(records: list[RecordPlan]) -> list[tuple[Any, ...]]:
             return [(r.chunk, r.offset, r.length, r.data_offset, r.nbytes) for r in records]
 
