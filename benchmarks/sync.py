@@ -267,7 +267,7 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
     )
     group = ss.sync.init_group("127.0.0.1", ports[1], 3, rank, timeout=600)
     if args.realistic:
-        results.put((rank, realistic_runs(rank, group, args), peak_rss_mib(), 0, None))
+        results.put((rank, realistic_runs(rank, group, args), peak_rss_mib(), 0, None, None))
         dist.destroy_process_group()
         group.close()
         return
