@@ -38,7 +38,6 @@ from ..core.flatten import flatten, unflatten
 from ..errors import CheckpointError, PeerTimeoutError
 from .layout import LayoutSignature, LocalLayout, local_layout, resolve_stateful
 from .plan import RecordPlan, SavePlan, make_save_plan
-from .staging import _write_frames
 
 try:
     from torch.distributed.tensor import DTensor
@@ -55,7 +54,7 @@ class _Buffer:
     def __init__(self, plan: SavePlan, pin: bool) -> None:
         self.plan = plan
         self.image = allocate_host(max(plan.image_bytes, 1), pin)
-        _write_frames(self.image, plan)
+        plan.write_frames(self.image)
         self.holders: dict[int, str] = {}
         self.generation = 0
         self._next_hold = 0
