@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python benchmarks/checkpoint.py --sections object_store \
 		--out benchmarks/results/object_store.json
 	$(BIN)/python benchmarks/sync.py --out benchmarks/results/sync.json
+	$(BIN)/python benchmarks/sync.py --realistic --out benchmarks/results/sync_realistic.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
 	$(MAKE) report
@@ -43,7 +44,8 @@ bench: setup
 report: setup
 	$(BIN)/python benchmarks/report.py benchmarks/results/checkpoint.json \
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
-		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
+		benchmarks/results/sync_realistic.json benchmarks/results/fsdp.json \
+		benchmarks/results/hf.json benchmarks/results/gpu.json \
 		--out BENCHMARKS.md
 
 clean:

@@ -32,6 +32,11 @@ weights; "blocked" is how long the trainer's thread could not train (the whole r
 broadcast peers, the cache copy for verl-style, ``publish()`` for slipstream).
 
 python benchmarks/sync.py --out benchmarks/results/sync.json
+
+``--realistic`` runs instead the realistic-update section (:mod:`sync_realistic`): deltas of
+bf16 weights after AdamW steps, and one staged snapshot for a checkpoint and a publish.
+
+python benchmarks/sync.py --realistic --out benchmarks/results/sync_realistic.json
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import Result, Table, interleave, median, peak_rss_mib  # noqa: E402
+from sync_realistic import realistic_runs  # noqa: E402
+from sync_realistic import report as realistic_report  # noqa: E402
 
 import slipstream as ss  # noqa: E402
 
@@ -259,6 +266,11 @@ def worker(rank: int, args: argparse.Namespace, ports: tuple[int, int], results)
         timeout=timedelta(seconds=600),
     )
     group = ss.sync.init_group("127.0.0.1", ports[1], 3, rank, timeout=600)
+    if args.realistic:
+        results.put((rank, realistic_runs(rank, group, args), peak_rss_mib(), 0, None, None))
+        dist.destroy_process_group()
+        group.close()
+        return
     kept, total = layout_runs(rank, group, args)
     transformer = transformer_runs(rank, group, args)
     two = two_model_runs(rank, group, args)
@@ -421,9 +433,12 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="64 MiB in 256 tensors, 1 repeat")
     parser.add_argument("--out", default="benchmarks/results/sync.json")
+    parser.add_argument("--realistic", action="store_true", help="the realistic-update section")
+    parser.add_argument("--realistic-gib", type=float, default=1.0)
     args = parser.parse_args()
     if args.quick:
         args.gib, args.tensors, args.repeats, args.bucket_mib = 1 / 16, 256, 1, 8
+        args.realistic_gib = 1 / 16
 
     from socket import socket
 
@@ -446,6 +461,9 @@ def main() -> None:
             transformer_kept, two_kept = transformer, two
     for p in procs:
         p.join(120)
+    if args.realistic:
+        realistic_main(args, by_rank, load_before)
+        return
     trainer, trainer_peak = by_rank[0]
     _, rollout_peak = by_rank[1]
     gib = total / GIB
@@ -654,6 +672,37 @@ def main() -> None:
         print(f"{'PASS' if floor.passed else 'MISS'} {floor.claim}: {floor.measured}")
     for row in rows:
         print(row)
+    result.write(args.out)
+
+
+def realistic_main(args: argparse.Namespace, by_rank: dict, load_before: float) -> None:
+    from realistic_updates import transformer_like_shapes
+
+    trainer, trainer_peak = by_rank[0]
+    shapes = transformer_like_shapes(int(args.realistic_gib * GIB))
+    total = sum(2 * int(torch.Size(s).numel()) for s in shapes)
+    result = Result(
+        benchmark="sync-realistic",
+        title=f"Weight sync of realistic updates ({total / GIB:.2f} GiB of bf16), and one "
+        "snapshot for a checkpoint and a publish; 1 trainer -> 2 rollouts",
+        setup={
+            "bytes": total,
+            "tensors": len(shapes),
+            "repeats": args.repeats,
+            "processes": "3 (1 trainer, 2 rollouts), gloo on loopback; trainer with every "
+            "core as torch threads, rollouts 1",
+            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        },
+    )
+    realistic_report(result, trainer, total)
+    result.notes.append(
+        f"Peak RSS: trainer {trainer_peak:.0f} MiB, rollout {by_rank[1][1]:.0f} MiB."
+    )
+    for floor in result.floors:
+        print(f"{'PASS' if floor.passed else 'MISS'} {floor.claim}: {floor.measured}")
+    for table in result.tables:
+        for row in table.rows:
+            print(row)
     result.write(args.out)
 
 

@@ -15,6 +15,7 @@ from .checkpoint import (
     HfExport,
     SaveOptions,
     SaveTimings,
+    StagedState,
     Storage,
     async_save,
     export_hf,
@@ -22,6 +23,7 @@ from .checkpoint import (
     load_hf,
     register_storage,
     save,
+    stage,
 )
 from .core import tracing
 from .errors import (
@@ -52,6 +54,7 @@ __all__ = [
     "HfExport",
     "SaveOptions",
     "SaveTimings",
+    "StagedState",
     "Storage",
     "async_save",
     "export_hf",
@@ -59,6 +62,7 @@ __all__ = [
     "load_hf",
     "register_storage",
     "save",
+    "stage",
     "CheckpointError",
     "CorruptCheckpointError",
     "FsdpError",

@@ -8,6 +8,7 @@ from .hf_import import load_hf
 from .options import SaveOptions
 from .save_job import AsyncSaveResponse, SaveTimings
 from .saver import CheckpointSaver
+from .snapshot import StagedState, stage
 from .storage import DataWriter, Storage, register_storage
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "DataWriter",
     "SaveOptions",
     "SaveTimings",
+    "StagedState",
     "Storage",
     "async_save",
     "export_hf",
@@ -26,4 +28,5 @@ __all__ = [
     "load_hf",
     "register_storage",
     "save",
+    "stage",
 ]

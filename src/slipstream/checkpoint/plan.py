@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import torch
+
+from ..core.buffers import byte_view
 from ..core.dtypes import dtype_from_name
 from ..core.flatten import Path
 from ..errors import CheckpointError
@@ -68,6 +71,16 @@ class SavePlan:
     @property
     def file(self) -> str:
         return data_file_name(self.rank)
+
+    def write_frames(self, image: torch.Tensor) -> None:
+        """Put this rank's every record's constant zip bytes in place around its (still
+        empty) data, in ``image`` (a host ``uint8`` buffer of :attr:`image_bytes`)."""
+        view = byte_view(image)
+        for rec in self.records:
+            frame = tensor_frame(dtype_from_name(rec.chunk.dtype), rec.chunk.sizes)
+            view[rec.offset : rec.offset + len(frame.prefix)] = frame.prefix
+            end = rec.data_offset + rec.nbytes
+            view[end : end + len(frame.suffix)] = frame.suffix
 
     def my_values(self) -> list[str]:
         return [fqn for fqn, owner in self.value_owner.items() if owner == self.rank]

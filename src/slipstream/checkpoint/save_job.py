@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -19,6 +19,9 @@ from .generations import data_file
 from .layout import LocalLayout
 from .plan import SavePlan
 from .storage import Storage
+
+if TYPE_CHECKING:
+    from .snapshot import StagedState
 
 
 @dataclass
@@ -92,6 +95,9 @@ class SaveJob:
     replaced_index: str | None = None
     committed: Metadata | None = None
     """The metadata rank 0 committed (other ranks read it back when asked)."""
+    snapshot: StagedState | None = None
+    """The snapshot (:func:`~.snapshot.stage`) saved, held until the save's writes are done."""
+    snapshot_hold: int | None = None
 
     @property
     def file(self) -> str:

@@ -51,6 +51,7 @@ from .options import SaveOptions
 from .plan import SavePlan, data_file_name, make_save_plan
 from .safe_pickle import load_metadata
 from .save_job import AsyncSaveResponse, SaveJob
+from .snapshot import StagedState
 from .staging import Stager
 from .storage import Location, Storage, resolve_storage
 from .writer import RankWriter
@@ -107,6 +108,12 @@ class CheckpointSaver:
         return self._stager.pool.allocations
 
     @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging buffers this saver holds (none for the saves of a
+        snapshot written as it is, see :func:`~.snapshot.stage`)."""
+        return self._stager.pool.live_bytes
+
+    @property
     def staging_pinned(self) -> bool | None:
         """Whether the staging buffers this saver holds are pinned (``None`` before any)."""
         return self._stager.pool.all_pinned
@@ -148,6 +155,8 @@ class CheckpointSaver:
             )
             with tracing.span("slipstream.save.prepare", url=storage.url):
                 layout, values, plan, templates = self._prepare(state_dict, seq, storage)
+            snapshot = state_dict if isinstance(state_dict, StagedState) else None
+            hold = snapshot.hold(f"save to {storage.url}") if snapshot is not None else None
         except BaseException as exc:
             self._announce_failure(seq, exc)
             raise
@@ -168,6 +177,8 @@ class CheckpointSaver:
             response=response,
             after_commit=after_commit,
             started=started,
+            snapshot=snapshot,
+            snapshot_hold=hold,
         )
         response.timings.nbytes = plan.data_bytes
         self._stage_thread.submit(self._stage, job)
@@ -182,7 +193,10 @@ class CheckpointSaver:
         """The caller's-thread part of save ``seq``: layout, serialized values, and the plan
         (made only for a new layout) with its commit templates. No storage request runs
         here: the location is prepared on the upload thread."""
-        layout = local_layout(state_dict)
+        if isinstance(state_dict, StagedState) and not state_dict.path:
+            layout = state_dict.layout
+        else:
+            layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
         cached = self._plans.get(signature)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core import streams
-from ..core.buffers import StagingBudgetError, StagingPool, byte_view
+from ..core.buffers import StagingBudgetError, StagingPool
 from ..core.copy import copy_in_slices, copy_to_address
 from ..core.dtypes import dtype_from_name
 from ..core.handles import completed_future
@@ -27,8 +27,7 @@ from ..core.waits import wait_future
 from ..errors import CheckpointError
 from .layout import ChunkSpec, LocalLayout
 from .options import SaveOptions
-from .plan import RecordPlan, SavePlan
-from .records import tensor_frame
+from .plan import RecordPlan
 from .save_job import SaveJob
 
 
@@ -67,7 +66,7 @@ class Stager:
                 f"{self._pool.budget_bytes}"
             ) from exc
         if self._framed.get(job.fingerprint) != buf.data_ptr():
-            _write_frames(buf, job.plan)
+            job.plan.write_frames(buf)
             self._framed[job.fingerprint] = buf.data_ptr()
         return buf
 
@@ -80,6 +79,9 @@ class Stager:
         side stream has finished.
         """
         try:
+            if job.snapshot is not None and job.snapshot.image_matches(job.plan):
+                self._stage_snapshot(job)
+                return
             buf = self._buffer(job)
             job.buffer = buf
             job.progress.advance(0)
@@ -136,9 +138,22 @@ class Stager:
             if on_host and advance and side is None:
                 job.progress.advance(rec.offset + rec.length)
 
+    @staticmethod
+    def _stage_snapshot(job: SaveJob) -> None:
+        """A snapshot laid out as this rank's image is written as it is: nothing to copy."""
+        assert job.snapshot is not None
+        job.buffer = job.snapshot.buffer
+        job.layout = LocalLayout([], {}, {}, {})
+        job.progress.advance(job.plan.image_bytes)
+        job.response.timings.staged = job.elapsed()
+        job.response.staging_completion.set_result(None)
+
     def release(self, job: SaveJob) -> None:
-        """The save's writes are done: its buffer may serve the next save."""
+        """The save's writes are done: its buffer (or snapshot) may serve the next save."""
         self._pool.release(job.fingerprint)
+        if job.snapshot is not None and job.snapshot_hold is not None:
+            job.snapshot.release(job.snapshot_hold)
+            job.snapshot_hold = None
 
     def close(self) -> None:
         self._tail_copier.shutdown(wait=True)
@@ -158,13 +173,3 @@ def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[R
 
 def _data_view(buf: torch.Tensor, offset: int, nbytes: int, chunk: ChunkSpec) -> torch.Tensor:
     return buf[offset : offset + nbytes].view(dtype_from_name(chunk.dtype)).view(chunk.sizes)
-
-
-def _write_frames(buf: torch.Tensor, plan: SavePlan) -> None:
-    """Put every record's constant zip bytes in place around its (still empty) data."""
-    image = byte_view(buf)
-    for rec in plan.records:
-        frame = tensor_frame(dtype_from_name(rec.chunk.dtype), rec.chunk.sizes)
-        image[rec.offset : rec.offset + len(frame.prefix)] = frame.prefix
-        end = rec.data_offset + rec.nbytes
-        image[end : end + len(frame.suffix)] = frame.suffix

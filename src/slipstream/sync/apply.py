@@ -116,6 +116,13 @@ class ModuleTarget:
         for dest in self._dest.get(s.tensor, ()):
             self._copy(dest, s, data)
 
+    def views(self, s: Slice) -> list[torch.Tensor]:
+        """Every destination of slice ``s``'s bytes (none: not applied), for writing in
+        place."""
+        return [
+            d[s.tensor_offset : s.tensor_offset + s.nbytes] for d in self._dest.get(s.tensor, ())
+        ]
+
     def landed(self, s: Slice) -> None:
         """Slice ``s`` was received into :meth:`direct_view`: copy it to the other
         destinations of its tensor, if any."""

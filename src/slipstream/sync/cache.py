@@ -30,6 +30,16 @@ import torch
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..errors import PeerTimeoutError, SyncError
+from .delta import (
+    DELTA,
+    WORD,
+    BucketDelta,
+    DeltaStats,
+    Differ,
+    encode_delta,
+    root_token,
+    words_of,
+)
 from .group import SyncGroup
 from .negotiation import network_sender, separate_min_for, shape_of
 from .packing import BucketSources, pack_slices, payload_segments, segment_parts, slice_checksum
@@ -80,8 +90,26 @@ def send_bucket(
     sender.submit(message.header, message.parts)
 
 
+def send_delta(sender: Sender, plan: BucketPlan, g: int, message: torch.Tensor) -> None:
+    """Send bucket ``g`` as the delta ``message`` (:func:`.delta.encode_delta`): its header
+    marks every slice :data:`.delta.DELTA` and its payload is the message, one segment."""
+    slices = plan.bucket_slices(g)
+    header = encode_header(
+        torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8),
+        message.numel(),
+        [DELTA] * len(slices),
+    )
+    sender.submit(header.to(message.device), [message])
+
+
 class HostCache:
-    """This rank's buckets of one version in a reused host buffer (see the module doc)."""
+    """This rank's buckets of one version in a reused host buffer (see the module doc).
+
+    It is also the *base* of delta publishes: the bytes the rollouts hold, bucket by
+    bucket (each bucket padded to whole 8-byte words), with each bucket's token
+    (:mod:`.delta`). :meth:`update` brings a bucket to the new version, diffing it against
+    what the cache held when that was the previous version of the same plan.
+    """
 
     def __init__(self, rank: int, timeout: float) -> None:
         self.rank = rank
@@ -91,82 +119,162 @@ class HostCache:
         self.plan: BucketPlan | None = None
         self.buffer: torch.Tensor | None = None
         self.offsets: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+        """Each owned bucket's token, as the rollouts that hold :attr:`version` record it."""
+        self.base_version: int | None = None
+        """The version the cache held when the update in progress started (the base its
+        deltas are computed from), or ``None`` when it held no version of this plan."""
         self._pool = StagingPool(pin=torch.cuda.is_available())
 
     @property
     def nbytes(self) -> int:
         return self._pool.live_bytes
 
-    def snapshot(self, plan: BucketPlan, tensors: Sequence[torch.Tensor], version: int) -> int:
-        """Copy this rank's buckets of ``tensors`` in (bucket-by-bucket gathers); return the
-        most DTensor bytes materialised at once."""
+    def acquire(self) -> None:
+        """Take :attr:`lock` (a refetch being served holds it), within the timeout."""
         if not self.lock.acquire(timeout=self.timeout):
             raise PeerTimeoutError(
                 f"trainer rank {self.rank}: a rollout that asked again held the cache for "
                 f"more than {self.timeout:.1f} s"
             )
+
+    def snapshot(
+        self,
+        plan: BucketPlan,
+        tensors: Sequence[torch.Tensor],
+        version: int,
+        differ: Differ | None = None,
+    ) -> tuple[int, dict[int, BucketDelta | None], DeltaStats]:
+        """Bring this rank's buckets of ``tensors`` in (bucket-by-bucket gathers), diffing
+        them against the previous version when ``differ`` is given and the cache holds one
+        of this plan. Returns the most DTensor bytes materialised at once, each owned
+        bucket's delta (``None``: not diffed, or dense was smaller) and the diff stats."""
+        self.acquire()
         try:
-            self.version = None  # torn until the copy below completes
-            peak = self._copy(plan, tensors)
-            self.version, self.plan = version, plan
-            return peak
+            self.begin(plan)
+            sources = BucketSources(plan, tensors, self.rank)
+            deltas: dict[int, BucketDelta | None] = {}
+            stats = DeltaStats()
+            for bucket in plan.buckets:
+                g = bucket.index
+                sources.enter(g)
+                if bucket.owner == self.rank:
+                    deltas[g], bucket_stats = self.update(plan, g, sources.slice_bytes, differ)
+                    stats.add(bucket_stats)
+                sources.leave(g)
+            self.finish(plan, version)
+            return sources.peak_gathered_bytes, deltas, stats
         finally:
             self.lock.release()
 
-    def _copy(self, plan: BucketPlan, tensors: Sequence[torch.Tensor]) -> int:
-        offsets: dict[int, int] = {}
-        total = 0
-        for g in plan.owned(self.rank):
-            offsets[g] = total
-            total += plan.buckets[g].nbytes
-        cache = self._pool.acquire("sync-cache", max(total, 1))
-        self._pool.release("sync-cache")
-        sources = BucketSources(plan, tensors, self.rank)
-        for bucket in plan.buckets:
-            g = bucket.index
-            sources.enter(g)
-            if bucket.owner == self.rank:
-                base = offsets[g]
-                for s in plan.bucket_slices(g):
-                    start = base + s.bucket_offset
-                    copy_in_slices(cache[start : start + s.nbytes], sources.slice_bytes(s))
-            sources.leave(g)
-        self.buffer, self.offsets = cache, offsets
-        return sources.peak_gathered_bytes
+    def begin(self, plan: BucketPlan) -> None:
+        """Start bringing the cache to a new version of ``plan`` (the caller holds the
+        lock): it holds no complete version until :meth:`finish`."""
+        same = self.plan is not None and self.plan.plan_id == plan.plan_id
+        self.base_version = self.version if same else None
+        if not same:
+            self.tokens = {}
+            offsets: dict[int, int] = {}
+            total = 0
+            for g in plan.owned(self.rank):
+                offsets[g] = total
+                total += words_of(plan.buckets[g].nbytes) * WORD
+            self.buffer = self._pool.acquire("sync-cache", max(total, 1))
+            self._pool.release("sync-cache")
+            self.offsets = offsets
+        self.plan = plan
+        self.version = None  # torn until every bucket is in
+
+    def bucket(self, plan: BucketPlan, g: int) -> torch.Tensor:
+        """Bucket ``g``'s bytes in the cache, padded to whole words."""
+        assert self.buffer is not None
+        start = self.offsets[g]
+        return self.buffer[start : start + words_of(plan.buckets[g].nbytes) * WORD]
+
+    def update(
+        self,
+        plan: BucketPlan,
+        g: int,
+        read: Callable[[Slice], torch.Tensor],
+        differ: Differ | None,
+    ) -> tuple[BucketDelta | None, DeltaStats]:
+        """Bring bucket ``g`` to the new bytes ``read`` gives, diffing when ``differ`` is
+        given and the cache held the previous version (else copying)."""
+        slices = plan.bucket_slices(g)
+        view = self.bucket(plan, g)
+        if differ is not None and self.base_version is not None:
+            return differ.diff_bucket(slices, read, view)
+        for s in slices:
+            copy_in_slices(view[s.bucket_offset : s.bucket_offset + s.nbytes], read(s))
+        return None, DeltaStats()
+
+    def finish(self, plan: BucketPlan, version: int) -> None:
+        """Every owned bucket holds ``version`` now."""
+        self.version, self.plan = version, plan
+
+    def send_delta(self, sender: Sender, plan: BucketPlan, g: int, delta: BucketDelta) -> None:
+        """Send bucket ``g`` as ``delta`` (computed from :attr:`base_version`) and record the
+        token it leads to (the caller holds :attr:`lock`)."""
+        assert self.base_version is not None
+        message, header = encode_delta(
+            sender.next_buffer(), delta, self.base_version, self.tokens[g]
+        )
+        send_delta(sender, plan, g, message)
+        self.tokens[g] = header.token
 
     def send(
-        self, sender: Sender, plan: BucketPlan, device: torch.device, unchanged: Unchanged | None
+        self,
+        sender: Sender,
+        plan: BucketPlan,
+        device: torch.device,
+        unchanged: Unchanged | None,
+        version: int | None = None,
     ) -> dict[int, int]:
-        """Send this rank's buckets through ``sender``, leaving out the slices ``unchanged``
-        names; return every slice's checksum. Without ``unchanged`` every byte is sent and
-        nothing is hashed. The caller holds :attr:`lock`."""
+        """Send this rank's buckets through ``sender`` (see :meth:`send_bucket`); return
+        every slice's checksum."""
         sums: dict[int, int] = {}
-        cache = self.buffer
-        assert cache is not None
         for g in plan.owned(self.rank):
-            bucket = plan.buckets[g]
-            base = self.offsets[g]
-            view = cache[base : base + bucket.nbytes]
+            sums.update(self.send_bucket(sender, plan, g, device, unchanged, version))
+        return sums
 
-            def cached(s: Slice, view: torch.Tensor = view) -> torch.Tensor:
-                return view[s.bucket_offset : s.bucket_offset + s.nbytes]
+    def send_bucket(
+        self,
+        sender: Sender,
+        plan: BucketPlan,
+        g: int,
+        device: torch.device,
+        unchanged: Unchanged | None,
+        version: int | None = None,
+    ) -> dict[int, int]:
+        """Send bucket ``g``'s bytes, leaving out the slices ``unchanged`` names; return
+        every slice's checksum. Without ``unchanged`` every byte is sent and nothing is
+        hashed. A publish of ``version`` records the bucket's token as the rollouts will (a
+        refetch, without it, changes no token). The caller holds :attr:`lock`."""
+        sums: dict[int, int] = {}
+        bucket = plan.buckets[g]
+        view = self.bucket(plan, g)[: bucket.nbytes]
 
-            slices = plan.bucket_slices(g)
-            mask = [1] * len(slices)
-            for j, s in enumerate(slices if unchanged is not None else ()):
-                cs = slice_checksum(cached(s))
-                if cs is not None:
-                    sums[bucket.first_slice + j] = cs
-                assert unchanged is not None
-                mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
-            if all(mask) and view.device == device:
-                # the cache already holds the payload where the transport reads: no copy
-                send_bucket(sender, plan, g, mask, bucket.nbytes, view, {})
-                continue
-            out = sender.next_buffer()
-            kept = [s for s, m in zip(slices, mask, strict=True) if m]
-            _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
-            send_bucket(sender, plan, g, mask, nbytes, out, {})
+        def cached(s: Slice) -> torch.Tensor:
+            return view[s.bucket_offset : s.bucket_offset + s.nbytes]
+
+        slices = plan.bucket_slices(g)
+        mask = [1] * len(slices)
+        for j, s in enumerate(slices if unchanged is not None else ()):
+            cs = slice_checksum(cached(s))
+            if cs is not None:
+                sums[bucket.first_slice + j] = cs
+            assert unchanged is not None
+            mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
+        if version is not None:
+            self.tokens[g] = root_token(plan.plan_id, g, version)
+        if all(mask) and view.device == device:
+            # the cache already holds the payload where the transport reads: no copy
+            send_bucket(sender, plan, g, mask, bucket.nbytes, view, {})
+            return sums
+        out = sender.next_buffer()
+        kept = [s for s, m in zip(slices, mask, strict=True) if m]
+        _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
+        send_bucket(sender, plan, g, mask, nbytes, out, {})
         return sums
 
     def offer(self, kind: str, separate_min: int | None | str) -> AgainOffer:

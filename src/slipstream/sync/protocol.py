@@ -70,6 +70,9 @@ class Request:
 
     held: int | None
     incarnation: int = 0
+    delta_base: int | None = None
+    """The version whose every bucket token this rollout recorded while applying it in
+    place (:mod:`.delta`): deltas from that version may be sent to it. ``None``: dense."""
 
 
 @dataclass
@@ -219,8 +222,8 @@ class AgainGo:
 class BucketMessage:
     """One bucket on its way from its owning trainer: ``header`` (payload bytes, then one
     byte per slice of the bucket saying how its bytes travel: 1 dense in the payload, 0 left
-    out as unchanged; other values are free for other encodings) and ``parts``, the
-    payload's segments in order (:func:`.packing.payload_segments`)."""
+    out as unchanged, 2 (every slice) a delta, :mod:`.delta`) and ``parts``, the payload's
+    segments in order (:func:`.packing.payload_segments`; a delta is one segment)."""
 
     index: int
     header: torch.Tensor

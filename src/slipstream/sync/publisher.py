@@ -38,11 +38,13 @@ from typing import Any, Literal
 
 import torch
 
+from ..checkpoint.snapshot import StagedState
 from ..core.control_plane import died_error
 from ..core.dtypes import dtype_name
 from ..core.handles import fail_unfinished
 from ..errors import MissingRanksError, PeerDiedError, PeerTimeoutError, SyncError
 from .cache import HostCache, RefetchServer, send_bucket
+from .delta import BucketDelta, DeltaStats, Differ
 from .group import SyncGroup
 from .negotiation import (
     HEADER_CAP,
@@ -60,6 +62,11 @@ from .transport import Sender, let_go
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "cached")
+#: After a publish whose diff found no bucket where a delta paid, this many publishes are
+#: not diffed: in ``direct`` mode they go without the kept copy (sent straight from the
+#: tensors, as with ``delta=False``; the next one refreshes the copy and the one after
+#: diffs again), in ``cached`` mode they copy into the cache without comparing.
+PLAIN_AFTER_NO_GAIN = 8
 #: How long a trainer whose transfer broke looks for the rank that broke it (a process of
 #: this host is seen gone at once; one elsewhere once its heartbeat has been still).
 FIND_DEAD_GRACE = 4.0
@@ -78,6 +85,13 @@ class PublishTimings:
     """Until ``staged``: the weights may change from then on."""
     delivered: float | None = None
     """Until ``delivered``: every rollout acknowledged the version."""
+    dense_bytes: int = 0
+    """Bytes of this rank's buckets: what sending every byte of them would move."""
+    changed_fraction: float | None = None
+    """Fraction of the 8-byte words diffed that changed since the base (``None``: nothing
+    was diffed, e.g. the first publish or ``delta=False``)."""
+    diff_seconds: float = 0.0
+    """Time spent diffing against the base (on the caller's thread)."""
 
 
 @dataclass
@@ -185,6 +199,12 @@ class WeightPublisher:
     slices are packed into buckets. ``"auto"`` means 1 MiB over relay and 16 MiB over
     broadcast (where a message costs more); ``None`` packs everything.
 
+    ``delta`` (host weights): keep the bytes the rollouts hold as a base (the cache in
+    ``cached`` mode, a copy of the last version sent in ``direct`` mode, see
+    :attr:`base_bytes`) and send each owned bucket as its changed 8-byte words where that
+    is at most a quarter of its bytes (:mod:`.delta`); rollouts apply deltas in place and
+    only onto the exact base they were computed from.
+
     ``channel`` names this publisher/subscriber set: its store keys, process groups and
     shared-memory ring are its own, so several sets (several models) run on one group at
     once. Left out, it is numbered in creation order among this process's unnamed sets of the
@@ -213,6 +233,7 @@ class WeightPublisher:
         channel: str | None = None,
         history: int = 8,
         separate_min_bytes: int | None | Literal["auto"] = "auto",
+        delta: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -234,6 +255,9 @@ class WeightPublisher:
         self.mode = mode
         self.timeout = group.timeout if timeout is None else timeout
         self.history = history
+        self.delta = delta and self.group.device.type == "cpu"
+        self._differ = Differ() if self.delta else None
+        self._plain_publishes = 0
         self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
         self.bytes_sent = 0
         self.peak_gathered_bytes = 0
@@ -292,7 +316,11 @@ class WeightPublisher:
         resolved): this rank packed its last bucket and the slices sent straight from the
         tensors have left; the packed buckets still in flight finish in the background.
         ``cached``: returns once the weights are snapshotted into the host cache; the worker
-        thread sends from the cache.
+        thread sends from the cache. With deltas on (``delta=True``) each owned bucket is
+        diffed against the bytes the rollouts hold and sent as its changed words where that
+        is smaller (``handle.timings`` reports the dense bytes, the changed fraction and the
+        diff's time). ``named_tensors`` may be (part of) a snapshot from
+        :func:`slipstream.stage`: it is held, so not restaged, while this call reads it.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
@@ -302,6 +330,8 @@ class WeightPublisher:
         handle = PublishHandle(version)
         self._wait_previous_round()
         sent_before = self._bytes_sent()
+        snapshot = named_tensors if isinstance(named_tensors, StagedState) else None
+        hold = snapshot.hold(f"publish of version {version}") if snapshot is not None else None
         try:
             specs, tensors = unique_tensors(items)
             plan = self._plan_for(specs)
@@ -309,22 +339,34 @@ class WeightPublisher:
             self._round += 1
             self._last_version = version
             job: Callable[[], int]
+            handle.timings.dense_bytes = sum(plan.buckets[g].nbytes for g in plan.owned(self.rank))
             if self.mode == "direct":
-                start, helds = self._start_round(k, version, plan, handle)
+                start, requests = self._start_round(k, version, plan, handle)
                 sources = BucketSources(plan, tensors, self.rank)
-                self._guarded(k, start, lambda: self._pack_and_send(plan, sources, helds, version))
+                self._guarded(
+                    k,
+                    start,
+                    lambda: self._pack_and_send(plan, sources, requests, version, handle.timings),
+                )
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
                 job = functools.partial(self._finish_round, k, start)
             else:
-                peak = self._cache.snapshot(plan, tensors, version)
+                differ = self._differ if self._plain_publishes == 0 else None
+                self._plain_publishes = max(0, self._plain_publishes - 1)
+                peak, deltas, stats = self._cache.snapshot(plan, tensors, version, differ)
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
+                _record_diff(handle.timings, stats)
+                self._note_gain(stats)
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
-                job = functools.partial(self._serve_cached, k, version, plan, handle)
+                job = functools.partial(self._serve_cached, k, version, plan, handle, deltas)
         except BaseException as exc:
             fail_unfinished(exc, handle.staged, handle.delivered)
             raise
+        finally:
+            if snapshot is not None and hold is not None:
+                snapshot.release(hold)
         self._last_round = handle.delivered
         self._jobs.put((job, handle, sent_before))
         handle.timings.blocked = handle.elapsed()
@@ -369,11 +411,11 @@ class WeightPublisher:
         plan: BucketPlan,
         handle: PublishHandle,
         idle: Callable[[], None] | None = None,
-    ) -> tuple[RoundStart, dict[int, int | None]]:
+    ) -> tuple[RoundStart, dict[int, Request]]:
         """Agree on round ``k``: its members (the lead trainer waits for every rollout not
         found dead to ask; the others read the lead's decision), and the epoch, whose
-        transport this rank builds when it is new. Returns the round and what each member
-        holds. ``idle`` runs while the lead waits."""
+        transport this rank builds when it is new. Returns the round and each member's
+        request (what it holds). ``idle`` runs while the lead waits."""
         self._live_round = k
         if self.rank == self.leader:
             start = self._gather_round(k, version, plan, idle)
@@ -395,13 +437,13 @@ class WeightPublisher:
         handle.absent = {int(r): why for r, why in start.absent.items()}
         for r in handle.absent:
             self.rollout_versions[r] = None
-        helds = {
-            r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request")).held
+        requests = {
+            r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
             for r in start.members
         }
         if start.epoch != self._epoch:
             self._guarded(k, start, lambda: self._enter_epoch(start))
-        return start, helds
+        return start, requests
 
     def _gather_round(
         self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
@@ -553,11 +595,33 @@ class WeightPublisher:
         while len(self._checksums) > self.history:
             del self._checksums[min(self._checksums)]
 
+    def _deltas_for(self, requests: dict[int, Request]) -> bool:
+        """Whether this round's buckets may go as deltas: every member recorded the tokens
+        of the version the base holds (so none restarted, missed it or refetched since)."""
+        base = self._cache.base_version
+        return (
+            self.delta
+            and base is not None
+            and bool(requests)
+            and all(q.delta_base == base for q in requests.values())
+        )
+
     def _pack_and_send(
-        self, plan: BucketPlan, sources: BucketSources, helds: dict[int, int | None], version: int
+        self,
+        plan: BucketPlan,
+        sources: BucketSources,
+        requests: dict[int, Request],
+        version: int,
+        timings: PublishTimings,
     ) -> None:
+        if self.delta and self._plain_publishes == 0:
+            self._diff_and_send(plan, sources, requests, version, timings)
+            return
+        if self.delta:  # deltas did not pay lately: the kept copy is not brought along
+            self._plain_publishes -= 1
+            self._cache.version = None
         sender = self._sender
-        unchanged = self._unchanged_fn(helds)
+        unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
         separate_min = sender.separate_min if sender is not None else None
         sums: dict[int, int] = {}
         sent_from_tensors = False
@@ -579,16 +643,81 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
-    def _serve_cached(self, k: int, version: int, plan: BucketPlan, handle: PublishHandle) -> int:
-        start, helds = self._start_round(k, version, plan, handle, idle=self._refetch.poll)
+    def _diff_and_send(
+        self,
+        plan: BucketPlan,
+        sources: BucketSources,
+        requests: dict[int, Request],
+        version: int,
+        timings: PublishTimings,
+    ) -> None:
+        """``direct`` mode with deltas: bring each owned bucket of the kept copy (the base)
+        to the new version, diffing it when every member holds the base, and send it (as
+        a delta where that is smaller) before reading the next: diffing bucket g+1 overlaps
+        bucket g on the wire. Nothing is sent from the caller's tensors."""
+        sender = self._sender
+        cache = self._cache
+        stats = DeltaStats()
+        sums: dict[int, int] = {}
+        cache.acquire()
+        try:
+            cache.begin(plan)
+            as_delta = self._deltas_for(requests)
+            unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
+            differ = self._differ if as_delta else None
+            for bucket in plan.buckets:
+                g = bucket.index
+                sources.enter(g)
+                if bucket.owner == self.rank:
+                    delta, bucket_stats = cache.update(plan, g, sources.slice_bytes, differ)
+                    stats.add(bucket_stats)
+                    if sender is not None and delta is not None:
+                        cache.send_delta(sender, plan, g, delta)
+                    elif sender is not None:
+                        device = self.group.device
+                        sums.update(cache.send_bucket(sender, plan, g, device, unchanged, version))
+                sources.leave(g)
+            cache.finish(plan, version)
+        finally:
+            cache.lock.release()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
+        self._remember(version, sums)
+        _record_diff(timings, stats)
+        self._note_gain(stats)
+
+    def _note_gain(self, stats: DeltaStats) -> None:
+        """After a diff in which no bucket gained, skip diffing for a while."""
+        if stats.compared_words and not stats.delta_buckets:
+            self._plain_publishes = PLAIN_AFTER_NO_GAIN
+
+    def _serve_cached(
+        self,
+        k: int,
+        version: int,
+        plan: BucketPlan,
+        handle: PublishHandle,
+        deltas: dict[int, BucketDelta | None],
+    ) -> int:
+        start, requests = self._start_round(k, version, plan, handle, idle=self._refetch.poll)
 
         def send() -> None:
-            if self._sender is None:
+            sender = self._sender
+            if sender is None:
                 return
+            helds = {r: q.held for r, q in requests.items()}
+            unchanged = self._unchanged_fn(helds)
+            sums: dict[int, int] = {}
             with self._cache.lock:
-                sums = self._cache.send(
-                    self._sender, plan, self.group.device, self._unchanged_fn(helds)
-                )
+                as_delta = self._deltas_for(requests)
+                for g in plan.owned(self.rank):
+                    delta = deltas.get(g) if as_delta else None
+                    if delta is not None:
+                        self._cache.send_delta(sender, plan, g, delta)
+                    else:
+                        device = self.group.device
+                        sums.update(
+                            self._cache.send_bucket(sender, plan, g, device, unchanged, version)
+                        )
             self._remember(version, sums)
 
         self._guarded(k, start, send)
@@ -646,12 +775,17 @@ class WeightPublisher:
             timings.nbytes = self._bytes_sent() - sent_before
             timings.delivered = handle.elapsed()
             self.bytes_sent = self._bytes_sent()
+            changed = timings.changed_fraction
             logger.info(
-                "trainer rank %d published version %d: %.3f GiB sent, blocked %.3f s, "
-                "staged in %.3f s, delivered in %.3f s",
+                "trainer rank %d published version %d: %.3f GiB sent of %.3f GiB dense "
+                "(%s of the words changed, diffed in %.3f s), blocked %.3f s, staged in "
+                "%.3f s, delivered in %.3f s",
                 self.rank,
                 version,
                 timings.nbytes / 2**30,
+                timings.dense_bytes / 2**30,
+                "not diffed" if changed is None else f"{changed:.2%}",
+                timings.diff_seconds,
                 timings.blocked or 0.0,
                 timings.staged or 0.0,
                 timings.delivered,
@@ -659,8 +793,14 @@ class WeightPublisher:
             handle.delivered.set_result(version)
 
     @property
+    def base_bytes(self) -> int:
+        """Host bytes kept as the base of deltas: in ``direct`` mode a copy of the last
+        version sent (``delta=True``), in ``cached`` mode the cache itself."""
+        return self._cache.nbytes
+
+    @property
     def buffer_bytes(self) -> int:
-        """Bytes of transfer buffers and host cache this publisher holds."""
+        """Bytes of transfer buffers, host cache and kept base this publisher holds."""
         sender = self._sender.buffer_bytes if self._sender is not None else 0
         return sender + self._cache.nbytes
 
@@ -692,3 +832,10 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _record_diff(timings: PublishTimings, stats: DeltaStats) -> None:
+    """Put a publish's diff stats in its timings (nothing was diffed: left as they are)."""
+    if stats.compared_words:
+        timings.changed_fraction = stats.changed_fraction
+    timings.diff_seconds = stats.seconds

@@ -33,6 +33,7 @@ from ..core.copy import copy_in_slices
 from ..errors import PeerTimeoutError, SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
+from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .group import SyncGroup
 from .negotiation import build_receiver, epoch_tag, network_receiver, read_offer
 from .packing import payload_segments
@@ -104,6 +105,11 @@ class WeightSubscriber:
         self._receivers: dict[int, Receiver] = {}
         self._epoch = -1
         self._members: list[int] = []
+        self._tokens: dict[int, int] = {}
+        """Each bucket's token (:mod:`.delta`) as last applied in place, for plan
+        ``_token_plan`` at version ``_delta_version`` (``None``: none recorded whole)."""
+        self._token_plan: str | None = None
+        self._delta_version: int | None = None
 
     @property
     def version(self) -> int | None:
@@ -145,9 +151,13 @@ class WeightSubscriber:
         sink = make_target(target, name_map, self._assembly)
         held_key = (sink.kind, atomic)
         held = self.version if (not full and self._held_by == held_key) else None
-        k, start = self._join_round(held)
+        in_place = isinstance(sink, ModuleTarget) and not atomic
+        delta_base = self._delta_version if (in_place and held is not None) else None
+        k, start = self._join_round(held, delta_base)
         version = start.version
         ack_key = Keys.ack(self.rank, k)
+        base_tokens = self._tokens if self._token_plan == start.plan else {}
+        self._forget_tokens()
         try:
             plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
@@ -155,17 +165,27 @@ class WeightSubscriber:
                 self._transfer(k, _Round(plan, sink, "drain", self._receivers))
                 raise_problems(problems, version, self.rank)
             into = "stream" if atomic else "target"
-            self._transfer(k, _Round(plan, sink, into, self._receivers))
+            rnd = _Round(plan, sink, into, self._receivers, version=version)
+            if in_place:
+                rnd.base_tokens, rnd.tokens = base_tokens, {}
+            self._transfer(k, rnd)
+            if rnd.refused is not None:  # drained to the end of the round: raise it now
+                raise rnd.refused
         except BaseException as exc:
             broken = self._epoch < 0  # the transfer broke and let the transport go
             self._ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
             raise
+        if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
+            self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
         self._ack(ack_key, Ack(version))
         self._log("received", version, received_before, started)
         return version
 
-    def _join_round(self, held: int | None) -> tuple[int, RoundStart]:
+    def _forget_tokens(self) -> None:
+        self._tokens, self._token_plan, self._delta_version = {}, None, None
+
+    def _join_round(self, held: int | None, delta_base: int | None) -> tuple[int, RoundStart]:
         """Ask for the next round this rank is a member of; return it, with its transport
         built. A rank that (re)joins starts at the round the lead trainer is gathering; a
         round that went on without it, or was cancelled, is passed over."""
@@ -174,7 +194,8 @@ class WeightSubscriber:
             k = int(self.group.store.get(Keys.NEXT_ROUND)) if self.group.has(Keys.NEXT_ROUND) else 0
         incarnation = self.group.incarnation
         while True:
-            self.group.post(Keys.request(self.rank, k), encode(Request(held, incarnation)))
+            request = Request(held, incarnation, delta_base)
+            self.group.post(Keys.request(self.rank, k), encode(request))
             self._round = k
             what = f"lead trainer rank {self.leader} to start round {k}"
             text = self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
@@ -287,6 +308,7 @@ class WeightSubscriber:
         started = time.perf_counter()
         received_before = self.bytes_received
         sink = make_target(target, name_map, self._assembly)
+        self._forget_tokens()  # the cache's bytes come without their tokens: dense next
         n = self.group.count(Keys.again_count(self.rank), 1) - 1
         offers = self._ask_again(n)
         first = next(iter(offers.values()))
@@ -454,6 +476,8 @@ class WeightSubscriber:
         to its final bytes when it has some on this device (recorded in ``rnd.landed``)."""
         slices = rnd.plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
+        if mask and mask[0] == DELTA:  # one segment, applied from the receive buffer
+            return [payload]
         buffers = []
         for seg in payload_segments(slices, mask, separate_min):
             dest = None
@@ -476,6 +500,12 @@ class WeightSubscriber:
         header, payload = pending.finish()
         slices = plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
+        if mask and mask[0] == DELTA:
+            self._apply_delta(rnd, g, payload)
+            pending.release()
+            return
+        if rnd.tokens is not None:
+            rnd.tokens[g] = root_token(plan.plan_id, g, rnd.version)
         offsets, size = payload_offsets(slices, mask)
         if size != payload.numel():
             raise SyncError(
@@ -512,6 +542,26 @@ class WeightSubscriber:
         if into == "target":
             sink.flush()
         pending.release()
+
+    def _apply_delta(self, rnd: _Round, g: int, message: torch.Tensor) -> None:
+        """Apply bucket ``g``'s delta in place, once its base is checked to be the bytes
+        this rank holds (a delta for other bytes is refused, nothing applied)."""
+        self.bytes_received += message.numel()
+        if rnd.into == "drain":
+            return
+        owner = rnd.plan.buckets[g].owner
+        header, payload = decode_delta(message)
+        where = f"rollout rank {self.rank}, bucket {g} from trainer rank {owner}"
+        sink = rnd.sink
+        if rnd.tokens is None or not isinstance(sink, ModuleTarget):
+            raise SyncError(f"{where}: a delta arrived for a receive that takes dense bytes only")
+        try:
+            header.check_base(rnd.base_tokens.get(g), where)
+        except BaseMismatch as exc:  # apply nothing more; drain the round, stay in step
+            rnd.refused, rnd.into, rnd.tokens = exc, "drain", None
+            return
+        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.views)
+        rnd.tokens[g] = header.token
 
     @staticmethod
     def _apply_stream(rnd: _Round) -> None:
@@ -551,6 +601,13 @@ class _Round:
     slices: list[tuple[int, Slice]] = field(default_factory=list)
     stream: torch.Tensor | None = None
     landed: set[tuple[int, int]] = field(default_factory=set)
+    version: int = 0
+    base_tokens: dict[int, int] = field(default_factory=dict)
+    """Each bucket's token before this round (what a delta must be computed from)."""
+    tokens: dict[int, int] | None = None
+    """Each bucket's token as this round leaves it; ``None``: not recorded (dense only)."""
+    refused: BaseMismatch | None = None
+    """A delta refused for its base: the rest of the round was drained, nothing applied."""
 
     def stream_bytes(self) -> torch.Tensor:
         """The host buffer laid out as the plan's stream (``into == "stream"`` only)."""
