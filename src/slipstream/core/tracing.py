@@ -29,12 +29,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from functools import wraps
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.autograd.profiler as _autograd_profiler
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 ENV_VAR = "SLIPSTREAM_TRACE"
 """Environment variable naming the trace file to record; ``{pid}`` in it is replaced by the
@@ -160,6 +162,20 @@ def traced(name: str, fn: Callable[[], _T], **args: Any) -> Callable[[], _T]:
             return fn()
 
     return run
+
+
+def spanned(name: str) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]:
+    """Decorator: every call of the function runs inside :class:`span` ``(name)``."""
+
+    def wrap(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+        @wraps(fn)
+        def run(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+            with span(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def record_interval(

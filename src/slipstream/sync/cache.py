@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..core import tracing
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..errors import PeerTimeoutError, SyncError
@@ -138,6 +139,7 @@ class HostCache:
                 f"more than {self.timeout:.1f} s"
             )
 
+    @tracing.spanned("slipstream.sync.publish.snapshot")
     def snapshot(
         self,
         plan: BucketPlan,
@@ -357,6 +359,7 @@ class RefetchServer:
         except (SyncError, RuntimeError) as exc:
             logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
 
+    @tracing.spanned("slipstream.sync.refetch.serve")
     def _serve(self, r: int, n: int) -> None:
         """Answer rollout ``r``'s request ``n`` with this rank's offer and, once the rollout
         accepts, send every byte of this rank's buckets from the cache (over ``cma`` the

@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from ..checkpoint.snapshot import StagedState
+from ..core import tracing
 from ..core.control_plane import died_error
 from ..core.dtypes import dtype_name
 from ..core.handles import fail_unfinished
@@ -305,6 +306,7 @@ class WeightPublisher:
         self._thread.start()
 
     # ----------------------------------------------------------------------------- publish
+    @tracing.spanned("slipstream.sync.publish")
     def publish(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -606,6 +608,7 @@ class WeightPublisher:
             and all(q.delta_base == base for q in requests.values())
         )
 
+    @tracing.spanned("slipstream.sync.publish.send")
     def _pack_and_send(
         self,
         plan: BucketPlan,
@@ -643,6 +646,7 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
+    @tracing.spanned("slipstream.sync.publish.diff_and_send")
     def _diff_and_send(
         self,
         plan: BucketPlan,
@@ -700,6 +704,7 @@ class WeightPublisher:
     ) -> int:
         start, requests = self._start_round(k, version, plan, handle, idle=self._refetch.poll)
 
+        @tracing.spanned("slipstream.sync.publish.send")
         def send() -> None:
             sender = self._sender
             if sender is None:
@@ -739,6 +744,7 @@ class WeightPublisher:
             )
         return start.version
 
+    @tracing.spanned("slipstream.sync.publish.await_acks")
     def _await_acks(self, k: int, start: RoundStart) -> None:
         if self._sender is not None:
             self._sender.flush()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..core import tracing
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..errors import PeerTimeoutError, SyncError
@@ -128,6 +129,7 @@ class WeightSubscriber:
         """False from the first byte of a receive applied until that receive completes."""
         return self._complete
 
+    @tracing.spanned("slipstream.sync.receive")
     def receive(
         self,
         target: nn.Module | LoadWeights,
@@ -283,6 +285,7 @@ class WeightSubscriber:
                 return exc
             time.sleep(0.05)
 
+    @tracing.spanned("slipstream.sync.refetch")
     def refetch(
         self,
         target: nn.Module | LoadWeights,
@@ -437,6 +440,7 @@ class WeightSubscriber:
             self._plans = {plan_id: plan}
         return plan
 
+    @tracing.spanned("slipstream.sync.receive.transfer")
     def _receive_all(self, rnd: _Round) -> _Round:
         """Receive every bucket, pipelined: bucket g arrives while bucket g-1 is unpacked.
 
@@ -495,6 +499,7 @@ class WeightSubscriber:
                 buffers.append(payload[seg.start : seg.start + seg.nbytes])
         return buffers
 
+    @tracing.spanned("slipstream.sync.receive.bucket")
     def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
         plan, sink, into = rnd.plan, rnd.sink, rnd.into
         header, payload = pending.finish()
@@ -543,6 +548,7 @@ class WeightSubscriber:
             sink.flush()
         pending.release()
 
+    @tracing.spanned("slipstream.sync.receive.apply_delta")
     def _apply_delta(self, rnd: _Round, g: int, message: torch.Tensor) -> None:
         """Apply bucket ``g``'s delta in place, once its base is checked to be the bytes
         this rank holds (a delta for other bytes is refused, nothing applied)."""
