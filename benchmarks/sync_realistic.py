@@ -45,7 +45,7 @@ from slipstream.checkpoint import CheckpointSaver
 GIB = 2**30
 LRS = (1e-5, 1e-6)
 PEERS = {
-    "slipstream delta direct": {"mode": "direct"},
+    "slipstream delta direct": {"mode": "direct", "delta": True},
     "slipstream delta cached": {"mode": "cached"},
     "slipstream dense direct": {"mode": "direct", "delta": False},
 }

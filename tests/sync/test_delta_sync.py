@@ -103,6 +103,7 @@ def _many_versions(rank, port):
                 transport=transport,
                 channel=channel,
                 separate_min_bytes=SEPARATE,
+                delta=True,
             ) as pub:
                 assert pub.transport == transport and pub.delta
                 sent = {}
@@ -157,7 +158,7 @@ def _restart_run(rank, port, mode, transport):
         named = initial()
         sent = {}
         with ss.WeightPublisher(
-            group, [0], [1, 2], bucket_bytes=BUCKET, mode=mode, transport=transport
+            group, [0], [1, 2], bucket_bytes=BUCKET, mode=mode, transport=transport, delta=True
         ) as pub:
             for version in (1, 2, 3, 4, 5):
                 if version > 1:
@@ -221,7 +222,7 @@ def _refused_run(rank, port):
     if rank == 0:
         named = initial()
         out = {}
-        with ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET) as pub:
+        with ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, delta=True) as pub:
             for version in (1, 2, 3, 4):
                 if version > 1:
                     step_sparse(named, version)
@@ -274,7 +275,7 @@ def _dtensor_run(rank, port, mesh_port):
         )
         mesh = init_device_mesh("cpu", (2,))
         full = {n: t.clone() for n, t in base.items()}
-        with ss.WeightPublisher(group, [0, 1], [2, 3], bucket_bytes=BUCKET) as pub:
+        with ss.WeightPublisher(group, [0, 1], [2, 3], bucket_bytes=BUCKET, delta=True) as pub:
             for version in (1, 2, 3, 4):
                 if version > 1:
                     step_sparse(full, version)
@@ -309,3 +310,30 @@ def test_dtensor_shards_from_two_trainers_go_as_deltas_and_stay_exact():
         for version in (2, 3, 4):
             nbytes, dense = out[trainer][version]
             assert 0 < nbytes < dense / 4, (trainer, version, nbytes, dense)
+
+
+def _default_delta(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=60)
+    out = {}
+    for mode in ("direct", "cached"):
+        if rank == 0:
+            with ss.WeightPublisher(group, [0], [1], bucket_bytes=BUCKET, mode=mode) as pub:
+                pub.publish(initial(), version=1).delivered.result(timeout=30)
+                out[mode] = {"delta": pub.delta, "base_bytes": pub.base_bytes}
+        else:
+            target = nn.Module()
+            for name, t in initial().items():
+                target.register_buffer(name, torch.zeros_like(t))
+            with ss.WeightSubscriber(group, [0], [1]) as sub:
+                sub.receive(target)
+            out[mode] = all(torch.equal(getattr(target, n), t) for n, t in initial().items())
+    group.close()
+    return out
+
+
+def test_deltas_are_on_by_default_in_cached_mode_only_and_direct_keeps_no_copy():
+    out = spawn(_default_delta, 2, timeout=90)
+    assert out[0]["direct"] == {"delta": False, "base_bytes": 0}
+    assert out[0]["cached"]["delta"] is True
+    assert out[0]["cached"]["base_bytes"] >= sum(t.nbytes for t in initial().values())
+    assert out[1] == {"direct": True, "cached": True}

@@ -204,7 +204,10 @@ class WeightPublisher:
     ``cached`` mode, a copy of the last version sent in ``direct`` mode, see
     :attr:`base_bytes`) and send each owned bucket as its changed 8-byte words where that
     is at most a quarter of its bytes (:mod:`.delta`); rollouts apply deltas in place and
-    only onto the exact base they were computed from.
+    only onto the exact base they were computed from. Left out (``None``), it is on in
+    ``cached`` mode, whose cache is the base, and off in ``direct`` mode, where the base
+    would be a second copy of the weights and publishes would no longer send straight
+    from the tensors: pass ``delta=True`` there to trade that memory for fewer bytes.
 
     ``channel`` names this publisher/subscriber set: its store keys, process groups and
     shared-memory ring are its own, so several sets (several models) run on one group at
@@ -234,7 +237,7 @@ class WeightPublisher:
         channel: str | None = None,
         history: int = 8,
         separate_min_bytes: int | None | Literal["auto"] = "auto",
-        delta: bool = True,
+        delta: bool | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -256,6 +259,8 @@ class WeightPublisher:
         self.mode = mode
         self.timeout = group.timeout if timeout is None else timeout
         self.history = history
+        if delta is None:  # on where the base costs nothing more: the cache is the base
+            delta = mode == "cached"
         self.delta = delta and self.group.device.type == "cpu"
         self._differ = Differ() if self.delta else None
         self._plain_publishes = 0
