@@ -125,20 +125,31 @@ def save_target(
         if checkpoint_id is None:
             raise ValueError("save needs checkpoint_id= (or a DCP storage_writer=)")
         return SaveTarget(checkpoint_id)
-    fsspec = _fsspec_classes()
-    if type(storage_writer) in (FileSystemWriter, _FileSystemWriter):
-        path: Location = storage_writer.path
-    elif fsspec and type(storage_writer) is fsspec[0]:
-        path = _location_from_fsspec("storage_writer", storage_writer)
-    else:
-        raise TypeError(
-            f"storage_writer: {type(storage_writer).__module__}.{type(storage_writer).__name__} "
-            "is not one slipstream can stand in for; it takes DCP's FileSystemWriter and "
-            "FsspecWriter (their path and options). A storage class of your own runs only "
-            "under dcp.save, or implement slipstream's Storage (docs/storage.md)"
-        )
+    path = _storage_location(
+        "storage_writer", storage_writer, (FileSystemWriter, _FileSystemWriter), 0, "dcp.save"
+    )
     overwrite = _check_writer_options(storage_writer)
     return SaveTarget(checkpoint_id if checkpoint_id is not None else path, overwrite)
+
+
+def _storage_location(
+    argument: str, storage: Any, filesystem_types: tuple[type, ...], fsspec_index: int, runs: str
+) -> Location:
+    """The location a DCP writer or reader stands for: the path of DCP's filesystem class,
+    the URL of its fsspec class (``fsspec_index`` picks writer or reader); any other class
+    is refused naming the argument."""
+    fsspec = _fsspec_classes()
+    if type(storage) in filesystem_types:
+        return storage.path  # type: ignore[no-any-return]
+    if fsspec and type(storage) is fsspec[fsspec_index]:
+        return _location_from_fsspec(argument, storage)
+    kinds = ("Writer", "Reader")[fsspec_index]
+    raise TypeError(
+        f"{argument}: {type(storage).__module__}.{type(storage).__name__} is not one "
+        f"slipstream can stand in for; it takes DCP's FileSystem{kinds} and Fsspec{kinds} "
+        f"(their path and options). A storage class of your own runs only under {runs}, "
+        "or implement slipstream's Storage (docs/storage.md)"
+    )
 
 
 def load_target(checkpoint_id: Location | None, storage_reader: Any, planner: Any) -> Location:
@@ -149,18 +160,7 @@ def load_target(checkpoint_id: Location | None, storage_reader: Any, planner: An
         if checkpoint_id is None:
             raise ValueError("load needs checkpoint_id= (or a DCP storage_reader=)")
         return checkpoint_id
-    fsspec = _fsspec_classes()
-    if type(storage_reader) is FileSystemReader:
-        path: Location = storage_reader.path
-    elif fsspec and type(storage_reader) is fsspec[1]:
-        path = _location_from_fsspec("storage_reader", storage_reader)
-    else:
-        raise TypeError(
-            f"storage_reader: {type(storage_reader).__module__}.{type(storage_reader).__name__} "
-            "is not one slipstream can stand in for; it takes DCP's FileSystemReader and "
-            "FsspecReader (their path). A storage class of your own runs only under "
-            "dcp.load, or implement slipstream's Storage (docs/storage.md)"
-        )
+    path = _storage_location("storage_reader", storage_reader, (FileSystemReader,), 1, "dcp.load")
     return checkpoint_id if checkpoint_id is not None else path
 
 
