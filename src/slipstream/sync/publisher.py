@@ -41,9 +41,9 @@ import torch
 from ..checkpoint.snapshot import StagedState
 from ..core import tracing
 from ..core.control_plane import died_error
-from ..core.dtypes import dtype_name
 from ..core.handles import fail_unfinished
 from ..errors import MissingRanksError, PeerDiedError, PeerTimeoutError, SyncError
+from .aliases import named_items, unique_tensors
 from .cache import HostCache, RefetchServer, send_bucket
 from .delta import BucketDelta, DeltaStats, Differ
 from .group import SyncGroup
@@ -55,7 +55,7 @@ from .negotiation import (
     epoch_tag,
     negotiate,
 )
-from .packing import NO_BYTES, BucketSources, is_dtensor, pack_slices, packs_any
+from .packing import NO_BYTES, BucketSources, pack_slices, packs_any
 from .plan import BucketPlan, TensorSpec, layout_json
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
 from .transport import Sender, let_go
@@ -115,69 +115,6 @@ class PublishHandle:
 
     def wait(self, timeout: float | None = None) -> int:
         return self.delivered.result(timeout)
-
-
-def named_items(
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> list[tuple[str, torch.Tensor]]:
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    seen: set[str] = set()
-    for name, t in items:
-        if name in seen:
-            raise ValueError(f"tensor name {name!r} is published twice")
-        seen.add(name)
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
-    return items
-
-
-def spec_of(name: str, t: torch.Tensor, aliases: Sequence[str] = ()) -> TensorSpec:
-    return TensorSpec(name, tuple(t.shape), dtype_name(t.dtype), tuple(aliases))
-
-
-def alias_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Equal for two tensors exactly when they are the same bytes seen the same way: the same
-    storage, offset, shape, stride and dtype (a DTensor: the same local shard, global shape,
-    stride and placements). A tensor without bytes of its own is only its own alias."""
-    extra: tuple[Any, ...] = ()
-    local = t
-    if is_dtensor(t):
-        dt: Any = t
-        local = dt._local_tensor
-        extra = (tuple(t.stride()), tuple(map(str, dt.placements)), id(dt.device_mesh))
-    if local.numel() == 0 or local.device.type == "meta" or local.data_ptr() == 0:
-        return ("object", id(t))
-    return (
-        local.device,
-        local.untyped_storage().data_ptr(),
-        local.storage_offset(),
-        tuple(local.shape),
-        tuple(local.stride()),
-        t.dtype,
-        tuple(t.shape),
-        extra,
-    )
-
-
-def unique_tensors(
-    items: Sequence[tuple[str, torch.Tensor]],
-) -> tuple[list[TensorSpec], list[torch.Tensor]]:
-    """The specs and tensors to send: each tensor once, under the first name it appears with,
-    its spec listing its other names (aliases, e.g. tied embeddings) in order of appearance."""
-    index: dict[tuple[Any, ...], int] = {}
-    names: list[list[str]] = []
-    tensors: list[torch.Tensor] = []
-    for name, t in items:
-        key = alias_key(t)
-        i = index.get(key)
-        if i is None:
-            index[key] = len(tensors)
-            tensors.append(t)
-            names.append([name])
-        else:
-            names[i].append(name)
-    specs = [spec_of(ns[0], t, ns[1:]) for ns, t in zip(names, tensors, strict=True)]
-    return specs, tensors
 
 
 class WeightPublisher:
