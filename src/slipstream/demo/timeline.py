@@ -131,7 +131,8 @@ def render(trace_path: str | Path, png_path: str | Path, trainer: str, steps: in
         ax.text(x, len(ROWS) - 0.35, label, fontsize=8, color="grey")
     ax.set_yticks(range(len(ROWS)), ROWS)
     ax.set_ylim(len(ROWS) - 0.2, -0.6)
-    ax.set_xlim(0, (end - begin) / 1e3)
+    last_drawn = max((start + width for row in bars.values() for start, width, _ in row), default=0)
+    ax.set_xlim(0, min((end - begin) / 1e3, 1.02 * last_drawn) or (end - begin) / 1e3)
     ax.set_xlabel(f"ms ({trainer}; rollout receives on the last row)")
     ax.set_title("slipstream beside compute: checkpoint, weight publish and FSDP collectives")
     legend = [
