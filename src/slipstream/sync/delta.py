@@ -43,7 +43,7 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -151,16 +151,8 @@ class DeltaStats:
         return self.changed_words / self.compared_words if self.compared_words else 0.0
 
     def add(self, other: DeltaStats) -> None:
-        for name in (
-            "dense_bytes",
-            "sent_bytes",
-            "changed_words",
-            "compared_words",
-            "delta_buckets",
-            "dense_buckets",
-            "seconds",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass

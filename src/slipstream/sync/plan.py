@@ -29,6 +29,8 @@ from functools import cached_property
 import torch
 
 from ..core.checksum import checksum
+from ..core.dtypes import dtype_from_name
+from ..core.shapes import numel
 
 ALIGN = 64
 HEADER_PREFIX = 8
@@ -57,14 +59,11 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return dtype_from_name(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * self.torch_dtype.itemsize
+        return numel(self.shape) * self.torch_dtype.itemsize
 
 
 @dataclass(frozen=True)
