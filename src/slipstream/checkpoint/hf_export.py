@@ -24,7 +24,6 @@ import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,10 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..core.buffers import byte_view
+from ..core.shapes import numel
 from ..errors import CheckpointError
 from . import loader
+from .files import fsync_dir, write_atomic
 from .hf_architecture import Architecture, architecture
 from .reader import CheckpointReader
 from .safetensors_format import (
@@ -252,6 +253,7 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:
@@ -313,7 +315,7 @@ def export_hf(
     unknown = sorted({str(out_dtype(n)) for n in order if out_dtype(n) not in NAMES})
     if unknown:
         raise CheckpointError(f"safetensors cannot hold the dtypes {unknown}")
-    sizes = {n: prod(names[n][1]) * out_dtype(n).itemsize for n in order}
+    sizes = {n: numel(names[n][1]) * out_dtype(n).itemsize for n in order}
     shards = _shards(order, sizes, max_bytes)
     files = (
         [SINGLE_FILE]
@@ -342,15 +344,13 @@ def export_hf(
     if len(files) > 1:
         index = {
             "metadata": {
-                "total_parameters": sum(prod(names[n][1]) for n in order),
+                "total_parameters": sum(numel(names[n][1]) for n in order),
                 "total_size": total,
             },
             "weight_map": weight_map,
         }
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        tmp = out / f".{INDEX_FILE}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / INDEX_FILE)
+        write_atomic(out / INDEX_FILE, text.encode())
     _remove_stale(out, set(files) | ({INDEX_FILE} if len(files) > 1 else set()))
     if config is not None and not (out / "config.json").resolve() == Path(config).resolve():
         shutil.copyfile(config, out / "config.json")

@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import torch
 
+from ..core.shapes import numel
 from ..errors import CorruptCheckpointError
 
 SINGLE_FILE = "model.safetensors"
@@ -116,7 +116,7 @@ def parse_header(
                 f"{path}: tensor {name!r} has dtype {code!r}, which this reader does not know "
                 f"(known: {', '.join(DTYPES)})"
             )
-        nbytes = prod(shape) * dtype.itemsize
+        nbytes = numel(shape) * dtype.itemsize
         if end - begin != nbytes or begin < 0:
             raise CorruptCheckpointError(
                 f"{path}: tensor {name!r} of shape {list(shape)} and dtype {code} needs "
@@ -139,7 +139,7 @@ def encode_header(
     table: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, shape in tensors:
-        nbytes = prod(shape) * dtype.itemsize
+        nbytes = numel(shape) * dtype.itemsize
         table[name] = {
             "dtype": NAMES[dtype],
             "shape": list(shape),
