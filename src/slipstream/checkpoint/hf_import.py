@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,8 +48,8 @@ from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import METADATA_FILE
 from .layout import is_stateful, resolve_stateful
-from .loader import MAX_IO_THREADS, OBJECT_STORE_IO_THREADS, _plan_reads
-from .reader import CheckpointReader, ReadRequest, SourceRecord, read_all
+from .loader import MAX_IO_THREADS, OBJECT_STORE_IO_THREADS, _plan_reads, read_and_copy
+from .reader import CheckpointReader, ReadRequest, SourceRecord
 from .safetensors_format import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -395,11 +396,9 @@ def _load_into(
             md = reader.metadata.state_dict_metadata[t.name]
             assert isinstance(md, TensorStorageMetadata)
             _plan_reads(reader, t.name, t.read_into, md, reads, copies)
-        reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
-        nbytes = sum(r.end - r.start for r in reads)
-        read_all(reader, reads, io_threads or _default_threads(reader.storage, nbytes))
-        for dest_view, src, _fallback in copies:
-            dest_view.copy_(src)
+        nbytes = read_and_copy(
+            reader, reads, copies, io_threads or partial(_default_threads, reader.storage)
+        )
         for t in targets:
             if t.read_into is not t.value:
                 dest = t.value.to_local() if isinstance(t.value, DTensor) else t.value

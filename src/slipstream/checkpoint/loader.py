@@ -112,6 +112,29 @@ def _check_keys(flat: Mapping[str, Any], metadata: Metadata, strict: bool, where
             raise CorruptCheckpointError(f"{where}: unknown metadata kind for {fqn!r}")
 
 
+def read_and_copy(
+    reader: CheckpointReader,
+    reads: list[ReadRequest],
+    copies: list[_Copy],
+    io_threads: int | Callable[[int], int],
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Carry out planned ``reads`` in file order, then the ``copies`` they feed; returns
+    the bytes read. ``io_threads`` may be a function of those bytes."""
+    reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
+    nbytes = sum(r.end - r.start for r in reads)
+    threads = io_threads(nbytes) if callable(io_threads) else io_threads
+    read_all(reader, reads, threads, progress)
+    for dest_view, src, fallback in copies:
+        if src is None:
+            assert fallback is not None, "a copy without a source names its record"
+            fqn, s_off, src_box = fallback
+            whole = reader.read_record_tensor(fqn, s_off)
+            src = whole[src_box] if src_box else whole
+        dest_view.copy_(src)
+    return nbytes
+
+
 def _plan_reads(
     reader: CheckpointReader,
     fqn: str,
@@ -253,16 +276,7 @@ def _load_into(
             _plan_reads(reader, fqn, value, md, reads, copies)
         else:
             values[fqn] = reader.read_value(fqn)
-    reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
-    read_all(reader, reads, io_threads, progress)
-    nbytes = sum(r.end - r.start for r in reads)
-    for dest_view, src, fallback in copies:
-        if src is None:
-            assert fallback is not None, "a copy without a source names its record"
-            fqn, s_off, src_box = fallback
-            whole = reader.read_record_tensor(fqn, s_off)
-            src = whole[src_box] if src_box else whole
-        dest_view.copy_(src)
+    nbytes = read_and_copy(reader, reads, copies, io_threads, progress)
     for fqn, value in values.items():
         set_path(resolved, paths[fqn], value)
     for key, value in state_dict.items():
