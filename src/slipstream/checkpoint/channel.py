@@ -25,10 +25,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.control_plane import wait_for_keys
+from ..core.control_plane import Heartbeat, LivenessWatch, wait_for_keys
 from ..core.waits import Deadline
 from ..errors import PeerDiedError
-from .liveness import Heartbeat, LivenessWatch
+from .liveness import BEAT_SECONDS, SILENT_AFTER_SECONDS
 
 LIVENESS_CHECK_SECONDS = 1.0
 """How often a wait reads the heartbeats of the ranks it is still waiting for (a read per
@@ -48,9 +48,9 @@ class RankChannel:
         self.dead: dict[int, str] = {}
         """Ranks found dead by their silence, with what was waiting for them."""
         self._heartbeat: Heartbeat | None = None
-        self._liveness = LivenessWatch(store, lambda r: self._key("alive", r))
+        self._liveness = LivenessWatch(store, lambda r: self._key("alive", r), SILENT_AFTER_SECONDS)
         if world_size > 1:
-            self._heartbeat = Heartbeat(store, self._key("alive", rank))
+            self._heartbeat = Heartbeat(store, self._key("alive", rank), BEAT_SECONDS)
 
     @classmethod
     def local(cls) -> RankChannel:

@@ -224,20 +224,10 @@ class HostCache:
         send_delta(sender, plan, g, message)
         self.tokens[g] = header.token
 
-    def send(
-        self,
-        sender: Sender,
-        plan: BucketPlan,
-        device: torch.device,
-        unchanged: Unchanged | None,
-        version: int | None = None,
-    ) -> dict[int, int]:
-        """Send this rank's buckets through ``sender`` (see :meth:`send_bucket`); return
-        every slice's checksum."""
-        sums: dict[int, int] = {}
+    def send(self, sender: Sender, plan: BucketPlan, device: torch.device) -> None:
+        """Send every bucket this rank owns, whole, through ``sender`` (a refetch)."""
         for g in plan.owned(self.rank):
-            sums.update(self.send_bucket(sender, plan, g, device, unchanged, version))
-        return sums
+            self.send_bucket(sender, plan, g, device, None, None)
 
     def send_bucket(
         self,
@@ -387,7 +377,7 @@ class RefetchServer:
                     self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
                 )
                 try:
-                    self.cache.send(sender, plan, self.group.device, None)
+                    self.cache.send(sender, plan, self.group.device)
                     sender.flush()
                 except BaseException as exc:  # the pair's group is spent: build anew next time
                     sender.close()

@@ -80,7 +80,6 @@ class _Membership:
     """This process's heartbeat and its view of everyone's (shared by every channel)."""
 
     def __init__(self, root: dist.Store, beat_store: dist.Store, rank: int) -> None:
-        self.root = root
         self.watch = LivenessWatch(root, self.alive_key, SILENT_AFTER_SECONDS)
         self.heartbeat = Heartbeat(beat_store, STORE_PREFIX + self.alive_key(rank), BEAT_SECONDS)
 

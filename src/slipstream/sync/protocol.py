@@ -93,9 +93,6 @@ class RoundStart:
         """Whether process ``incarnation`` of ``rank`` is a member of this round."""
         return self.cancelled is None and self.lives.get(str(rank)) == incarnation
 
-    def agrees(self, other: RoundStart) -> bool:
-        return (self.version, self.plan) == (other.version, other.plan)
-
 
 @dataclass
 class RoundAbort:

@@ -219,6 +219,8 @@ class WeightPublisher:
         self._lives: dict[str, int] = {}
         self._broken = False
         self._live_round = -1
+        self._acked_whole: set[int] = set()
+        """Members whose acknowledgement of the live round said their transfer was whole."""
         self._offer = negotiate(
             self.group,
             self.rollout_ranks,
@@ -361,8 +363,10 @@ class WeightPublisher:
         transport this rank builds when it is new. Returns the round and each member's
         request (what it holds). ``idle`` runs while the lead waits."""
         self._live_round = k
+        self._acked_whole = set()
+        requests: dict[int, Request] = {}
         if self.rank == self.leader:
-            start = self._gather_round(k, version, plan, idle)
+            start, requests = self._gather_round(k, version, plan, idle)
         else:
             what = f"lead trainer rank {self.leader} to start round {k}"
             start = decode(
@@ -370,8 +374,7 @@ class WeightPublisher:
             )
             if start.cancelled:
                 raise SyncError(f"round {k} was cancelled by the lead trainer: {start.cancelled}")
-            mine = RoundStart(version, plan.plan_id, start.epoch, start.members)
-            if not start.agrees(mine):
+            if (start.version, start.plan) != (version, plan.plan_id):
                 raise SyncError(
                     f"trainer rank {self.rank} publishes version {version} (plan "
                     f"{plan.plan_id}) but lead trainer rank {self.leader} publishes version "
@@ -381,18 +384,20 @@ class WeightPublisher:
         handle.absent = {int(r): why for r, why in start.absent.items()}
         for r in handle.absent:
             self.rollout_versions[r] = None
-        requests = {
-            r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-            for r in start.members
-        }
+        if not requests:  # the lead read them while gathering the round
+            requests = {
+                r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
+                for r in start.members
+            }
         if start.epoch != self._epoch:
             self._guarded(k, start, lambda: self._enter_epoch(start))
         return start, requests
 
     def _gather_round(
         self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
-    ) -> RoundStart:
-        """The lead's side of :meth:`_start_round`: wait for the requests, post the round."""
+    ) -> tuple[RoundStart, dict[int, Request]]:
+        """The lead's side of :meth:`_start_round`: wait for the requests, post the round;
+        returns it with the members' requests."""
         self.group.post(Keys.NEXT_ROUND, str(k))
         try:
             absent = self.group.wait_keys(
@@ -407,6 +412,7 @@ class WeightPublisher:
             self.group.post(Keys.round(k), encode(cancelled))
             raise
         lives = {}
+        asked_by: dict[int, Request] = {}
         for r in self.rollout_ranks:
             if r in absent:
                 continue
@@ -416,6 +422,7 @@ class WeightPublisher:
                 absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
             else:
                 lives[str(r)] = now
+                asked_by[r] = asked
         absent.update(self.group.dead([int(r) for r in lives]))
         members = [r for r in self.rollout_ranks if r not in absent]
         lives = {str(r): lives[str(r)] for r in members}
@@ -435,7 +442,7 @@ class WeightPublisher:
         )
         self.group.post(Keys.round(k), encode(start))
         self.group.post(Keys.NEXT_ROUND, str(k + 1))
-        return start
+        return start, {r: asked_by[r] for r in members}
 
     def _enter_epoch(self, start: RoundStart) -> None:
         """Drop the last epoch's transport and build this rank's sender for ``start``'s."""
@@ -467,10 +474,11 @@ class WeightPublisher:
             abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
             raise abort.as_error(k)
         for r in self._members:
-            if self.group.has(Keys.ack(r, k)):
+            if r not in self._acked_whole and self.group.has(Keys.ack(r, k)):
                 ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
                 if ack.broken:
                     raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
+                self._acked_whole.add(r)
 
     def _guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
         """Run one step of round ``k``; when it fails, give the round up for everyone."""
@@ -690,7 +698,6 @@ class WeightPublisher:
     def _await_acks(self, k: int, start: RoundStart) -> None:
         if self._sender is not None:
             self._sender.flush()
-        self.bytes_sent = self._bytes_sent()
         self.group.wait_keys(
             {r: Keys.ack(r, k) for r in start.members},
             f"rollouts to acknowledge version {start.version}",
@@ -720,9 +727,9 @@ class WeightPublisher:
                 handle.delivered.set_exception(exc)
                 continue
             timings = handle.timings
-            timings.nbytes = self._bytes_sent() - sent_before
-            timings.delivered = handle.elapsed()
             self.bytes_sent = self._bytes_sent()
+            timings.nbytes = self.bytes_sent - sent_before
+            timings.delivered = handle.elapsed()
             changed = timings.changed_fraction
             logger.info(
                 "trainer rank %d published version %d: %.3f GiB sent of %.3f GiB dense "
