@@ -32,12 +32,11 @@ import torch
 
 from ..core import streams
 from ..core.buffers import allocate_host
-from ..core.copy import copy_to_address
-from ..core.dtypes import dtype_from_name
 from ..core.flatten import flatten, unflatten
 from ..errors import CheckpointError, PeerTimeoutError
 from .layout import LayoutSignature, LocalLayout, local_layout, resolve_stateful
 from .plan import RecordPlan, SavePlan, make_save_plan
+from .staging import copy_records, record_view
 
 try:
     from torch.distributed.tensor import DTensor
@@ -140,7 +139,10 @@ class StagedState(Mapping[str, Any]):
     @property
     def buffer(self) -> torch.Tensor:
         """The host image (``uint8``): this rank's checkpoint records, framed."""
-        self.check_current()
+        if self.expired:
+            raise CheckpointError(
+                "this snapshot expired: a later stage() of the same state reused its buffer"
+            )
         return self._buffer.image
 
     @property
@@ -158,12 +160,6 @@ class StagedState(Mapping[str, Any]):
     def expired(self) -> bool:
         """True once a later :func:`stage` reused the buffer."""
         return self._buffer.generation != self._generation
-
-    def check_current(self) -> None:
-        if self.expired:
-            raise CheckpointError(
-                "this snapshot expired: a later stage() of the same state reused its buffer"
-            )
 
     def hold(self, who: str) -> int:
         """Keep the buffer from being reused until :meth:`release`; ``who`` names the
@@ -202,8 +198,11 @@ def stage(state_dict: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT) -> St
     with buffer.lock:
         buffer.generation += 1
         generation = buffer.generation
-    _copy_into(buffer, layout)
-    views = {rec.chunk.record_key: _data_view(buffer.image, rec) for rec in buffer.plan.records}
+    for device in copy_records(buffer.image, buffer.plan.records, layout.tensors):
+        stream = streams.current_stream(device)
+        if stream is not None:
+            stream.synchronize()
+    views = {rec.chunk.record_key: record_view(buffer.image, rec) for rec in buffer.plan.records}
     staged = LocalLayout(layout.chunks, views, copy.deepcopy(layout.values), layout.paths)
     tree = unflatten({**_leaves(staged, flat), **staged.values}, layout.paths)
     return StagedState(tree, staged, buffer, generation, seconds=time.perf_counter() - started)
@@ -224,30 +223,6 @@ def _buffer_for(layout: LocalLayout) -> _Buffer:
             )
             buffer = _buffers[signature] = _Buffer(plan, pin)
         return buffer
-
-
-def _copy_into(buffer: _Buffer, layout: LocalLayout) -> None:
-    base = buffer.image.data_ptr()
-    devices = set()
-    for rec in buffer.plan.records:
-        src = layout.tensors[rec.chunk.record_key].detach()
-        if copy_to_address(base + rec.data_offset, src):
-            continue
-        dst = _data_view(buffer.image, rec)
-        if src.device.type == "cpu":
-            dst.copy_(src)
-        else:
-            dst.copy_(src, non_blocking=True)
-            devices.add(src.device)
-    for device in devices:
-        stream = streams.current_stream(device)
-        if stream is not None:
-            stream.synchronize()
-
-
-def _data_view(image: torch.Tensor, rec: RecordPlan) -> torch.Tensor:
-    data = image[rec.data_offset : rec.data_offset + rec.nbytes]
-    return data.view(dtype_from_name(rec.chunk.dtype)).view(rec.chunk.sizes)
 
 
 def _leaves(staged: LocalLayout, flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Invariant: a save's buffer is not handed to another save until :meth:`Stager.rel
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,7 +26,7 @@ from ..core.handles import completed_future
 from ..core.threads import lower_thread_priority
 from ..core.waits import wait_future
 from ..errors import CheckpointError
-from .layout import ChunkSpec, LocalLayout
+from .layout import LocalLayout
 from .options import SaveOptions
 from .plan import RecordPlan
 from .save_job import SaveJob
@@ -120,23 +121,12 @@ class Stager:
         """Copy ``records`` into the staging buffer; with ``advance``, move the watermark
         past each one as it lands (only for a run that starts at the head of the file)."""
         assert job.buffer is not None, "stage() sets the buffer before copying"
-        base = job.buffer.data_ptr()
-        for rec in records:
-            src = job.layout.tensors[rec.chunk.record_key]
-            if src.numel() * src.element_size() != rec.nbytes:
-                raise CheckpointError(
-                    f"{rec.chunk.fqn!r} holds {src.numel() * src.element_size()} bytes, its "
-                    f"record in the plan {rec.nbytes}: the state changed after save() returned"
-                )
-            on_host = src.device.type == "cpu"
-            if not copy_to_address(base + rec.data_offset, src):
-                dst = _data_view(job.buffer, rec.data_offset, rec.nbytes, rec.chunk)
-                if on_host:
-                    copy_in_slices(dst, src.detach())
-                else:
-                    dst.copy_(src.detach(), non_blocking=True)
-            if on_host and advance and side is None:
-                job.progress.advance(rec.offset + rec.length)
+
+        def landed(rec: RecordPlan) -> None:
+            job.progress.advance(rec.offset + rec.length)
+
+        on_landed = landed if advance and side is None else None
+        copy_records(job.buffer, records, job.layout.tensors, on_landed)
 
     @staticmethod
     def _stage_snapshot(job: SaveJob) -> None:
@@ -171,5 +161,41 @@ def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[R
     return records, []
 
 
-def _data_view(buf: torch.Tensor, offset: int, nbytes: int, chunk: ChunkSpec) -> torch.Tensor:
-    return buf[offset : offset + nbytes].view(dtype_from_name(chunk.dtype)).view(chunk.sizes)
+def copy_records(
+    image: torch.Tensor,
+    records: Iterable[RecordPlan],
+    tensors: Mapping[str, torch.Tensor],
+    landed: Callable[[RecordPlan], None] | None = None,
+) -> set[torch.device]:
+    """Copy each record's tensor (``tensors[rec.chunk.record_key]``) to its data in the host
+    ``image``; raises if a tensor's size is no longer its record's.
+
+    A host tensor is copied in slices (``memmove`` without the GIL where it can, never an
+    OpenMP team over every core), then ``landed(rec)`` is called. A device tensor's copy is
+    queued on the current stream, non-blocking: returns the devices with copies queued,
+    for the caller to wait on."""
+    base = image.data_ptr()
+    queued: set[torch.device] = set()
+    for rec in records:
+        src = tensors[rec.chunk.record_key].detach()
+        nbytes = src.numel() * src.element_size()
+        if nbytes != rec.nbytes:
+            raise CheckpointError(
+                f"{rec.chunk.fqn!r} holds {nbytes} bytes, its record in the plan "
+                f"{rec.nbytes}: the state changed after save() returned"
+            )
+        if src.device.type == "cpu":
+            if not copy_to_address(base + rec.data_offset, src):
+                copy_in_slices(record_view(image, rec), src)
+            if landed is not None:
+                landed(rec)
+        else:
+            record_view(image, rec).copy_(src, non_blocking=True)
+            queued.add(src.device)
+    return queued
+
+
+def record_view(image: torch.Tensor, rec: RecordPlan) -> torch.Tensor:
+    """``rec``'s data in ``image``, as a tensor of the record's dtype and shape."""
+    data = image[rec.data_offset : rec.data_offset + rec.nbytes]
+    return data.view(dtype_from_name(rec.chunk.dtype)).view(rec.chunk.sizes)
