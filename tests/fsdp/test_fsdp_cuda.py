@@ -26,7 +26,7 @@ def _train_on_device(rank: int, world_size: int, tmp: str) -> None:
     ref = make_model().to(dev)
     model = copy.deepcopy(ref)
     ctx = shard(model, device=dev)
-    assert ctx.comm_stream is not None
+    assert ctx.comm.stream is not None
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     for step in range(4):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from sync_procs import remote_reads_allowed, spawn
 from torch import nn
@@ -233,6 +232,7 @@ def _hf_run(rank, port):
 
 def test_hugging_face_state_dicts_tied_and_untied_arrive_exact_and_ties_stay_tied():
     import transformers  # noqa: F401  (in the test extra: never skipped)
+
     out = spawn(_hf_run, 3, timeout=120)
     for case in CASES:
         tied_trainer, tied_rollout = case[1:3]

@@ -213,11 +213,15 @@ def trace_events() -> list[dict[str, Any]]:
     """The recording so far as Trace Event Format events: thread and process names
     (``"ph": "M"``) first, then the complete events ordered by start time."""
     rec = _recording
-    if rec is None:
-        return []
+    return [] if rec is None else _snapshot(rec)[0]
+
+
+def _snapshot(rec: _Recording) -> tuple[list[dict[str, Any]], int]:
+    """:func:`trace_events` of ``rec`` and how many events it dropped, taken together."""
     pid = os.getpid()
     with _lock:
         events = sorted(rec.events, key=lambda e: (e["ts"], -e["dur"]))
+        dropped = rec.recorded - len(rec.events)
         threads = dict(rec.threads)
         tracks = dict(rec.tracks)
         process = rec.process_name or f"slipstream pid {pid}"
@@ -232,7 +236,7 @@ def trace_events() -> list[dict[str, Any]]:
         meta.append(
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
         )
-    return meta + events
+    return meta + events, dropped
 
 
 def flush() -> str | None:
@@ -241,10 +245,9 @@ def flush() -> str | None:
     rec = _recording
     if rec is None:
         return None
-    with _lock:
-        dropped = rec.recorded - len(rec.events)
+    events, dropped = _snapshot(rec)
     doc = {
-        "traceEvents": trace_events(),
+        "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"producer": "slipstream", "dropped_events": dropped},
     }

@@ -146,13 +146,9 @@ class FsdpContext:
         self.group = group or _world()
         self.device = torch.device(device)
         self.comm = Collectives(self.group, self.device, timeout)
-        self.rank = self.comm.rank
-        self.world_size = self.comm.world_size
         self.mesh = DeviceMesh.from_group(self.group, self.device.type)
         self.release_delay = release_delay
         self.overlap_reduce_scatter = overlap_reduce_scatter
-        self.timeout = timeout
-        self.comm_stream = self.comm.stream
         self.stats = FsdpStats()
         self.units: list[FsdpUnit] = []
         self._unit_of_module: dict[int, FsdpUnit] = {}
@@ -296,9 +292,9 @@ class FsdpContext:
         every = self.comm.exchange(mine)
         if bool((every.view(-1, 2) == mine).all()):
             return
-        prints: list[list[str] | None] = [None] * self.world_size
+        prints: list[list[str] | None] = [None] * self.comm.world_size
         dist.all_gather_object(prints, [u.fingerprint() for u in self.units], group=self.group)
-        ours = prints[self.rank] or []
+        ours = prints[self.comm.rank] or []
         for rank, theirs in enumerate(prints):
             theirs = theirs or []
             if theirs == ours:
@@ -310,7 +306,7 @@ class FsdpContext:
                     name = self.units[i].name if i < len(self.units) else f"#{i}"
                     raise FsdpError(
                         f"ranks disagree on the FSDP layout: unit {name} (unit #{i}) on rank "
-                        f"{self.rank} is {a}, on rank {rank} it is {b}"
+                        f"{self.comm.rank} is {a}, on rank {rank} it is {b}"
                     )
         raise FsdpError("ranks disagree on the FSDP layout hash")
 
@@ -402,7 +398,7 @@ class FsdpContext:
 
                 raise FsdpError(
                     f"ranks disagree on the FSDP call order: at {phase} position {position} "
-                    f"rank {self.rank} runs {label(index)}, rank {rank} runs "
+                    f"rank {self.comm.rank} runs {label(index)}, rank {rank} runs "
                     f"{label(idx)} ({'backward' if c else 'forward'} position {pos})"
                 )
 
