@@ -181,7 +181,10 @@ class CheckpointSaver:
             snapshot_hold=hold,
         )
         response.timings.nbytes = plan.data_bytes
-        self._stage_thread.submit(self._stage, job)
+        if snapshot is not None and snapshot.image_matches(plan):
+            self._stager.stage_snapshot(job)  # nothing to copy: staged before save returns
+        else:
+            self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
         self._last = response
         response.timings.blocked = job.elapsed()

@@ -80,9 +80,6 @@ class Stager:
         side stream has finished.
         """
         try:
-            if job.snapshot is not None and job.snapshot.image_matches(job.plan):
-                self._stage_snapshot(job)
-                return
             buf = self._buffer(job)
             job.buffer = buf
             job.progress.advance(0)
@@ -129,7 +126,7 @@ class Stager:
         copy_records(job.buffer, records, job.layout.tensors, on_landed)
 
     @staticmethod
-    def _stage_snapshot(job: SaveJob) -> None:
+    def stage_snapshot(job: SaveJob) -> None:
         """A snapshot laid out as this rank's image is written as it is: nothing to copy."""
         assert job.snapshot is not None
         job.buffer = job.snapshot.buffer
