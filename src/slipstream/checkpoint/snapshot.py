@@ -36,7 +36,7 @@ from ..core.flatten import flatten, unflatten
 from ..errors import CheckpointError, PeerTimeoutError
 from .layout import LayoutSignature, LocalLayout, local_layout, resolve_stateful
 from .plan import RecordPlan, SavePlan, make_save_plan
-from .staging import copy_records, record_view
+from .record_copy import copy_records, record_view
 
 try:
     from torch.distributed.tensor import DTensor
