@@ -11,6 +11,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,bench]"
+	# torchtitan's and verl's own requirements would replace packages the tests pin (an older
+	# fsspec through datasets; an older transformers): they go in without them, plus exactly
+	# what the modules the tests import need.
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 verl==0.9.1 tensordict==0.10.0
+	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn
 	touch $@
 
 setup: $(VENV)/.installed
