@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 from .checkpoint import api as _api
+from .checkpoint.options import SaveOptions as _SaveOptions
 from .checkpoint.safe_types import Trusted
 from .checkpoint.save_job import AsyncSaveResponse as _SlipstreamResponse
 from .checkpoint.storage import Location
@@ -171,7 +172,7 @@ def async_save(
             staging_completion=started.response.staging_completion,
             upload_completion=future,  # type: ignore[arg-type]  # DCP's resolves to Metadata too
         )
-    started.response.staging_completion.result()
+    started.response.staging_completion.result(_SaveOptions.timeout if timeout is None else timeout)
     return future
 
 
