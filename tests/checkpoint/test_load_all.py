@@ -144,3 +144,13 @@ def test_load_all_refuses_unsafe_values_and_takes_trusted(tmp_path):
     with pytest.raises(ss.UnsafeCheckpointError, match=f"{__name__}._Custom"):
         ss.load_all(tmp_path / "ck")
     assert ss.load_all(tmp_path / "ck", trusted=[_Custom])["v"].x == 3
+
+
+def test_load_into_a_template_with_int_keys_fills_those_keys(tmp_path):
+    # A plain value under an int key goes back under that key, not under its string.
+    state = {"optim": {"state": {0: {"step": 5, "m": torch.ones(2)}}}, "names": {3: "three"}}
+    ss.save(state, tmp_path / "ck")
+    target = {"optim": {"state": {0: {"step": 0, "m": torch.zeros(2)}}}, "names": {3: None}}
+    ss.load(target, tmp_path / "ck")
+    assert list(target["optim"]["state"]) == [0] and list(target["names"]) == [3]
+    _assert_same(target, state)

@@ -94,8 +94,17 @@ def flatten(
     return flat, paths
 
 
+def _existing_key(node: Any, key: str | int) -> Any:
+    """The key of mapping ``node`` that ``key`` (a path element: keys as strings) names:
+    ``key`` itself, or an existing non-string key whose string it is (``0`` for ``"0"``)."""
+    if key in node or not isinstance(key, str):
+        return key
+    return next((k for k in node if type(k) is not str and str(k) == key), key)
+
+
 def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
-    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed."""
+    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed;
+    an existing mapping key is found by its string (a path holds keys as strings)."""
     node: Any = root
     for here, nxt in zip(path[:-1], path[1:], strict=True):
         if isinstance(node, list):
@@ -106,15 +115,18 @@ def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
                 node[here] = [] if isinstance(nxt, int) else {}
             node = node[here]
         else:
-            if here not in node:
-                node[here] = [] if isinstance(nxt, int) else {}
-            node = node[here]
+            key = _existing_key(node, here)
+            if key not in node:
+                node[key] = [] if isinstance(nxt, int) else {}
+            node = node[key]
     last = path[-1]
     if isinstance(node, list):
         assert isinstance(last, int), f"list index {last!r} in path {path}"
         while len(node) <= last:
             node.append(None)
-    node[last] = value
+        node[last] = value
+    else:
+        node[_existing_key(node, last)] = value
 
 
 def unflatten(flat: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, Any]:
