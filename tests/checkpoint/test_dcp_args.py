@@ -167,6 +167,14 @@ def test_save_without_a_location_is_an_error(tmp_path):
         ss.save(_state())
 
 
+def test_what_dcp_cannot_reach_is_not_handed_to_it():
+    # slipstream's own storage arguments mean nothing to DCP: refused, naming why DCP runs.
+    with pytest.raises(ValueError, match=r"in-process storage.*planner: .*_MyPlanner"):
+        ss.save(_state(), "memory://bucket/ck", planner=_MyPlanner())
+    with pytest.raises(ValueError, match=r"storage_options=.*planner: .*_MyPlanner"):
+        ss.save(_state(), "/tmp/x", planner=_MyPlanner(), storage_options={"region": "x"})
+
+
 def test_async_save_serves_process_checkpointers_and_default_stagers(tmp_path):
     path = str(tmp_path / "ck")
     ss.async_save(_state(), path, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(30)

@@ -42,6 +42,11 @@ def dcp_checkpoint_id(
             f"storage_options= configures slipstream's storage, but this call goes to "
             f"torch.distributed.checkpoint ({why.reason})"
         )
+    if isinstance(checkpoint_id, str) and checkpoint_id.startswith("memory://"):
+        raise ValueError(
+            f"checkpoint_id={checkpoint_id!r} is slipstream's in-process storage, which "
+            f"torch.distributed.checkpoint, which this call goes to, cannot reach ({why.reason})"
+        )
     if checkpoint_id is None or isinstance(checkpoint_id, (str, os.PathLike)):
         return checkpoint_id
     raise TypeError(
