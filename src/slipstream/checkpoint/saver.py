@@ -182,7 +182,9 @@ class CheckpointSaver:
         )
         response.timings.nbytes = plan.data_bytes
         if snapshot is not None and snapshot.image_matches(plan):
-            self._stager.stage_snapshot(job)  # nothing to copy: staged before save returns
+            job.holders = 1  # nothing to copy: staged before save returns
+            self._stager.stage_snapshot(job)
+            job.staging_ended.set()
         else:
             self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
@@ -250,6 +252,9 @@ class CheckpointSaver:
         return plan
 
     def _stage(self, job: SaveJob) -> None:
+        """Stage ``job``; a failure fails ``staging_completion`` only: the upload thread
+        sees it through the watermark and fails ``upload_completion`` once it has let go
+        of everything the save holds."""
         try:
             with tracing.span("slipstream.save.stage", url=job.storage.url):
                 if self.before_staging is not None:
@@ -260,16 +265,30 @@ class CheckpointSaver:
                         raise
                 self._stager.stage(job)
         except BaseException as exc:
-            self._fail(job, exc)
+            fail_unfinished(_save_error(job, exc), job.response.staging_completion)
+        finally:
+            self._let_go(job)
+            job.staging_ended.set()
 
     def _upload(self, job: SaveJob) -> None:
+        """Write and commit ``job``. Whatever the outcome, the save lets go of its staging
+        buffer (once staging has ended too) before ``upload_completion`` resolves, so the
+        caller's next save finds everything free."""
         try:
             self._upload_and_commit(job)
         except BaseException as exc:
-            self._stager.release(job)
+            job.abandoned = exc
+            if not job.staging_ended.wait(self.options.timeout):
+                logger.warning(
+                    "staging of the failed save to %s did not end within %s s; its buffer is "
+                    "released when it does",
+                    job.storage.url,
+                    self.options.timeout,
+                )
+            self._let_go(job)
             self._fail(job, exc)
         else:
-            self._stager.release(job)
+            self._let_go(job)
             timings = job.response.timings
             timings.durable = job.elapsed()
             logger.info(
@@ -424,11 +443,18 @@ class CheckpointSaver:
             except (OSError, SlipstreamError) as exc:
                 logger.warning("could not delete replaced %s/%s: %s", job.storage.url, name, exc)
 
+    def _let_go(self, job: SaveJob) -> None:
+        """One stage of ``job`` is done with its staging buffer; the last one releases it."""
+        with job.holders_lock:
+            job.holders -= 1
+            last = job.holders == 0
+        if last:
+            self._stager.release(job)
+
     @staticmethod
     def _fail(job: SaveJob, exc: BaseException) -> None:
-        if not isinstance(exc, SlipstreamError):
-            exc = CheckpointError(f"save to {job.storage.url} failed: {exc!r}")
-        fail_unfinished(exc, job.response.staging_completion, job.response.upload_completion)
+        error = _save_error(job, exc)
+        fail_unfinished(error, job.response.staging_completion, job.response.upload_completion)
 
     def close(self) -> None:
         """Wait for the save in flight, then join every thread this saver owns."""
@@ -440,6 +466,13 @@ class CheckpointSaver:
         self._stager.close()
         self._writer.close()
         self.channel.close()
+
+
+def _save_error(job: SaveJob, exc: BaseException) -> BaseException:
+    """``exc`` as the save's error: slipstream's own errors as they are, others wrapped."""
+    if isinstance(exc, SlipstreamError):
+        return exc
+    return CheckpointError(f"save to {job.storage.url} failed: {exc!r}")
 
 
 def _committed(storage: Storage) -> Metadata | None:
