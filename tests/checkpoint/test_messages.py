@@ -188,6 +188,11 @@ def test_every_rank_message_reads_back_what_it_wrote():
             "field 'chunks' entry 0 is not",
         ),
         (
+            LayoutReport,
+            '{"fp": "a", "desc": {"chunks": [], "values": [], "paths": {"w": 3}}}',
+            "field 'paths' entry 'w' is not a list",
+        ),
+        (
             WriteReport,
             '{"fingerprint": "a", "records": {"w@0": "zz"}, "values": {}, "error": null}',
             "records['w@0']: expected a list of integers",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from dist_utils import run_workers
 from fault_storage import FaultStorage
 
 import slipstream as ss
@@ -106,3 +107,37 @@ def test_a_save_whose_directory_cannot_be_made_never_blocks_the_next_one(tmp_pat
         ss.save(state, tmp_path / f"ck{i % 2}")
     _assert_loads_exactly(tmp_path / "ck0")
     _assert_loads_exactly(tmp_path / "ck1")
+
+
+def _one_rank_fails_then_both_save(rank: int, world: int, root: str) -> None:
+    """Rank 1's save fails at ``point`` (rank 0's fails with it, at the commit); the next
+    save of the same state, on both ranks, commits and loads exactly, round after round."""
+    directory = os.path.join(root, "ck")
+    state = {"w": torch.zeros(4096), f"own{rank}": torch.arange(5.0) + rank}
+    storage = FaultStorage(LocalStorage(directory))
+    saver = CheckpointSaver()
+    try:
+        for round_ in range(4):
+            point = ("prepare", "write", "staging", "finish")[round_]
+            if rank == 1:
+                if point == "staging":
+                    saver.before_staging = _raise_in_staging
+                else:
+                    storage.faults.hook(point, _eio(point))
+            with pytest.raises(ss.CheckpointError, match="failed"):
+                saver.save(state, storage).result(60)
+            storage.faults.clear()
+            saver.before_staging = None
+            state["w"].add_(1)
+            saver.save(state, storage).result(60)
+            got = {"w": torch.zeros(4096), "own0": torch.zeros(5), "own1": torch.zeros(5)}
+            ss.load(got, directory, strict=True)
+            assert torch.equal(got[f"own{rank}"], state[f"own{rank}"]), (rank, round_)
+            assert torch.equal(got["w"], torch.full((4096,), float(round_ + 1))), (rank, round_)
+        assert saver.staging_allocations == 1 and saver.plans_made == 1, rank
+    finally:
+        saver.close()
+
+
+def test_a_save_that_failed_on_one_rank_leaves_every_rank_ready_for_the_next(tmp_path):
+    run_workers(_one_rank_fails_then_both_save, 2, str(tmp_path), timeout=120)

@@ -157,7 +157,11 @@ class LayoutDescription:
                 )
             )
         values = [str(v) for v in f.get("values", list)]
-        paths = {k: tuple(v) for k, v in f.get("paths", dict).items()}
+        paths: dict[str, Path] = {}
+        for key, path in f.get("paths", dict).items():
+            if not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
+                raise f.fail("paths", f"entry {key!r} is not a list of keys and indices")
+            paths[key] = tuple(path)
         return cls(chunks, values, paths)
 
 
