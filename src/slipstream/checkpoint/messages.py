@@ -25,7 +25,7 @@ read the same, and fields a newer writer adds are kept, unread, in ``extra``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -187,7 +187,7 @@ class LayoutReport:
         return cls(f.get("fp", str), desc)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ValueEntry:
     """Where one plain value's pickled bytes are, and their checksum (index and reports)."""
 
@@ -195,6 +195,14 @@ class ValueEntry:
     offset: int
     length: int
     checksum: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "checksum": self.checksum,
+        }
 
     @classmethod
     def from_dict(cls, what: str, raw: object, error: type[CheckpointError]) -> ValueEntry:
@@ -215,7 +223,14 @@ class WriteReport:
     error: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "records": self.records,
+                "values": {fqn: v.to_dict() for fqn, v in self.values.items()},
+                "error": self.error,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes, what: str) -> WriteReport:
@@ -271,7 +286,7 @@ class SkipDecision:
 # -- slipstream's index ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexRecord:
     """One tensor record of a data file: where its zip entry and its raw bytes are, and
     the checksums of its ``block_bytes`` blocks."""
@@ -282,8 +297,31 @@ class IndexRecord:
     nbytes: int
     blocks: list[int]
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "offset": self.offset,
+            "length": self.length,
+            "data_offset": self.data_offset,
+            "nbytes": self.nbytes,
+            "blocks": self.blocks,
+        }
+
     @classmethod
     def from_dict(cls, what: str, raw: object) -> IndexRecord:
+        # An index holds a record per saved chunk: the well-formed case is checked inline,
+        # and only a record that fails it is read field by field for the error.
+        if type(raw) is dict:
+            offset, length, blocks = raw.get("offset"), raw.get("length"), raw.get("blocks")
+            data_offset, nbytes = raw.get("data_offset"), raw.get("nbytes")
+            if (
+                type(offset) is int
+                and type(length) is int
+                and type(data_offset) is int
+                and type(nbytes) is int
+                and type(blocks) is list
+                and all(type(b) is int for b in blocks)
+            ):
+                return cls(offset, length, data_offset, nbytes, blocks)
         f = _Fields(raw, what, CorruptCheckpointError)
         blocks = _int_list(f.get("blocks", list), f"{what}: blocks", CorruptCheckpointError)
         return cls(
@@ -295,13 +333,43 @@ class IndexRecord:
         )
 
 
+def _entry_dict(entry: object) -> dict[str, Any]:
+    if isinstance(entry, (IndexRecord, ValueEntry)):
+        return entry.to_dict()
+    raise TypeError(f"{type(entry).__name__} is not part of a slipstream index")
+
+
+class RecordTable(Mapping[str, IndexRecord]):
+    """One data file's records as an index read from disk holds them: each is read, and
+    checked, when first asked for. An index has a record per saved chunk and a load reads
+    only the ones it needs; building every record up front would churn the garbage
+    collector for nothing."""
+
+    def __init__(self, raw: dict[str, Any], what: str) -> None:
+        self._raw, self._what = raw, what
+        self._read: dict[str, IndexRecord] = {}
+
+    def __getitem__(self, key: str) -> IndexRecord:
+        rec = self._read.get(key)
+        if rec is None:
+            rec = IndexRecord.from_dict(f"{self._what}[{key!r}]", self._raw[key])
+            self._read[key] = rec
+        return rec
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
 @dataclass
 class CheckpointIndex:
     """``.slipstream.json``: every record's raw data offset and block checksums by data
     file and record key, every plain value's place and checksum, and the ``save_id`` of
     the ``.metadata`` it was written with (a reader trusts it for that one only)."""
 
-    records: dict[str, dict[str, IndexRecord]]
+    records: Mapping[str, Mapping[str, IndexRecord]]
     values: dict[str, ValueEntry]
     block_bytes: int = BLOCK_BYTES
     checksum: str = ALGORITHM
@@ -316,15 +384,14 @@ class CheckpointIndex:
             "version": self.version,
             "checksum": self.checksum,
             "block_bytes": self.block_bytes,
-            "records": {
-                file: {key: asdict(rec) for key, rec in recs.items()}
-                for file, recs in self.records.items()
-            },
-            "values": {fqn: asdict(v) for fqn, v in self.values.items()},
+            "records": {file: dict(recs) for file, recs in self.records.items()},
+            "values": self.values,
         }
         if self.save_id is not None:
             body["save_id"] = self.save_id
-        return json.dumps({**self.extra, **body}).encode()
+        # Records become dicts one at a time as the encoder reaches them, each freed at
+        # once: a commit on a background thread must not leave a burst of live objects.
+        return json.dumps({**self.extra, **body}, default=_entry_dict).encode()
 
     @classmethod
     def from_json(cls, data: str | bytes, what: str) -> CheckpointIndex:
@@ -333,10 +400,10 @@ class CheckpointIndex:
         if f.get("format", str, optional=True) != INDEX_FORMAT:
             raise CorruptCheckpointError(f"{what} is not a slipstream index")
 
-        def file_records(where: str, recs: object) -> dict[str, IndexRecord]:
+        def file_records(where: str, recs: object) -> RecordTable:
             if not isinstance(recs, dict):
                 raise CorruptCheckpointError(f"{where}: expected a JSON object")
-            return {k: IndexRecord.from_dict(f"{where}[{k!r}]", v) for k, v in recs.items()}
+            return RecordTable(recs, where)
 
         known = {"format", "version", "checksum", "block_bytes", "records", "values", "save_id"}
         return cls(
