@@ -17,9 +17,10 @@ waits for it until the timeout.
 
 Invariant: each message is written by ``to_json`` and read by ``from_json`` of its own
 class, nowhere else; a malformed one raises an error naming the message and the field
-(``CheckpointError`` for the ranks' messages, ``CorruptCheckpointError`` for the index).
-The index keeps the on-disk shape of its version 1: checkpoints written before this module
-read the same, and fields a newer writer adds are kept, unread, in ``extra``.
+(``CheckpointError`` for the ranks' messages, ``CorruptCheckpointError`` for the index,
+whose records are each checked when a load first reads them). The index keeps the on-disk
+shape of its version 1: checkpoints written before this module read the same, a field it
+adds must be optional, and fields a newer writer adds are kept, unread, in ``extra``.
 """
 
 from __future__ import annotations
