@@ -79,18 +79,6 @@ class LocalLayout:
         )
         return hashlib.sha256(desc.encode()).hexdigest()[:32]
 
-    def describe(self) -> dict[str, Any]:
-        """A JSON-able description sent to other ranks when planning."""
-        return {
-            "chunks": [
-                [c.fqn, c.dtype, list(c.global_shape), list(c.offsets), list(c.sizes), c.replicated]
-                for c in self.chunks
-            ],
-            "values": list(self.values),
-            "paths": {k: list(v) for k, v in self.paths.items()},
-            "key_types": self.key_types,
-        }
-
 
 @functools.lru_cache(maxsize=1 << 16)
 def _whole_tensor_spec(fqn: str, dtype: torch.dtype, shape: torch.Size) -> ChunkSpec:

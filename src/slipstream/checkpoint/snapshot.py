@@ -36,6 +36,7 @@ from ..core.buffers import allocate_host
 from ..core.flatten import flatten, unflatten
 from ..errors import CheckpointError, PeerTimeoutError
 from .layout import LayoutSignature, LocalLayout, local_layout, resolve_stateful
+from .messages import LayoutDescription
 from .plan import RecordPlan, SavePlan, make_save_plan
 from .record_copy import copy_records, record_view
 
@@ -218,7 +219,7 @@ def _buffer_for(layout: LocalLayout) -> _Buffer:
         for key in [k for k, b in _buffers.items() if k != signature and not b.holders]:
             del _buffers[key]
         if buffer is None:
-            plan = make_save_plan(0, [layout.describe()], [layout.fingerprint()])
+            plan = make_save_plan(0, [LayoutDescription.of(layout)], [layout.fingerprint()])
             pin = torch.cuda.is_available() and any(
                 streams.is_accelerator(t.device) for t in layout.tensors.values()
             )

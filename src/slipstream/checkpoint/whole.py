@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..core.flatten import Path
+from ..core.flatten import KeyTypes, Path
 from ..errors import CorruptCheckpointError
 from .loader import load_from
 from .reader import CheckpointReader
@@ -78,8 +78,7 @@ def load_all(
     """
     reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted))
     metadata = reader.metadata
-    index = reader.index or {}
-    key_types: dict[str, list[str | None]] = index.get("key_types", {})
+    key_types: KeyTypes = (reader.index.key_types if reader.index else None) or {}
     paths: dict[str, Path] = (
         metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     )
