@@ -32,3 +32,13 @@ def test_huggingface_example_round_trips(tmp_path):
     assert "from_pretrained: missing [], unexpected []" in out
     gap = float(out.split("bf16 round trip: ")[1].split()[0])
     assert 0 < gap < 0.05
+
+
+def test_lightning_example_resumes(tmp_path):
+    root = str(tmp_path / "run")
+    first = _run("lightning_checkpoint.py", "--root", root, "--epochs", "2")
+    files = "['epoch=0-step=8.ckpt', 'epoch=1-step=16.ckpt', 'last.ckpt']"
+    assert f"trained to epoch 2; checkpoints: {files}" in first
+    second = _run("lightning_checkpoint.py", "--root", root, "--epochs", "3")
+    assert "resumed from last.ckpt" in second
+    assert "trained to epoch 3" in second
