@@ -115,7 +115,7 @@ def build_index(plan: SavePlan, done: list[dict[str, Any]], generation: int) -> 
     for msg in done:
         for fqn, (file, offset, length, checksum) in msg["values"].items():
             values[fqn] = {"file": file, "offset": offset, "length": length, "checksum": checksum}
-    return {
+    index = {
         "format": "slipstream-index",
         "version": 1,
         "checksum": ALGORITHM,
@@ -123,6 +123,9 @@ def build_index(plan: SavePlan, done: list[dict[str, Any]], generation: int) -> 
         "records": records,
         "values": values,
     }
+    if plan.key_types:  # optional: the types of non-string keys, for load_all
+        index["key_types"] = plan.key_types
+    return index
 
 
 def publish(storage: Storage, metadata: Metadata, index: dict[str, Any], generation: int) -> None:

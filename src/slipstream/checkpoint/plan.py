@@ -9,7 +9,7 @@ come first, so its staging buffer is byte for byte the head of its file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 
 from ..core.buffers import byte_view
 from ..core.dtypes import dtype_from_name
-from ..core.flatten import Path
+from ..core.flatten import KeyTypes, Path
 from ..errors import CheckpointError
 from .layout import ChunkSpec
 from .records import tensor_frame
@@ -54,6 +54,8 @@ class SavePlan:
     value_owner: dict[str, int]
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]]
     paths: dict[str, Path]
+    key_types: KeyTypes = field(default_factory=dict)
+    """The types of the state dict's non-string keys, every rank's (recorded in the index)."""
 
     @property
     def records(self) -> list[RecordPlan]:
@@ -109,9 +111,11 @@ def make_save_plan(
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]] = {}
     value_holders: dict[str, list[int]] = {}
     paths: dict[str, Path] = {}
+    key_types: KeyTypes = {}
     for r, desc in enumerate(descriptions):
         chunks, values, rank_paths = _parse(desc)
         paths.update(rank_paths)
+        key_types.update(desc.get("key_types", {}))
         for c in chunks:
             seen = tensor_meta.get(c.fqn)
             if seen is not None and (seen[0], seen[1]) != (c.dtype, c.global_shape):
@@ -173,4 +177,5 @@ def make_save_plan(
         value_owner=value_owner,
         tensor_meta=tensor_meta,
         paths=paths,
+        key_types=key_types,
     )

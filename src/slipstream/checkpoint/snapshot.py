@@ -26,6 +26,7 @@ import copy
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -203,7 +204,7 @@ def stage(state_dict: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT) -> St
         if stream is not None:
             stream.synchronize()
     views = {rec.chunk.record_key: record_view(buffer.image, rec) for rec in buffer.plan.records}
-    staged = LocalLayout(layout.chunks, views, copy.deepcopy(layout.values), layout.paths)
+    staged = replace(layout, tensors=views, values=copy.deepcopy(layout.values))
     tree = unflatten({**_leaves(staged, flat), **staged.values}, layout.paths)
     return StagedState(tree, staged, buffer, generation, seconds=time.perf_counter() - started)
 
