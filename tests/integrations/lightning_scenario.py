@@ -163,7 +163,7 @@ def scenario(root: str, devices: int = 1, strategy: str = "auto") -> dict[str, A
     if rank0:
         os.rename(os.path.join(root, "ckpts"), os.path.join(root, "torch_ckpts"))
     ss_run = _run_with_checkpoints(
-        root, [SlipstreamCheckpointIO(timeout=60)], devices, strategy, None
+        root, [SlipstreamCheckpointIO(timeout=60, trusted=[Widths, Act])], devices, strategy, None
     )
     trainer, model, _ = _fit(None, 3, [], devices, strategy)
     return {"torch": torch_run, "slipstream": ss_run, "uninterrupted": _state(trainer, model)}

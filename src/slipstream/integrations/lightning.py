@@ -129,7 +129,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
                 key, map_location=map_location, weights_only=weights_only
             )
         trusted = True if weights_only is False else self.trusted
-        checkpoint = ss.load_all(key, trusted=trusted)
+        checkpoint = ss.load_all(key, trusted=trusted, storage_options=self.storage_options)
         mapping_types.restore(checkpoint, checkpoint.pop(mapping_types.RECORD_KEY, ()))
         if map_location is None:
             return checkpoint
