@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 try:
-    import fsspec
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
 except ImportError as exc:  # pragma: no cover - exercised only without lightning installed
     raise ImportError(
         "slipstream.integrations.lightning needs the Lightning package: pip install lightning"
@@ -77,15 +77,15 @@ class SlipstreamCheckpointIO(CheckpointIO):
         key = _key(path)
         self._raise_finished_failures()
         options = storage_options if storage_options is not None else self.storage_options
-        fs, fs_path = fsspec.core.url_to_fs(key, **(options or {}))
-        if fs.isfile(fs_path):
+        fs = get_filesystem(key, **(options or {}))
+        if fs.isfile(key):
             raise CheckpointError(
                 f"{key} is a file (a checkpoint written by another CheckpointIO?); "
                 "SlipstreamCheckpointIO writes a directory there: remove the file or save "
                 "under another name"
             )
-        created = not fs.exists(fs_path)
-        fs.makedirs(fs_path, exist_ok=True)
+        created = not fs.exists(key)
+        fs.makedirs(key, exist_ok=True)
         try:
             state = {**checkpoint, mapping_types.RECORD_KEY: mapping_types.record(checkpoint)}
             response = ss.async_save(
@@ -93,7 +93,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
             )
         except BaseException:
             if created:  # nothing was written: leave no directory that looks like a checkpoint
-                fs.rm(fs_path, recursive=True)
+                fs.rm(key, recursive=True)
             raise
         self._in_flight[key] = response
         try:
@@ -121,10 +121,10 @@ class SlipstreamCheckpointIO(CheckpointIO):
         """
         key = _key(path)
         self._wait_for(key)
-        fs, fs_path = fsspec.core.url_to_fs(key, **(self.storage_options or {}))
-        if not fs.exists(fs_path):
+        fs = get_filesystem(key, **(self.storage_options or {}))
+        if not fs.exists(key):
             raise FileNotFoundError(f"Checkpoint not found: {key}")
-        if fs.isfile(fs_path):
+        if fs.isfile(key):
             return TorchCheckpointIO().load_checkpoint(
                 key, map_location=map_location, weights_only=weights_only
             )
@@ -139,9 +139,9 @@ class SlipstreamCheckpointIO(CheckpointIO):
         """Delete the checkpoint at ``path``, after the save in flight to it, if any, is done."""
         key = _key(path)
         self._wait_for(key)
-        fs, fs_path = fsspec.core.url_to_fs(key, **(self.storage_options or {}))
-        if fs.exists(fs_path):
-            fs.rm(fs_path, recursive=True)
+        fs = get_filesystem(key, **(self.storage_options or {}))
+        if fs.exists(key):
+            fs.rm(key, recursive=True)
             logger.debug("removed checkpoint %s", key)
 
     def teardown(self) -> None:
