@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	# fsspec through datasets; an older transformers): they go in without them, plus exactly
 	# what the modules the tests import need.
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 verl==0.9.1 tensordict==0.10.0
-	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn
+	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn spmd_types==0.2.3
 	touch $@
 
 setup: $(VENV)/.installed

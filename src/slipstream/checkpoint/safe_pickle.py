@@ -5,8 +5,9 @@ made of; non-tensor values by one that resolves the plain-data globals of
 :mod:`.safe_types` (tensors, numpy arrays and random states, paths, dates, argparse
 namespaces, ..., omegaconf configs, and the classes allowed by ``allow_types``). Both
 add what the caller trusts (``trusted=``). A pickle that names anything else is refused
-with :class:`UnsafeCheckpointError` naming every global it asks for that is not allowed (found by a pass that resolves each global to an inert stand-in,
-so nothing of the checkpoint runs), never one at a time.
+with :class:`UnsafeCheckpointError` naming every global it asks for that is not allowed
+(found by a pass that resolves each global to an inert stand-in, so nothing of the
+checkpoint runs), never one at a time.
 """
 
 from __future__ import annotations
