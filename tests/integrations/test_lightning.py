@@ -153,6 +153,7 @@ def test_errors_name_the_path(tmp_path):
     # A value that cannot be pickled fails the save at once, naming it.
     with pytest.raises(Exception, match="bad"):
         io.save_checkpoint({"bad": lambda: 0}, tmp_path / "c.ckpt")
+    assert not (tmp_path / "c.ckpt").exists()  # nothing that passes for a checkpoint
     io.teardown()
 
 

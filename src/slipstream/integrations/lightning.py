@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 600.0
 
 
+@dataclass
+class _Pending:
+    """A save in flight, and whether it made its path (to remove again if it fails)."""
+
+    response: ss.AsyncSaveResponse
+    created: bool
+    storage_options: dict[str, Any] | None
+
+
 class SlipstreamCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that stages a checkpoint and writes it in the background.
 
@@ -68,7 +78,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         self.timeout = timeout
         self.storage_options = storage_options
         self.trusted = trusted
-        self._in_flight: dict[str, ss.AsyncSaveResponse] = {}
+        self._in_flight: dict[str, _Pending] = {}
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -76,6 +86,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         """Stage ``checkpoint`` for ``path`` and return; the write goes on in the background."""
         key = _key(path)
         self._raise_finished_failures()
+        self._wait_for(key)  # a save over one in flight: the first's failure is not lost
         options = storage_options if storage_options is not None else self.storage_options
         fs = get_filesystem(key, **(options or {}))
         if fs.isfile(key):
@@ -95,7 +106,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
             if created:  # nothing was written: leave no directory that looks like a checkpoint
                 fs.rm(key, recursive=True)
             raise
-        self._in_flight[key] = response
+        self._in_flight[key] = _Pending(response, created, options)
         try:
             response.staging_completion.result(self.timeout)
         except FutureTimeoutError:
@@ -103,8 +114,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
                 f"staging the checkpoint for {key} did not finish within {self.timeout:g} s"
             ) from None
         except BaseException as exc:
-            del self._in_flight[key]
-            raise CheckpointError(f"saving the checkpoint {key} failed: {exc}") from exc
+            self._failed(key, exc)
 
     def load_checkpoint(
         self,
@@ -158,24 +168,34 @@ class SlipstreamCheckpointIO(CheckpointIO):
             raise failures[0]
 
     def _wait_for(self, key: str) -> None:
-        response = self._in_flight.get(key)
-        if response is None:
+        pending = self._in_flight.get(key)
+        if pending is None:
             return
         try:
-            response.upload_completion.result(self.timeout)
+            pending.response.upload_completion.result(self.timeout)
         except FutureTimeoutError:
             raise CheckpointError(
                 f"the save to {key} did not finish within {self.timeout:g} s "
                 "(SlipstreamCheckpointIO(timeout=...) sets how long to wait)"
             ) from None
         except BaseException as exc:
-            del self._in_flight[key]
-            raise CheckpointError(f"saving the checkpoint {key} failed: {exc}") from exc
+            self._failed(key, exc)
         del self._in_flight[key]
 
+    def _failed(self, key: str, exc: BaseException) -> None:
+        """Forget the failed save to ``key`` and raise its error; a path it made goes too
+        (the saver removed what it wrote), so no empty directory passes for a checkpoint;
+        a checkpoint it was saving over stays as it was."""
+        pending = self._in_flight.pop(key)
+        if pending.created:
+            fs = get_filesystem(key, **(pending.storage_options or {}))
+            if fs.exists(key):
+                fs.rm(key, recursive=True)
+        raise CheckpointError(f"saving the checkpoint {key} failed: {exc}") from exc
+
     def _raise_finished_failures(self) -> None:
-        for key, response in list(self._in_flight.items()):
-            if response.upload_completion.done():
+        for key, pending in list(self._in_flight.items()):
+            if pending.response.upload_completion.done():
                 self._wait_for(key)
 
 
