@@ -204,3 +204,33 @@ def test_model_parallel_strategy_checkpoints_through_slipstream_dcp(tmp_path):
     assert {".metadata", "meta.pt"} <= set(files)
     assert len([f for f in files if f.endswith(".distcp")]) == 2, files
     assert_same(results["resumed"], results["uninterrupted"], "resumed vs uninterrupted")
+
+
+@pytest.mark.timeout(120)
+def test_save_last_link_points_at_the_checkpoint_just_saved_and_resumes(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(epochs, ckpt_path=None):
+        trainer = Trainer(
+            accelerator="cpu",
+            max_epochs=epochs,
+            plugins=[
+                SlipstreamCheckpointIO(
+                    timeout=60, trusted=[lightning_scenario.Widths, lightning_scenario.Act]
+                )
+            ],
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=1, save_last="link")],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        model = lightning_scenario.Regression(**lightning_scenario.hyper_parameters())
+        trainer.fit(model, lightning_scenario._loader(0, 32), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(2)
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "epoch=1-step=8.ckpt"
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+    assert fit(3, ckpt_path=str(last)).global_step == 12
