@@ -10,14 +10,14 @@ the run; each run trains the same steps with one of:
   thread, then ``torch.save`` on a thread);
 * ``SlipstreamCheckpointIO``: ``slipstream.integrations.lightning``.
 
-A run's loop time is from the first training batch's start to the last one's end. On a
-host shared with other work, whole runs drift more than a save costs, so a save's cost is
-measured inside each run: the loop time less (steps x the run's median step), what the
-steps that ran a save or were slowed by its background work took beyond a typical step,
-less the same excess of the ``none`` run of that round (noise), per save. The saves
-leave steps after the last one for its background write to finish inside the loop; the
-wait at ``teardown`` after the loop is reported beside it. Runs are interleaved, in a new
-order each round; medians over rounds.
+A run's loop time is from the first training batch's start to the last one's end. A
+save's cost is (loop time - the ``none`` run's loop time in the same round) / saves: the
+time the save held the training thread plus the time its background work slowed the
+other steps. The saves leave steps after the last one for its background write to
+finish inside the loop; the wait at ``teardown`` after the loop is reported beside it.
+"held" is the median step that ran a save less the run's median plain step: the training
+thread's wait alone. Runs are interleaved, in a new order each round; medians over rounds
+(whole runs drift on a shared host, so the rounds are many).
 
     python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
     python benchmarks/lightning_checkpoint.py --quick        # a small model, 2 rounds
@@ -144,7 +144,6 @@ def run_once(
     plain = [t for i, t in enumerate(steps) if (i + 1) not in save_steps]
     return {
         "loop": clock.end - clock.start,
-        "excess": sum(steps) - len(steps) * median(steps),
         "teardown": teardown,
         "save_step": median(with_save) if with_save else 0.0,
         "plain_step": median(plain),
@@ -154,13 +153,13 @@ def run_once(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (7; quick 2)")
     parser.add_argument("--dir", default="/tmp/slipstream-bench/lightning", help="scratch dir")
     parser.add_argument("--out", default=None, help="result JSON")
     args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (2 if args.quick else 7)
     args.width, args.depth = (512, 4) if args.quick else (2048, 11)
-    args.batch, args.steps, args.every = 4, 23, 6
+    args.batch, args.steps, args.every = 4, 23, 4
     torch.set_num_threads(os.cpu_count() or 1)
 
     root = Path(args.dir)
@@ -189,7 +188,8 @@ def main() -> None:
                 continue  # warm-up
             saves = args.steps // args.every
             for peer, m in measured.items():
-                m["cost"] = (m["excess"] - measured[NONE]["excess"]) / saves
+                m["cost"] = (m["loop"] - measured[NONE]["loop"]) / saves
+                m["held"] = m["save_step"] - m["plain_step"]
                 for metric, value in m.items():
                     kept[peer].setdefault(metric, []).append(value)
     finally:
@@ -219,21 +219,21 @@ def main() -> None:
                 fmt(m["loop"]),
                 fmt(m["cost"]) if peer != NONE else "-",
                 fmt(m["cost"] / med[TORCH]["cost"]) if peer != NONE else "-",
-                fmt(m["save_step"] - med[NONE]["plain_step"]) if peer != NONE else "-",
+                fmt(m["held"]) if peer != NONE else "-",
                 fmt(m["teardown"]),
             ]
         )
     result.tables.append(
         Table(
-            "Seconds, medians over rounds (cost = the loop's time beyond its median step, over the"
-            " no-checkpoint run's, per save;"
+            "Seconds, medians over rounds (cost = loop time over the no-checkpoint run's, per"
+            " save;"
             " x = cost / TorchCheckpointIO's)",
             [
                 "CheckpointIO",
                 "loop s",
                 "cost per save s",
                 "x default",
-                "save step extra s",
+                "held s",
                 "teardown wait s",
             ],
             rows,
@@ -247,9 +247,9 @@ def main() -> None:
         ratio <= 0.2,
     )
     result.notes.append(
-        "save step extra: the median step that ran a save, less the no-checkpoint run's "
-        "median step: what the save held the training thread for, without the later steps "
-        "its background work slowed (which the cost per save includes)."
+        "held: the median step that ran a save less the run's median plain step, the "
+        "training thread's wait alone; the cost per save adds what the save's background "
+        "work (a copy, a write, checksums) took from the other steps on this host's cores."
     )
     for row in rows:
         print(row)
