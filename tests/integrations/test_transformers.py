@@ -151,6 +151,33 @@ def test_interrupted_and_resumed_run_is_bit_exact(tmp_path):
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
 
 
+class VisibleCheckpointsAreComplete(TrainerCallback):
+    """At every step and right after every save (while its write is usually still going
+    on), each checkpoint-N the Trainer could resume from is complete."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.looked_at = 0
+
+    def check(self) -> None:
+        if not os.path.isdir(self.out):
+            return
+        for name in os.listdir(self.out):
+            if not name.startswith("checkpoint-"):
+                continue
+            path = os.path.join(self.out, name)
+            assert state_dir(path) is not None, path
+            assert os.path.isfile(os.path.join(path, "trainer_state.json")), path
+            assert os.path.isfile(os.path.join(path, "model.safetensors")), path
+            self.looked_at += 1
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.check()
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.check()
+
+
 def test_rotation_keeps_what_the_trainer_keeps(tmp_path):
     args = dict(max_steps=9, save_steps=2, save_total_limit=2)
     plain = Trainer(
@@ -158,10 +185,12 @@ def test_rotation_keeps_what_the_trainer_keeps(tmp_path):
     )
     plain.train()
     out = str(tmp_path / "run")
+    watch = VisibleCheckpointsAreComplete(out)
     trainer = SlipstreamTrainer(
-        model=tiny_model(), args=arguments(out, **args), train_dataset=dataset()
+        model=tiny_model(), args=arguments(out, **args), train_dataset=dataset(), callbacks=[watch]
     )
     trainer.train()
+    assert watch.looked_at > 0
     kept = sorted(os.listdir(tmp_path / "plain"))
     assert len(kept) == 2
     assert sorted(os.listdir(out)) == [STAGING_DIR, *kept]

@@ -46,7 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 try:
     import transformers
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+    from transformers.trainer_utils import (
+        PREFIX_CHECKPOINT_DIR,
+        HubStrategy,
+        SaveStrategy,
+        rotate_checkpoints,
+    )
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
@@ -196,6 +201,13 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self, *args: Any, slipstream_options: SlipstreamTrainerOptions | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
+        strategy = HubStrategy(self.args.hub_strategy)
+        if self.args.push_to_hub and strategy != HubStrategy.END:
+            raise ValueError(
+                f"SlipstreamTrainer: push_to_hub with hub_strategy={strategy.value!r} "
+                "pushes from each checkpoint directory while it is still being written; "
+                "use hub_strategy='end' (the final save_model is pushed as usual)"
+            )
         self.slipstream_options = slipstream_options or SlipstreamTrainerOptions()
         self._ss_capture: dict[str, Any] | None = None
         self._ss_staging: AsyncSaveResponse | None = None
