@@ -44,14 +44,15 @@ bench: setup
 	$(BIN)/python benchmarks/sync.py --realistic --out benchmarks/results/sync_realistic.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
+	$(BIN)/python benchmarks/hf_trainer_checkpoint.py --out benchmarks/results/hf_trainer.json
 	$(MAKE) report
 
 report: setup
 	$(BIN)/python benchmarks/report.py benchmarks/results/checkpoint.json \
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/fsdp.json \
-		benchmarks/results/hf.json benchmarks/results/gpu.json \
-		--out BENCHMARKS.md
+		benchmarks/results/hf.json benchmarks/results/hf_trainer.json \
+		benchmarks/results/gpu.json --out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo_out
