@@ -340,6 +340,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         os.makedirs(output_dir, exist_ok=True)
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if isinstance(unwrapped, transformers.PreTrainedModel):
+            unwrapped.config.architectures = [type(unwrapped).__name__]  # as save_pretrained
             unwrapped.config.save_pretrained(output_dir)
             generation = getattr(unwrapped, "generation_config", None)
             if generation is not None and unwrapped.can_generate():
