@@ -51,9 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import checkpoint as _checkpoint
-from ..checkpoint import AsyncSaveResponse
-from ..errors import CheckpointError
+from .. import AsyncSaveResponse, CheckpointError, async_save, load
 from . import rng
 
 log = logging.getLogger(__name__)
@@ -200,9 +198,7 @@ class SlipstreamAccelerator(Accelerator):
         self.wait_for_checkpoints()
         path = self._ss_output_dir(output_dir)
         os.makedirs(path, exist_ok=True)
-        response = _checkpoint.async_save(
-            self._ss_state(template=False), path, timeout=self.slipstream_timeout
-        )
+        response = async_save(self._ss_state(template=False), path, timeout=self.slipstream_timeout)
         self._ss_pending, self._ss_pending_dir = response, path
         response.staging_completion.result(self.slipstream_timeout)
         self.project_configuration.iteration += 1
@@ -250,7 +246,7 @@ class SlipstreamAccelerator(Accelerator):
             del target["rng"]
         elif "cuda" in target["rng"][rank] and f"rng.{rank}.cuda" not in _keys(path):
             del target["rng"][rank]["cuda"]
-        _checkpoint.load(target, path, strict=False)
+        load(target, path, strict=False)
         self._ss_apply(target)
 
     def _ss_apply(self, loaded: dict[str, Any]) -> None:

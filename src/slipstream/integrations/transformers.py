@@ -68,9 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import checkpoint as _checkpoint
-from ..checkpoint import AsyncSaveResponse
-from ..errors import CheckpointError
+from .. import AsyncSaveResponse, CheckpointError, async_save, export_hf, load
 from . import rng
 
 STATE_DIR = "slipstream"
@@ -151,7 +149,7 @@ class _PendingCheckpoint:
     def _publish(self) -> None:
         if self.options.export_hf:
             config = os.path.join(self.staged, "config.json")
-            _checkpoint.export_hf(
+            export_hf(
                 os.path.join(self.staged, STATE_DIR),
                 self.staged,
                 prefix="model.",
@@ -298,7 +296,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         finally:
             self._ss_capture = None
         self._point_best_at(run_dir, best_before)
-        response = _checkpoint.async_save(
+        response = async_save(
             captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
         )
         self._ss_staging = response
@@ -389,7 +387,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             return
         module = self._ss_model() if model is None else model
         target = {"model": get_model_state_dict(module)}
-        _checkpoint.load(target, path, strict=False)
+        load(target, path, strict=False)
         set_model_state_dict(module, target["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -402,7 +400,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
                 target["optimizer"] = get_optimizer_state_dict(model, optimizer)
             if scheduler is not None and any(k.startswith("scheduler.") for k in keys):
                 target["scheduler"] = scheduler.state_dict()
-            _checkpoint.load(target, path, strict=False)
+            load(target, path, strict=False)
             if "optimizer" in target:
                 set_optimizer_state_dict(model, optimizer, target["optimizer"])
             if scheduler is not None and "scheduler" in target:
@@ -415,7 +413,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         scaler = getattr(self.accelerator, "scaler", None)
         if path is not None and scaler is not None and "scaler" in _top_keys(path):
             target = {"scaler": scaler.state_dict()}
-            _checkpoint.load(target, path, strict=False)
+            load(target, path, strict=False)
             scaler.load_state_dict(target["scaler"])
         super()._load_scaler(checkpoint)
 
@@ -438,7 +436,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         if f"rng.{rank}.cuda" not in keys:
             state.pop("cuda", None)
         target = {"rng": {rank: state}}
-        _checkpoint.load(target, path, strict=False)
+        load(target, path, strict=False)
         rng.restore(target["rng"][rank])
 
     def _load_best_model(self) -> None:
