@@ -148,3 +148,62 @@ def test_accelerate_written_directory_still_loads(tmp_path):
     restored = setup(accelerator)
     accelerator.load_state(str(tmp_path / "plain"))
     assert_equal_states(expected, state_of(*restored, accelerator))
+
+
+class Epochs:
+    """A registered object without tensors (so staging may overlap the next steps)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.done = state["done"]
+
+
+def test_overlapped_staging_saves_the_state_of_the_save_call(tmp_path):
+    """With overlap_staging, save_state returns before the copy; the steps right after it
+    must not leak into the checkpoint."""
+    accelerator = SlipstreamAccelerator(cpu=True, overlap_staging=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    epochs = Epochs()
+    accelerator.register_for_checkpointing(epochs)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for _ in range(3):
+        accelerator.backward(model(torch.randn(8, 256)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    epochs.done = 1
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {
+        i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()
+    }
+    path = accelerator.save_state(str(tmp_path / "ckpt"))
+    for _ in range(3):  # the first optimizer step waits for the staging
+        accelerator.backward(model(torch.randn(8, 256)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    epochs.done = 2
+    assert not torch.equal(model.state_dict()["0.weight"], at_save["0.weight"])
+    accelerator.end_training()
+
+    fresh = SlipstreamAccelerator(cpu=True)
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
+    )
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    epochs2 = Epochs()
+    fresh.register_for_checkpointing(epochs2)
+    model2, optimizer2 = fresh.prepare(model2, optimizer2)
+    fresh.load_state(path)
+    for key, value in at_save.items():
+        assert torch.equal(model2.state_dict()[key], value), key
+    for idx, state in moments.items():
+        for key, value in state.items():
+            assert torch.equal(optimizer2.state_dict()["state"][idx][key], value), (idx, key)
+    assert epochs2.done == 1

@@ -11,6 +11,8 @@ Invariants:
 
 - A directory holds a complete checkpoint once its ``.metadata`` exists: slipstream
   writes it last, after every rank's data is durable.
+- ``save_state`` returns once the state is staged (with ``overlap_staging``, the next
+  optimizer step waits for that instead).
 - One save is in flight at a time: ``save_state`` and ``load_state`` first wait for the
   previous save; so do ``wait_for_checkpoints()`` and ``end_training()``. With automatic
   checkpoint naming, ``total_limit`` rotation runs only after that wait, so it never
@@ -80,20 +82,44 @@ class SlipstreamAccelerator(Accelerator):
     """An ``Accelerator`` whose ``save_state``/``load_state`` go through slipstream.
 
     Takes accelerate's arguments, plus ``slipstream_timeout``: the bound on every wait on
-    another rank or on a previous save (``None``: slipstream's default).
+    another rank or on a previous save (``None``: slipstream's default); and
+    ``overlap_staging``: ``save_state`` returns before the state is staged, the copy
+    overlaps the next forward and backward, and the next ``optimizer.step()`` waits for it.
+    Only for loops where nothing but the optimizer step changes the saved state until then
+    (it is off, and ``save_state`` waits, where a model saves buffers, which a forward may
+    update, or a registered object holds tensors).
     """
 
-    def __init__(self, *args: Any, slipstream_timeout: float | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        slipstream_timeout: float | None = None,
+        overlap_staging: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.slipstream_timeout = slipstream_timeout
+        self.overlap_staging = overlap_staging
+        self._ss_staging: AsyncSaveResponse | None = None
+        self._ss_step_hooks: list[Any] = []
         self._ss_pending: AsyncSaveResponse | None = None
         self._ss_pending_dir: str | None = None
         self._ss_fallback_logged = False
 
     # -- waiting -----------------------------------------------------------------------------
 
+    def wait_for_staging(self) -> None:
+        """Block until the last ``save_state`` has copied the state (it may change again)."""
+        response, self._ss_staging = self._ss_staging, None
+        for handle in self._ss_step_hooks:
+            handle.remove()
+        self._ss_step_hooks = []
+        if response is not None:
+            response.staging_completion.result(self.slipstream_timeout)
+
     def wait_for_checkpoints(self) -> None:
         """Block until the last ``save_state`` is durable; raise its error."""
+        self.wait_for_staging()
         pending, self._ss_pending = self._ss_pending, None
         if pending is None:
             return
@@ -198,11 +224,31 @@ class SlipstreamAccelerator(Accelerator):
         self.wait_for_checkpoints()
         path = self._ss_output_dir(output_dir)
         os.makedirs(path, exist_ok=True)
-        response = async_save(self._ss_state(template=False), path, timeout=self.slipstream_timeout)
+        state = self._ss_state(template=False)
+        response = async_save(state, path, timeout=self.slipstream_timeout)
         self._ss_pending, self._ss_pending_dir = response, path
-        response.staging_completion.result(self.slipstream_timeout)
+        self._ss_staging = response
+        if self.overlap_staging and self._ss_only_optimizer_changes(state):
+            self._ss_step_hooks = [
+                self._ss_inner(wrapped).register_step_pre_hook(self._ss_before_step)
+                for wrapped in self._optimizers
+            ]
+        else:
+            self.wait_for_staging()
         self.project_configuration.iteration += 1
         return path
+
+    def _ss_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait_for_staging()
+
+    def _ss_only_optimizer_changes(self, state: dict[str, Any]) -> bool:
+        """No saved buffers and no registered tensors: until the next optimizer step,
+        a training loop changes none of the saved tensors."""
+        for i, module in enumerate(self._ss_modules()):
+            if any(name in state[f"models.{i}"] for name, _ in module.named_buffers()):
+                return False
+        customs = [state[f"custom.{i}"] for i in range(len(self._custom_objects))]
+        return not any(_holds_tensors(value) for value in customs)
 
     def _ss_input_dir(self, input_dir: str | None) -> str:
         if input_dir is not None:
@@ -265,6 +311,16 @@ class SlipstreamAccelerator(Accelerator):
         self.step = loaded["step"]
         if "rng" in loaded:
             rng.restore(loaded["rng"][f"rank{self.process_index}"])
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
 
 
 def _keys(path: str) -> set[str]:

@@ -209,6 +209,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self.slipstream_options = slipstream_options or SlipstreamTrainerOptions()
         self._ss_capture: dict[str, Any] | None = None
         self._ss_staging: AsyncSaveResponse | None = None
+        self._ss_wait_before_forward = False
         self._ss_pending: _PendingCheckpoint | None = None
         self._ss_fallback_logged = False
         self.add_callback(_WaitForStaging(self))
@@ -300,6 +301,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
         )
         self._ss_staging = response
+        self._ss_wait_before_forward = _has_saved_buffers(self._ss_model(), captured["model"])
         self._ss_pending = _PendingCheckpoint(
             response,
             staged,
@@ -448,16 +450,27 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self._load_from_checkpoint(str(best), self.model)
 
 
+def _has_saved_buffers(model: torch.nn.Module, saved: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds buffers (BatchNorm's running statistics...): a forward
+    pass may change those, where only the optimizer step changes parameters."""
+    return any(name in saved for name, _ in model.named_buffers())
+
+
 def _top_keys(path: str) -> set[str]:
     return {k.split(".", 1)[0] for k in _saved_keys(path)}
 
 
 class _WaitForStaging(transformers.TrainerCallback):
-    """Holds the optimizer step until the last save's staging is done: the one point in the
-    loop where the saved state changes."""
+    """Holds the training loop until the last save's staging is done, at the first point
+    where the saved state may change: the next optimizer step, or the next forward pass
+    where the model saves buffers a forward may update."""
 
     def __init__(self, trainer: SlipstreamTrainerMixin) -> None:
         self._trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer._ss_wait_before_forward:
+            self._trainer.wait_for_staging()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._trainer.wait_for_staging()
