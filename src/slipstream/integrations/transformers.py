@@ -68,7 +68,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import AsyncSaveResponse, CheckpointError, async_save, export_hf, load
+from .. import AsyncSaveResponse, CheckpointError, SaveOptions, async_save, export_hf, load
+from ..core.threads import lower_thread_priority
 from . import rng
 
 STATE_DIR = "slipstream"
@@ -139,6 +140,9 @@ class _PendingCheckpoint:
         self.thread.start()
 
     def _run(self) -> None:
+        # The export reads and writes the weights again: like slipstream's own writers,
+        # it gives way to the training thread.
+        lower_thread_priority(SaveOptions.thread_nice)
         try:
             self.response.result()
             if self.args.should_save:
