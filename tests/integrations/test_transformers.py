@@ -224,3 +224,36 @@ def test_existing_subclass_keeps_its_files_in_the_checkpoint(tmp_path):
     trainer.train()
     with open(os.path.join(out, "checkpoint-3", "mine.txt")) as f:
         assert f.read() == "3"
+
+
+def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path):
+    """The best checkpoint is found among finished ones, survives rotation, and its
+    weights are what the model holds after training."""
+    out = str(tmp_path / "run")
+    trainer = SlipstreamTrainer(
+        model=tiny_model(),
+        args=arguments(
+            out,
+            max_steps=6,
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+            greater_is_better=True,  # the worst loss: an early checkpoint, not the last
+            save_total_limit=1,
+        ),
+        train_dataset=dataset(),
+        eval_dataset=dataset(rows=8),
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and os.path.dirname(best) == out, best
+    assert state_dir(best) is not None
+    assert os.path.basename(best) != "checkpoint-6"
+    kept = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
+    assert kept == [os.path.basename(best)]  # the Trainer keeps only the best at the end
+    loaded = GPT2LMHeadModel.from_pretrained(best)
+    pairs = zip(trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True)
+    for (name, x), y in pairs:
+        assert torch.equal(x, y), name

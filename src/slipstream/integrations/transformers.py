@@ -305,7 +305,9 @@ class SlipstreamTrainerMixin(_TrainerBase):
             captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
         )
         self._ss_staging = response
-        self._ss_wait_before_forward = _has_saved_buffers(self._ss_model(), captured["model"])
+        self._ss_wait_before_forward = _has_saved_buffers(
+            self._ss_model(), captured.get("model", {})
+        )
         self._ss_pending = _PendingCheckpoint(
             response,
             staged,
