@@ -50,3 +50,22 @@ def test_lightning_example_resumes(tmp_path):
     second = _run("lightning_checkpoint.py", "--root", root, "--epochs", "3")
     assert "resumed from last.ckpt" in second
     assert "trained to epoch 3" in second
+
+
+def test_hf_trainer_example_resumes_and_exports(tmp_path):
+    out = _run("hf_trainer.py", "--out", str(tmp_path / "run"))
+    assert "interrupted; last checkpoint: checkpoint-3" in out
+    assert "resumed and trained to step 6" in out
+    assert "from_pretrained(checkpoint-6) equals the trained model: True" in out
+
+
+def test_accelerate_example_restores(tmp_path):
+    out = _run("accelerate_state.py", "--out", str(tmp_path / "state"))
+    assert "restored after 5 batches" in out
+    assert "training after the restore matches: True" in out
+
+
+def test_torchtitan_config_switches_its_checkpointer_to_slipstream():
+    out = _run("torchtitan_slipstream.py")
+    assert "torchtitan checkpoints through slipstream.dcp: True" in out
+    assert "checkpoint: enable=True async_mode=async interval=10" in out

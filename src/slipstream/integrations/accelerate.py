@@ -1,0 +1,327 @@
+"""``Accelerator.save_state`` / ``load_state`` through slipstream.
+
+``SlipstreamAccelerator`` is an ``accelerate.Accelerator`` whose ``save_state`` stages
+the models, optimizers, schedulers, gradient scaler, step, random generators and the
+objects given to ``register_for_checkpointing`` with ``ss.async_save`` and returns once
+they are staged (the caller may change them at once, as after accelerate's own
+``save_state``); the write goes on in the background. ``load_state`` restores all of them
+in place, exactly.
+
+Invariants:
+
+- A directory holds a complete checkpoint once its ``.metadata`` exists: slipstream
+  writes it last, after every rank's data is durable.
+- ``save_state`` returns once the state is staged (with ``overlap_staging``, the next
+  optimizer step waits for that instead).
+- One save is in flight at a time: ``save_state`` and ``load_state`` first wait for the
+  previous save; so do ``wait_for_checkpoints()`` and ``end_training()``. With automatic
+  checkpoint naming, ``total_limit`` rotation runs only after that wait, so it never
+  deletes a checkpoint still being written.
+- A directory accelerate wrote itself (no ``.metadata``) still loads through accelerate.
+
+Why a subclass and not accelerate's save/load pre-hooks: those hooks only see the model
+weights; the optimizer, scheduler, RNG and custom objects are written with ``torch.save``
+after them whatever a hook does. Replacing the class is one line at construction, and
+every existing ``save_state``/``load_state`` call then goes through slipstream.
+FSDP, DeepSpeed, Megatron-LM and XLA keep accelerate's own code (logged once); FSDP's
+sharded path calls DCP and goes through ``slipstream.dcp`` with the swap in
+docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from typing import Any
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "slipstream.integrations.accelerate needs the 'accelerate' package: pip install accelerate"
+    ) from error
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .. import AsyncSaveResponse, CheckpointError, async_save, load
+from . import rng
+
+log = logging.getLogger(__name__)
+
+_OWN_CODE = (
+    DistributedType.FSDP,
+    DistributedType.DEEPSPEED,
+    DistributedType.MEGATRON_LM,
+    DistributedType.XLA,
+)
+
+
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a committed slipstream (or DCP) checkpoint."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _iteration(folder: str) -> int:
+    found = re.findall(r"(\d+)(?=[^/]*$)", folder)
+    if not found:
+        raise CheckpointError(f"{folder}: no checkpoint iteration in its name")
+    return int(found[0])
+
+
+class SlipstreamAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``save_state``/``load_state`` go through slipstream.
+
+    Takes accelerate's arguments, plus ``slipstream_timeout``: the bound on every wait on
+    another rank or on a previous save (``None``: slipstream's default); and
+    ``overlap_staging``: ``save_state`` returns before the state is staged, the copy
+    overlaps the next forward and backward, and the next ``optimizer.step()`` waits for it.
+    Only for loops where nothing but the optimizer step changes the saved state until then
+    (it is off, and ``save_state`` waits, where a model saves buffers, which a forward may
+    update, or a registered object holds tensors).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        slipstream_timeout: float | None = None,
+        overlap_staging: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.slipstream_timeout = slipstream_timeout
+        self.overlap_staging = overlap_staging
+        self._ss_staging: AsyncSaveResponse | None = None
+        self._ss_step_hooks: list[Any] = []
+        self._ss_pending: AsyncSaveResponse | None = None
+        self._ss_pending_dir: str | None = None
+        self._ss_fallback_logged = False
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def wait_for_staging(self) -> None:
+        """Block until the last ``save_state`` has copied the state (it may change again)."""
+        response, self._ss_staging = self._ss_staging, None
+        for handle in self._ss_step_hooks:
+            handle.remove()
+        self._ss_step_hooks = []
+        if response is not None:
+            response.staging_completion.result(self.slipstream_timeout)
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until the last ``save_state`` is durable; raise its error."""
+        self.wait_for_staging()
+        pending, self._ss_pending = self._ss_pending, None
+        if pending is None:
+            return
+        try:
+            pending.result(self.slipstream_timeout)
+        except Exception as error:
+            raise CheckpointError(
+                f"save_state to {self._ss_pending_dir} failed: {error}; its directory holds "
+                "no committed checkpoint"
+            ) from error
+
+    def end_training(self) -> None:
+        self.wait_for_checkpoints()
+        super().end_training()
+
+    # -- what a checkpoint holds -------------------------------------------------------------
+
+    def _ss_supported(self) -> bool:
+        unsupported = self.distributed_type in _OWN_CODE
+        if unsupported and not self._ss_fallback_logged:
+            self._ss_fallback_logged = True
+            log.warning(
+                "slipstream: %s checkpoints use accelerate's own code (for FSDP, see the "
+                "slipstream.dcp swap in docs/integrations.md)",
+                self.distributed_type,
+            )
+        return not unsupported
+
+    def _ss_modules(self) -> list[torch.nn.Module]:
+        return [self.unwrap_model(m, keep_torch_compile=False) for m in self._models]
+
+    def _ss_owner(self, optimizer: torch.optim.Optimizer, index: int) -> torch.nn.Module:
+        """The prepared model whose parameters the optimizer updates."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for module in self._ss_modules():
+            if any(id(p) in params for p in module.parameters()):
+                return module
+        raise CheckpointError(
+            f"optimizer {index} updates parameters of no model passed to prepare(); "
+            "slipstream names optimizer state by the model's parameter names"
+        )
+
+    @staticmethod
+    def _ss_inner(optimizer: Any) -> torch.optim.Optimizer:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        assert isinstance(inner, torch.optim.Optimizer)
+        return inner
+
+    def _ss_state(self, *, template: bool) -> dict[str, Any]:
+        """Everything ``save_state`` saves, under stable keys; with ``template``, the same
+        keys as targets for ``ss.load`` (fresh optimizer state is made to load into)."""
+        state: dict[str, Any] = {}
+        for i, module in enumerate(self._ss_modules()):
+            state[f"models.{i}"] = get_model_state_dict(module)
+        for i, wrapped in enumerate(self._optimizers):
+            optimizer = self._ss_inner(wrapped)
+            owner = self._ss_owner(optimizer, i)
+            state[f"optimizers.{i}"] = get_optimizer_state_dict(owner, optimizer)
+        for i, scheduler in enumerate(self._schedulers):
+            state[f"schedulers.{i}"] = scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        for i, obj in enumerate(self._custom_objects):
+            state[f"custom.{i}"] = obj.state_dict()
+        state["step"] = self.step
+        state["rng"] = {f"rank{self.process_index}": rng.template() if template else rng.capture()}
+        return state
+
+    # -- save and load -----------------------------------------------------------------------
+
+    def _ss_output_dir(self, output_dir: str | None) -> str:
+        """Where to save; with automatic naming, accelerate's ``checkpoint_<i>`` after its
+        ``total_limit`` rotation (run by the main process once no save is in flight)."""
+        if not self.project_configuration.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise CheckpointError(
+                    "save_state needs an output_dir when automatic checkpoint naming is off"
+                )
+            return str(output_dir)
+        root = os.path.join(self.project_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        limit = self.project_configuration.total_limit
+        if limit is not None and self.is_main_process:
+            folders = sorted((os.path.join(root, f) for f in os.listdir(root)), key=_iteration)
+            for folder in folders[: max(0, len(folders) + 1 - limit)]:
+                shutil.rmtree(folder)
+        path = os.path.join(root, f"checkpoint_{self.save_iteration}")
+        if os.path.exists(path):
+            raise CheckpointError(
+                f"checkpoint directory {path} ({self.save_iteration}) already exists; set "
+                "project_configuration.iteration to the iteration to start from"
+            )
+        self.wait_for_everyone()
+        return path
+
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> str:
+        """Stage the state, start writing it to ``output_dir``, return the directory."""
+        if not self._ss_supported():
+            return str(super().save_state(output_dir, safe_serialization, **kwargs))
+        self.wait_for_checkpoints()
+        path = self._ss_output_dir(output_dir)
+        os.makedirs(path, exist_ok=True)
+        state = self._ss_state(template=False)
+        response = async_save(state, path, timeout=self.slipstream_timeout)
+        self._ss_pending, self._ss_pending_dir = response, path
+        self._ss_staging = response
+        if self.overlap_staging and self._ss_only_optimizer_changes(state):
+            self._ss_step_hooks = [
+                self._ss_inner(wrapped).register_step_pre_hook(self._ss_before_step)
+                for wrapped in self._optimizers
+            ]
+        else:
+            self.wait_for_staging()
+        self.project_configuration.iteration += 1
+        return path
+
+    def _ss_before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait_for_staging()
+
+    def _ss_only_optimizer_changes(self, state: dict[str, Any]) -> bool:
+        """No saved buffers and no registered tensors: until the next optimizer step,
+        a training loop changes none of the saved tensors."""
+        for i, module in enumerate(self._ss_modules()):
+            if any(name in state[f"models.{i}"] for name, _ in module.named_buffers()):
+                return False
+        customs = [state[f"custom.{i}"] for i in range(len(self._custom_objects))]
+        return not any(_holds_tensors(value) for value in customs)
+
+    def _ss_input_dir(self, input_dir: str | None) -> str:
+        if input_dir is not None:
+            path = os.path.expanduser(str(input_dir))
+            if not os.path.isdir(path):
+                raise CheckpointError(f"load_state: {path} is not a directory")
+            return path
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise CheckpointError(
+                "load_state needs an input_dir when automatic checkpoint naming is off"
+            )
+        root = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted((os.path.join(root, f) for f in os.listdir(root)), key=_iteration)
+        if not folders:
+            raise CheckpointError(f"load_state: no checkpoint in {root}")
+        return folders[-1]
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        """Restore everything :meth:`save_state` saved, in place."""
+        self.wait_for_checkpoints()
+        if not self._ss_supported():
+            super().load_state(input_dir, load_kwargs, **kwargs)
+            return
+        path = self._ss_input_dir(input_dir)
+        if not is_checkpoint(path):
+            super().load_state(path, load_kwargs, **kwargs)
+            return
+        saved = {k.split(".", 1)[0] + "." + k.split(".", 2)[1] for k in _keys(path) if "." in k}
+        customs = sorted(k for k in saved if k.startswith("custom."))
+        if len(customs) != len(self._custom_objects):
+            raise CheckpointError(
+                f"{path} holds {len(customs)} custom object(s) but {len(self._custom_objects)} "
+                "are registered with register_for_checkpointing"
+            )
+        target = self._ss_state(template=True)
+        rank = f"rank{self.process_index}"
+        if f"rng.{rank}" not in saved:
+            log.info("%s holds no random state for process %d", path, self.process_index)
+            del target["rng"]
+        elif "cuda" in target["rng"][rank] and f"rng.{rank}.cuda" not in _keys(path):
+            del target["rng"][rank]["cuda"]
+        load(target, path, strict=False)
+        self._ss_apply(target)
+
+    def _ss_apply(self, loaded: dict[str, Any]) -> None:
+        for i, module in enumerate(self._ss_modules()):
+            set_model_state_dict(module, loaded[f"models.{i}"])
+        for i, wrapped in enumerate(self._optimizers):
+            optimizer = self._ss_inner(wrapped)
+            owner = self._ss_owner(optimizer, i)
+            set_optimizer_state_dict(owner, optimizer, loaded[f"optimizers.{i}"])
+        for i, scheduler in enumerate(self._schedulers):
+            scheduler.load_state_dict(loaded[f"schedulers.{i}"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(loaded["scaler"])
+        for i, obj in enumerate(self._custom_objects):
+            obj.load_state_dict(loaded[f"custom.{i}"])
+        self.step = loaded["step"]
+        if "rng" in loaded:
+            rng.restore(loaded["rng"][f"rank{self.process_index}"])
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
+def _keys(path: str) -> set[str]:
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)

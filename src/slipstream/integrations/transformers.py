@@ -1,0 +1,486 @@
+"""Hugging Face ``Trainer`` checkpoints through slipstream, asynchronously.
+
+Put :class:`SlipstreamTrainerMixin` first among a Trainer class's bases (or use
+:class:`SlipstreamTrainer`): every checkpoint the Trainer decides to save is staged by
+slipstream and written in the background; the training loop waits for the staging only,
+at its next optimizer step at the latest. A checkpoint directory is laid out as::
+
+    checkpoint-N/
+      slipstream/         the whole training state, one DCP-format checkpoint
+      model.safetensors   the model weights, exported from it (``from_pretrained`` reads them)
+      config.json, tokenizer files, training_args.bin, trainer_state.json
+
+Invariants:
+
+- ``checkpoint-N`` appears under ``output_dir`` only once it is complete: it is assembled
+  in ``output_dir/.slipstream-staging/`` (which no resume or rotation looks at) and renamed
+  into place after slipstream's checkpoint is durable, the weights are exported and
+  ``trainer_state.json`` is written. ``get_last_checkpoint`` never finds a partial one.
+- Rotation (``save_total_limit``) runs after that rename, so it never sees, and never
+  deletes, a checkpoint still being written. One save is in flight at a time: the next
+  save waits for the previous one to finish.
+- ``train()`` returns (or raises) only after every save it started has finished.
+- Resuming (``resume_from_checkpoint``) restores the model, optimizer, scheduler, scaler and
+  random generators from ``slipstream/``; the Trainer itself restores its state, global
+  step and the position in the data from ``trainer_state.json``. Directories the Trainer
+  wrote itself still load through the Trainer's own code.
+
+Subclasses keep working: the mixin changes where the Trainer's own ``_save_checkpoint``
+writes and what its ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_save_scaler`` /
+``_save_rng_state`` steps do, so what a subclass adds around them (TRL's model cards and
+extra state files) still runs and lands in the same checkpoint directory.
+
+DeepSpeed, FSDP, XLA and SageMaker model parallelism keep the Trainer's own checkpointing
+(logged once); FSDP's goes through ``slipstream.dcp`` with the swap in docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+try:
+    import transformers
+    from transformers.trainer_utils import (
+        PREFIX_CHECKPOINT_DIR,
+        HubStrategy,
+        SaveStrategy,
+        rotate_checkpoints,
+    )
+    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "slipstream.integrations.transformers needs the 'transformers' package: "
+        "pip install transformers"
+    ) from error
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .. import AsyncSaveResponse, CheckpointError, SaveOptions, async_save, export_hf, load
+from ..core.threads import lower_thread_priority
+from . import rng
+
+STATE_DIR = "slipstream"
+"""The subdirectory of ``checkpoint-N`` holding slipstream's checkpoint."""
+STAGING_DIR = ".slipstream-staging"
+"""Where checkpoints are assembled, under the run's output directory, until complete."""
+TRAINER_STATE_NAME = "trainer_state.json"
+TRAINING_ARGS_NAME = "training_args.bin"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SlipstreamTrainerOptions:
+    """How :class:`SlipstreamTrainerMixin` saves."""
+
+    export_hf: bool = True
+    """Write ``model.safetensors`` (``ss.export_hf``) beside the state, off the training
+    thread, so ``from_pretrained("checkpoint-N")`` works as with the Trainer's own save."""
+    export_dtype: str | torch.dtype | None = None
+    """Cast the exported weights (``"bf16"``...); ``None`` keeps the trained dtype."""
+    timeout: float | None = None
+    """Bounds every wait on another rank and on a previous save; ``None``: slipstream's
+    default (``SaveOptions.timeout``)."""
+
+
+def state_dir(checkpoint: str | os.PathLike[str]) -> str | None:
+    """The slipstream checkpoint inside a Trainer checkpoint directory, or ``None``."""
+    path = os.path.join(checkpoint, STATE_DIR)
+    return path if os.path.isfile(os.path.join(path, ".metadata")) else None
+
+
+def _saved_keys(path: str) -> set[str]:
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer under accelerate's ``AcceleratedOptimizer`` wrapper, if any."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+class _PendingCheckpoint:
+    """The tail of one save, on a thread the mixin owns and joins: wait until slipstream's
+    part is durable, export the weights, write ``trainer_state.json``, rename the staged
+    directory into place, rotate. Only the rank that writes (``should_save``) does more than
+    wait; a failure leaves the staged directory where nothing reads it."""
+
+    def __init__(
+        self,
+        response: AsyncSaveResponse,
+        staged: str,
+        final: str,
+        state: transformers.TrainerState,
+        args: transformers.TrainingArguments,
+        options: SlipstreamTrainerOptions,
+    ) -> None:
+        self.response = response
+        self.staged = staged
+        self.final = final
+        self.state = state
+        self.args = args
+        self.options = options
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, name=f"slipstream-{os.path.basename(final)}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        # The export reads and writes the weights again: like slipstream's own writers,
+        # it gives way to the training thread.
+        lower_thread_priority(SaveOptions.thread_nice)
+        try:
+            self.response.result()
+            if self.args.should_save:
+                self._publish()
+        except BaseException as error:  # noqa: BLE001 - re-raised by join on the owner's thread
+            self.error = error
+
+    def _publish(self) -> None:
+        if self.options.export_hf:
+            config = os.path.join(self.staged, "config.json")
+            export_hf(
+                os.path.join(self.staged, STATE_DIR),
+                self.staged,
+                prefix="model.",
+                dtype=self.options.export_dtype,
+                config=config if os.path.isfile(config) else None,
+            )
+        self.state.save_to_json(os.path.join(self.staged, TRAINER_STATE_NAME))
+        if os.path.exists(self.final):  # a save of the same step, after a resume
+            shutil.rmtree(self.final)
+        os.replace(self.staged, self.final)
+        rotate_checkpoints(
+            output_dir=os.path.dirname(self.final),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+    def join(self, timeout: float | None) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise CheckpointError(
+                f"checkpoint {self.final} was not durable after {timeout} s; it is still "
+                f"being written to {self.staged}"
+            )
+        if self.error is not None:
+            raise CheckpointError(
+                f"checkpoint {self.final} failed ({self.error}); nothing was renamed into "
+                f"place, the partial files are in {self.staged}"
+            ) from self.error
+
+
+if TYPE_CHECKING:
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
+
+
+class SlipstreamTrainerMixin(_TrainerBase):
+    """Makes a ``transformers.Trainer`` (sub)class checkpoint through slipstream.
+
+    ``class MyTrainer(SlipstreamTrainerMixin, SFTTrainer): ...``: first among the bases.
+    ``slipstream_options=`` (a :class:`SlipstreamTrainerOptions`) may be passed to the
+    constructor; everything else is the Trainer's own arguments.
+    """
+
+    def __init__(
+        self, *args: Any, slipstream_options: SlipstreamTrainerOptions | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        strategy = HubStrategy(self.args.hub_strategy)
+        if self.args.push_to_hub and strategy != HubStrategy.END:
+            raise ValueError(
+                f"SlipstreamTrainer: push_to_hub with hub_strategy={strategy.value!r} "
+                "pushes from each checkpoint directory while it is still being written; "
+                "use hub_strategy='end' (the final save_model is pushed as usual)"
+            )
+        self.slipstream_options = slipstream_options or SlipstreamTrainerOptions()
+        self._ss_capture: dict[str, Any] | None = None
+        self._ss_staging: AsyncSaveResponse | None = None
+        self._ss_wait_before_forward = False
+        self._ss_pending: _PendingCheckpoint | None = None
+        self._ss_fallback_logged = False
+        self.add_callback(_WaitForStaging(self))
+
+    # -- what the training loop waits for --------------------------------------------------
+
+    def wait_for_staging(self) -> None:
+        """Block until the last save has copied the state (safe to change it again)."""
+        response, self._ss_staging = self._ss_staging, None
+        if response is not None:
+            response.staging_completion.result(self.slipstream_options.timeout)
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until every save started is complete and in place; raise its error."""
+        self.wait_for_staging()
+        pending, self._ss_pending = self._ss_pending, None
+        if pending is not None:
+            pending.join(self.slipstream_options.timeout)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            try:
+                self.wait_for_checkpoints()
+            except CheckpointError as error:
+                log.error("a checkpoint failed while training failed too: %s", error)
+            raise
+        self.wait_for_checkpoints()
+        return result
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # The best-model reload and the last rotation read finished checkpoints only.
+        self.wait_for_checkpoints()
+        return super()._finalize_training(*args, **kwargs)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def _ss_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise CheckpointError("the Trainer has no model to checkpoint")
+        return self.model
+
+    def _ss_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise CheckpointError("the Trainer has no optimizer yet (create_optimizer was not run)")
+        return _torch_optimizer(self.optimizer)
+
+    def _slipstream_supported(self) -> bool:
+        unsupported = (
+            self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or is_torch_xla_available()
+            or is_sagemaker_mp_enabled()
+        )
+        if unsupported and not self._ss_fallback_logged:
+            self._ss_fallback_logged = True
+            log.warning(
+                "slipstream: DeepSpeed, FSDP, XLA and SageMaker checkpoints use the Trainer's "
+                "own code (for FSDP, see the slipstream.dcp swap in docs/integrations.md)"
+            )
+        return not unsupported
+
+    def _get_output_dir(self, trial: Any) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, STAGING_DIR) if self._ss_capture is not None else run_dir
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        if not self._slipstream_supported():
+            super()._save_checkpoint(model, trial)
+            return
+        self.wait_for_checkpoints()
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staged = os.path.join(run_dir, STAGING_DIR, name)
+        if self.args.should_save:
+            shutil.rmtree(staged, ignore_errors=True)  # left by a run that died mid-save
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
+        best_before = self.state.best_model_checkpoint
+        self._ss_capture = {}
+        try:
+            super()._save_checkpoint(model, trial)
+            captured = self._ss_capture
+        finally:
+            self._ss_capture = None
+        self._point_best_at(run_dir, best_before)
+        response = async_save(
+            captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
+        )
+        self._ss_staging = response
+        self._ss_wait_before_forward = _has_saved_buffers(
+            self._ss_model(), captured.get("model", {})
+        )
+        self._ss_pending = _PendingCheckpoint(
+            response,
+            staged,
+            os.path.join(run_dir, name),
+            copy.deepcopy(self.state),
+            self.args,
+            self.slipstream_options,
+        )
+
+    def _point_best_at(self, run_dir: str, best_before: str | None) -> None:
+        """The Trainer looked for the best checkpoint in the staging directory: look again
+        among the finished ones (and the one being saved), as it would have."""
+        best_step = self.state.best_global_step
+        if not best_step or self.args.save_strategy not in (
+            SaveStrategy.STEPS,
+            SaveStrategy.EPOCH,
+            SaveStrategy.BEST,
+        ):
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+        found = best_step == self.state.global_step or os.path.exists(best)
+        self.state.best_model_checkpoint = best if found else best_before
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._ss_capture is None or not _internal_call:
+            super().save_model(output_dir, _internal_call)
+            return
+        assert output_dir is not None
+        self._ss_capture["model"] = get_model_state_dict(self._ss_model())
+        if self.args.should_save:
+            self._save_model_files(output_dir)
+
+    def _save_model_files(self, output_dir: str) -> None:
+        """What ``save_pretrained`` writes beside the weights: config, generation config,
+        tokenizer or processor, and the training arguments."""
+        os.makedirs(output_dir, exist_ok=True)
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if isinstance(unwrapped, transformers.PreTrainedModel):
+            unwrapped.config.architectures = [type(unwrapped).__name__]  # as save_pretrained
+            unwrapped.config.save_pretrained(output_dir)
+            generation = getattr(unwrapped, "generation_config", None)
+            if generation is not None and unwrapped.can_generate():
+                generation.save_pretrained(output_dir)
+        processor = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if processor is not None:
+            processor.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._ss_capture is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        optimizer = self._ss_optimizer()
+        self._ss_capture["optimizer"] = get_optimizer_state_dict(self._ss_model(), optimizer)
+        if self.lr_scheduler is not None:
+            self._ss_capture["scheduler"] = self.lr_scheduler.state_dict()
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if self._ss_capture is None:
+            super()._save_scaler(output_dir)
+            return
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            self._ss_capture["scaler"] = scaler.state_dict()
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if self._ss_capture is None:
+            super()._save_rng_state(output_dir)
+            return
+        self._ss_capture["rng"] = {f"rank{self.args.process_index}": rng.capture()}
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def _slipstream_state(self, checkpoint: str | None) -> str | None:
+        if checkpoint is None or not self._slipstream_supported():
+            return None
+        return state_dir(checkpoint)
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        path = self._slipstream_state(resume_from_checkpoint)
+        if path is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        module = self._ss_model() if model is None else model
+        target = {"model": get_model_state_dict(module)}
+        load(target, path, strict=False)
+        set_model_state_dict(module, target["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        path = self._slipstream_state(checkpoint)
+        if path is not None:
+            keys = _saved_keys(path)
+            target: dict[str, Any] = {}
+            model, optimizer, scheduler = self._ss_model(), self._ss_optimizer(), self.lr_scheduler
+            if any(k.startswith("optimizer.") for k in keys):
+                target["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            if scheduler is not None and any(k.startswith("scheduler.") for k in keys):
+                target["scheduler"] = scheduler.state_dict()
+            load(target, path, strict=False)
+            if "optimizer" in target:
+                set_optimizer_state_dict(model, optimizer, target["optimizer"])
+            if scheduler is not None and "scheduler" in target:
+                scheduler.load_state_dict(target["scheduler"])
+        # A subclass's additions still load; the Trainer's own code finds none of its files.
+        super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        path = self._slipstream_state(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if path is not None and scaler is not None and "scaler" in _top_keys(path):
+            target = {"scaler": scaler.state_dict()}
+            load(target, path, strict=False)
+            scaler.load_state_dict(target["scaler"])
+        super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        path = self._slipstream_state(checkpoint)
+        if path is None:
+            super()._load_rng_state(checkpoint)
+            return
+        rank = f"rank{self.args.process_index}"
+        keys = _saved_keys(path)
+        if f"rng.{rank}.cpu" not in keys:
+            log.info(
+                "%s holds no random generator state for process %d; resuming on another "
+                "number of processes is not reproducible",
+                path,
+                self.args.process_index,
+            )
+            return
+        state = rng.template()
+        if f"rng.{rank}.cuda" not in keys:
+            state.pop("cuda", None)
+        target = {"rng": {rank: state}}
+        load(target, path, strict=False)
+        rng.restore(target["rng"][rank])
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        path = self._slipstream_state(best)
+        if path is None:
+            super()._load_best_model()
+            return
+        self._load_from_checkpoint(str(best), self.model)
+
+
+def _has_saved_buffers(model: torch.nn.Module, saved: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds buffers (BatchNorm's running statistics...): a forward
+    pass may change those, where only the optimizer step changes parameters."""
+    return any(name in saved for name, _ in model.named_buffers())
+
+
+def _top_keys(path: str) -> set[str]:
+    return {k.split(".", 1)[0] for k in _saved_keys(path)}
+
+
+class _WaitForStaging(transformers.TrainerCallback):
+    """Holds the training loop until the last save's staging is done, at the first point
+    where the saved state may change: the next optimizer step, or the next forward pass
+    where the model saves buffers a forward may update."""
+
+    def __init__(self, trainer: SlipstreamTrainerMixin) -> None:
+        self._trainer = trainer
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer._ss_wait_before_forward:
+            self._trainer.wait_for_staging()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._trainer.wait_for_staging()
+
+
+class SlipstreamTrainer(SlipstreamTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with its checkpoints through slipstream."""

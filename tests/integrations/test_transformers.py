@@ -1,0 +1,259 @@
+"""Hugging Face Trainer checkpoints through slipstream: interrupted and resumed runs are
+bit-exact against an uninterrupted run of the plain ``transformers.Trainer``; the
+directories the Trainer's resume and rotation see are only finished ones."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+from slipstream.integrations.transformers import (
+    STAGING_DIR,
+    SlipstreamTrainer,
+    SlipstreamTrainerMixin,
+    state_dir,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 64
+
+
+def tiny_model() -> GPT2LMHeadModel:
+    torch.manual_seed(1234)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.1,  # dropout draws from the RNG a resume must restore
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def dataset(rows: int = 48, length: int = 12) -> Dataset:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def arguments(out: str, **overrides: object) -> TrainingArguments:
+    base: dict[str, object] = dict(
+        output_dir=out,
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        save_strategy="steps",
+        save_steps=3,
+        logging_steps=100,
+        report_to=[],
+        use_cpu=True,
+        seed=11,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    base.update(overrides)
+    return TrainingArguments(**base)  # type: ignore[arg-type]
+
+
+class StopAt(TrainerCallback):
+    """Stops training after ``step`` (the Trainer still saves that step's checkpoint)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def assert_same_training_state(a: Trainer, b: Trainer) -> None:
+    for (name, x), y in zip(
+        a.model.state_dict().items(), b.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for idx, state in sa["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, sb["state"][idx][key]), (idx, key)
+    assert a.lr_scheduler.state_dict() == b.lr_scheduler.state_dict()
+    assert a.state.global_step == b.state.global_step
+
+
+def reference(tmp_path) -> Trainer:
+    """The plain Trainer, never interrupted, never saving."""
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(str(tmp_path / "ref"), save_strategy="no"),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    return trainer
+
+
+def test_interrupted_and_resumed_run_is_bit_exact(tmp_path):
+    ref = reference(tmp_path)
+    out = str(tmp_path / "run")
+
+    first = SlipstreamTrainer(
+        model=tiny_model(),
+        args=arguments(out),
+        train_dataset=dataset(),
+        callbacks=[StopAt(5)],
+    )
+    first.train()
+    assert first.state.global_step == 5
+    assert get_last_checkpoint(out) == os.path.join(out, "checkpoint-3")
+    for name in ("trainer_state.json", "model.safetensors", "config.json", "training_args.bin"):
+        assert os.path.isfile(os.path.join(out, "checkpoint-3", name)), name
+    assert state_dir(os.path.join(out, "checkpoint-3")) is not None
+    assert not os.path.exists(os.path.join(out, "checkpoint-3", "optimizer.pt"))
+    assert os.listdir(os.path.join(out, STAGING_DIR)) == []
+
+    resumed = SlipstreamTrainer(model=tiny_model(), args=arguments(out), train_dataset=dataset())
+    resumed.train(resume_from_checkpoint=True)
+    assert_same_training_state(ref, resumed)
+
+    # Resuming from an earlier checkpoint than the last works too.
+    again = SlipstreamTrainer(model=tiny_model(), args=arguments(out), train_dataset=dataset())
+    again.train(resume_from_checkpoint=os.path.join(out, "checkpoint-6"))
+    assert_same_training_state(ref, again)
+
+    # The Trainer saves the last step too; its exported weights are the trained ones.
+    last = get_last_checkpoint(out)
+    assert last == os.path.join(out, "checkpoint-8")
+    loaded = GPT2LMHeadModel.from_pretrained(last)
+    for (name, x), y in zip(
+        ref.model.state_dict().items(), loaded.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+class VisibleCheckpointsAreComplete(TrainerCallback):
+    """At every step and right after every save (while its write is usually still going
+    on), each checkpoint-N the Trainer could resume from is complete."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.looked_at = 0
+
+    def check(self) -> None:
+        if not os.path.isdir(self.out):
+            return
+        for name in os.listdir(self.out):
+            if not name.startswith("checkpoint-"):
+                continue
+            path = os.path.join(self.out, name)
+            assert state_dir(path) is not None, path
+            assert os.path.isfile(os.path.join(path, "trainer_state.json")), path
+            assert os.path.isfile(os.path.join(path, "model.safetensors")), path
+            self.looked_at += 1
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.check()
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.check()
+
+
+def test_rotation_keeps_what_the_trainer_keeps(tmp_path):
+    args = dict(max_steps=9, save_steps=2, save_total_limit=2)
+    plain = Trainer(
+        model=tiny_model(), args=arguments(str(tmp_path / "plain"), **args), train_dataset=dataset()
+    )
+    plain.train()
+    out = str(tmp_path / "run")
+    watch = VisibleCheckpointsAreComplete(out)
+    trainer = SlipstreamTrainer(
+        model=tiny_model(), args=arguments(out, **args), train_dataset=dataset(), callbacks=[watch]
+    )
+    trainer.train()
+    assert watch.looked_at > 0
+    kept = sorted(os.listdir(tmp_path / "plain"))
+    assert len(kept) == 2
+    assert sorted(os.listdir(out)) == [STAGING_DIR, *kept]
+    assert os.listdir(os.path.join(out, STAGING_DIR)) == []
+    for name in kept:
+        path = os.path.join(out, name)
+        assert state_dir(path) is not None
+        assert os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
+class CountingTrainer(Trainer):
+    """A user's existing subclass, with a hook of its own in the checkpoint."""
+
+    def _save_checkpoint(self, model, trial):  # type: ignore[no-untyped-def]
+        super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial)
+        marker = os.path.join(run_dir, f"checkpoint-{self.state.global_step}", "mine.txt")
+        with open(marker, "w") as f:
+            f.write(str(self.state.global_step))
+
+
+class SlipstreamCountingTrainer(SlipstreamTrainerMixin, CountingTrainer):
+    pass
+
+
+def test_existing_subclass_keeps_its_files_in_the_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    trainer = SlipstreamCountingTrainer(
+        model=tiny_model(), args=arguments(out, max_steps=3), train_dataset=dataset()
+    )
+    trainer.train()
+    with open(os.path.join(out, "checkpoint-3", "mine.txt")) as f:
+        assert f.read() == "3"
+
+
+def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path):
+    """The best checkpoint is found among finished ones, survives rotation, and its
+    weights are what the model holds after training."""
+    out = str(tmp_path / "run")
+    trainer = SlipstreamTrainer(
+        model=tiny_model(),
+        args=arguments(
+            out,
+            max_steps=6,
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="loss",
+            greater_is_better=True,  # the worst loss: an early checkpoint, not the last
+            save_total_limit=1,
+        ),
+        train_dataset=dataset(),
+        eval_dataset=dataset(rows=8),
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and os.path.dirname(best) == out, best
+    assert state_dir(best) is not None
+    assert os.path.basename(best) != "checkpoint-6"
+    kept = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
+    assert kept == [os.path.basename(best)]  # the Trainer keeps only the best at the end
+    loaded = GPT2LMHeadModel.from_pretrained(best)
+    pairs = zip(trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True)
+    for (name, x), y in pairs:
+        assert torch.equal(x, y), name
