@@ -156,3 +156,21 @@ def test_empty_state_dict_planner_load_gives_what_dcp_gives(tmp_path):
         module.load(target, storage_reader=reader, planner=_EmptyStateDictLoadPlanner())
         results.append(target)
     assert results[0] == results[1] == {}
+
+
+def test_rebinding_dcps_own_names_still_hands_off_to_dcp(tmp_path, monkeypatch):
+    # The process-wide swap (what Lightning's FSDP strategies need): DCP's names point at
+    # slipstream's, and a call slipstream hands back must reach DCP, not come back to itself.
+    monkeypatch.setattr(torch_dcp, "save", dcp.save)
+    monkeypatch.setattr(torch_dcp, "load", dcp.load)
+    monkeypatch.setattr(torch_dcp, "async_save", dcp.async_save)
+    model = {"w": torch.randn(8, 4)}
+    writer = dcp.HuggingFaceStorageWriter(path=str(tmp_path / "hf"), save_distributed=False)
+    torch_dcp.save(dict(model), storage_writer=writer)
+    (written,) = (tmp_path / "hf").glob("*.safetensors")
+    assert torch.equal(load_file(written)["w"], model["w"])
+    ss.save(_state(), tmp_path / "ck")
+    target: dict = {}
+    reader = dcp.FileSystemReader(str(tmp_path / "ck"))
+    torch_dcp.load(target, storage_reader=reader, planner=_EmptyStateDictLoadPlanner())
+    assert target == {}

@@ -12,12 +12,19 @@ import os
 import threading
 from typing import Any
 
-import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 
 from .dcp_args import HandOff
 from .storage import Location
 
 logger = logging.getLogger("slipstream.dcp")
+
+# DCP's own functions, taken from the modules that define them when this module is first
+# imported: users swap slipstream in by rebinding ``torch.distributed.checkpoint.save``
+# (and load, async_save), and a hand-off must still reach DCP, not come back here.
+_dcp_save = state_dict_saver.save
+_dcp_async_save = state_dict_saver.async_save
+_dcp_load = state_dict_loader.load
 
 _logged: set[str] = set()
 _logged_lock = threading.Lock()
@@ -58,13 +65,13 @@ def dcp_checkpoint_id(
 def save(why: HandOff, state_dict: dict[str, Any], **dcp_arguments: Any) -> Any:
     """``dcp.save`` (returns its ``Metadata``)."""
     log_once(f"slipstream hands this save to torch.distributed.checkpoint: {why.reason}")
-    return torch_dcp.save(state_dict, **dcp_arguments)
+    return _dcp_save(state_dict, **dcp_arguments)
 
 
 def async_save(why: HandOff, state_dict: dict[str, Any], **dcp_arguments: Any) -> Any:
     """``dcp.async_save`` (returns its ``Future`` or ``AsyncSaveResponse``)."""
     log_once(f"slipstream hands this async_save to torch.distributed.checkpoint: {why.reason}")
-    return torch_dcp.async_save(state_dict, **dcp_arguments)
+    return _dcp_async_save(state_dict, **dcp_arguments)
 
 
 def load(why: HandOff, state_dict: dict[str, Any], **dcp_arguments: Any) -> None:
@@ -73,4 +80,4 @@ def load(why: HandOff, state_dict: dict[str, Any], **dcp_arguments: Any) -> None
         f"slipstream hands this load to torch.distributed.checkpoint: {why.reason} (DCP "
         "unpickles its values without slipstream's allow-list)"
     )
-    torch_dcp.load(state_dict, **dcp_arguments)
+    _dcp_load(state_dict, **dcp_arguments)
