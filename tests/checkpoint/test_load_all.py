@@ -261,3 +261,28 @@ def test_load_into_a_template_with_int_keys_fills_those_keys(tmp_path):
     ss.load(target, tmp_path / "ck")
     assert list(target["optim"]["state"]) == [0] and list(target["names"]) == [3]
     _assert_same(target, state)
+
+
+@pytest.mark.parametrize("after", [None, "w"])
+def test_a_recorded_mapping_whose_path_runs_through_a_value_is_refused(tmp_path, after):
+    ss.save({"w": torch.ones(2), "step": 3}, tmp_path / "ck")
+
+    def through_w(index: dict) -> None:
+        entry = {"path": ["w", "x"], "type": "builtins.dict", "after": after}
+        index["containers"] = {"w.x": entry}
+
+    _edit_index(tmp_path / "ck", through_w)
+    with pytest.raises(ss.CorruptCheckpointError, match=r"'w\.x'.*\['w', 'x'\]"):
+        ss.load_all(tmp_path / "ck")
+
+
+def test_each_save_of_a_reused_saver_records_its_own_containers(tmp_path):
+    # Same tensors and values, other mappings: a cached plan must not carry the first
+    # save's record into the second.
+    first = {"w": torch.ones(2), "opt": {"state": {}}, "cfg": collections.OrderedDict(lr=1)}
+    second = {"w": torch.ones(2), "opt": {"state": {}}, "cfg": {"lr": 1}}
+    with ss.Checkpointer(tmp_path, keep_last=None) as ck:
+        ck.save(1, first).result(60)
+        ck.save(2, second).result(60)
+    _assert_same(ss.load_all(tmp_path / "step_1"), first)
+    _assert_same(ss.load_all(tmp_path / "step_2"), second)

@@ -13,7 +13,7 @@ ones gone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,8 @@ def _place(
     keys = _typed_keys(path, kinds, name)
     for i, key in enumerate(keys[:-1]):
         empty: Any = [] if isinstance(path[i + 1], int) else {}
+        if not isinstance(node, (list, dict)):
+            raise CorruptCheckpointError(f"{name!r}: its path {list(path)} runs through a value")
         if isinstance(node, list):
             while len(node) <= key:
                 node.append(None)
@@ -76,6 +78,8 @@ def _place(
             node[key] = empty
         node = node[key]
     last = keys[-1]
+    if not isinstance(node, (list, dict)):
+        raise CorruptCheckpointError(f"{name!r}: its path {list(path)} runs through a value")
     if isinstance(node, list):
         while len(node) <= last:
             node.append(None)
@@ -84,6 +88,12 @@ def _place(
     elif keep and last in node:
         return
     node[last] = value
+
+
+def _misplaced(name: str, rec: ContainerRecord) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"recorded mapping {name!r}: its path {list(rec.path)} does not lead to a mapping"
+    )
 
 
 def _place_all(
@@ -96,24 +106,25 @@ def _place_all(
     """Place the leaves and the recorded mappings in their saved (depth-first) order: each
     mapping right after the leaf it was recorded after, before its own entries."""
     following: dict[str | None, list[tuple[str, ContainerRecord]]] = {}
+    unanchored: list[tuple[str, ContainerRecord]] = []  # after a leaf not in the checkpoint: last
     for name, rec in containers.items():
-        anchor = rec.after if rec.after is None or rec.after in flat else ""
-        following.setdefault(anchor, []).append((name, rec))
+        if rec.after is None or rec.after in flat:
+            following.setdefault(rec.after, []).append((name, rec))
+        else:
+            unanchored.append((name, rec))
 
-    def place_mappings(after: str | None) -> None:
-        for name, rec in following.pop(after, ()):
+    def place_mappings(records: list[tuple[str, ContainerRecord]]) -> None:
+        for name, rec in records:
             try:
                 _place(nested, rec.path, rec.key_types, {}, name, keep=True)
             except (TypeError, KeyError, IndexError, AttributeError):
-                raise CorruptCheckpointError(
-                    f"recorded mapping {name!r}: its path {list(rec.path)} runs through a value"
-                ) from None
+                raise _misplaced(name, rec) from None
 
-    place_mappings(None)
+    place_mappings(following.pop(None, []))
     for key in [*(k for k in paths if k in flat), *(k for k in flat if k not in paths)]:
         _place(nested, tuple(paths.get(key, (key,))), key_types.get(key, []), flat[key], key)
-        place_mappings(key)
-    place_mappings("")
+        place_mappings(following.pop(key, []))
+    place_mappings(unanchored)
 
 
 def _rebuild(nested: dict[Any, Any], containers: Containers) -> None:
@@ -122,11 +133,18 @@ def _rebuild(nested: dict[Any, Any], containers: Containers) -> None:
     for name, rec in sorted(containers.items(), key=lambda item: -len(item[1].path)):
         *parents, last = _typed_keys(rec.path, rec.key_types, name)
         node: Any = nested
-        for key in parents:
-            node = node[key]
-        content = node[last]
+        try:
+            for key in parents:
+                node = node[key] if isinstance(node, (list, dict)) else None
+            if not isinstance(node, (list, dict)):
+                raise _misplaced(name, rec)
+            content = node[last]
+        except (TypeError, KeyError, IndexError):
+            raise _misplaced(name, rec) from None
         if type(content) is dict:
             node[last] = container_types.rebuild(rec.type, content)
+        elif not isinstance(content, Mapping):
+            raise _misplaced(name, rec)
 
 
 def load_all(
