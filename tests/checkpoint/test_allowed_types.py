@@ -70,30 +70,43 @@ def _lightning_checkpoint() -> dict:
 
 
 def _same(got, want) -> bool:
+    """Equal values of the same types; a config compared with its interpolations resolved
+    (a mapping is saved by its entries, which resolve them)."""
     if isinstance(want, torch.Tensor):
         return torch.equal(got, want)
     if isinstance(want, (DictConfig, ListConfig)):
-        return type(got) is type(want) and OmegaConf.to_container(got) == OmegaConf.to_container(
-            want
+        return type(got) is type(want) and OmegaConf.to_container(
+            got, resolve=True
+        ) == OmegaConf.to_container(want, resolve=True)
+    if isinstance(want, dict):
+        return (
+            type(got) is type(want)
+            and list(got) == list(want)
+            and all(_same(got[k], want[k]) for k in want)
         )
-    if isinstance(want, dict):  # DCP's keys are strings; load_all restores int keys
-        got = {str(k): v for k, v in got.items()}
-        return set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
     if isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want, strict=True))
+        return (
+            type(got) is type(want)
+            and len(got) == len(want)
+            and all(_same(g, w) for g, w in zip(got, want, strict=True))
+        )
     return type(got) is type(want) and got == want
 
 
 def test_lightning_style_checkpoint_loads_with_allowed_types_and_no_trust(tmp_path):
     state = _lightning_checkpoint()
     ss.save(state, tmp_path / "ck")
-    # The reference: DCP's own reading of the same checkpoint, which unpickles anything.
-    # As in DCP, a mapping (a DictConfig too) is saved by its entries and comes back a
-    # dict, and an empty one is not saved; a sequence (a ListConfig) is one value.
-    dcp_to_torch_save(tmp_path / "ck", tmp_path / "ref.pt")
+    # The reference: the state after a torch.save/torch.load round trip, which unpickles
+    # anything. As in DCP, a mapping (a DictConfig too) is saved by its entries and a
+    # sequence (a ListConfig) as one value; DCP's own reading gives every mapping back a
+    # dict, where load_all rebuilds its recorded type (and its empty ones).
+    torch.save(state, tmp_path / "ref.pt")
     want = torch.load(tmp_path / "ref.pt", weights_only=False)
-    assert isinstance(want["hyper_parameters"]["sizes"], ListConfig)
-    assert isinstance(want["hyper_parameters"]["history"][0], DictConfig)
+    dcp_to_torch_save(tmp_path / "ck", tmp_path / "dcp.pt")
+    by_dcp = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    assert type(by_dcp["hyper_parameters"]["config"]) is dict
+    assert isinstance(by_dcp["hyper_parameters"]["sizes"], ListConfig)
+    assert isinstance(by_dcp["hyper_parameters"]["history"][0], DictConfig)
 
     with pytest.raises(ss.UnsafeCheckpointError) as refused:
         ss.load_all(tmp_path / "ck")
@@ -107,6 +120,8 @@ def test_lightning_style_checkpoint_loads_with_allowed_types_and_no_trust(tmp_pa
     assert got["hyper_parameters"]["mode"] is Mode.EVAL
     assert list(got["optimizer_states"][0]["state"]) == [0, 1]
     assert got["hyper_parameters"]["history"][0].x == 7, "interpolations still resolve"
+    assert type(got["hyper_parameters"]["config"]) is DictConfig
+    assert got["loops"]["fit_loop"]["state_dict"] == {}
     assert got["hparams_type"] is DictConfig
 
     with pytest.raises(ss.UnsafeCheckpointError):  # revoked on leaving the block

@@ -28,6 +28,7 @@ from slipstream.checkpoint.messages import (
     ValueEntry,
     WriteReport,
 )
+from slipstream.core.flatten import ContainerRecord
 from slipstream.errors import CheckpointError, CorruptCheckpointError
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "index_v1"
@@ -131,6 +132,14 @@ def test_an_index_from_a_newer_writer_reads_and_keeps_its_new_fields(tmp_path):
             "values['step']: field 'offset' should be int",
         ),
         (lambda ix: ix.update(format="something-else"), "is not a slipstream index"),
+        (
+            lambda ix: ix.update(containers={"m": {"type": "collections.OrderedDict"}}),
+            "field 'containers': entry 'm': field 'path' is missing",
+        ),
+        (
+            lambda ix: ix.update(containers={"m": {"path": [["m"]], "type": "builtins.dict"}}),
+            "field 'containers': entry 'm': field 'path' is not a non-empty list",
+        ),
     ],
 )
 def test_a_malformed_index_is_refused_naming_the_field(tmp_path, damage, names):
@@ -157,6 +166,11 @@ def test_the_index_reads_back_what_it_wrote():
         {"__0_0.distcp": {"w@0": IndexRecord(0, 100, 64, 32, [1, 2**64 - 1])}},
         {"step": ValueEntry("__0_0.distcp", 100, 9, 77)},
         save_id="abc",
+        key_types={"opt.0.step": [None, "int", None]},
+        containers={
+            "model": ContainerRecord(("model",), "collections.OrderedDict"),
+            "opt.0": ContainerRecord(("opt", "0"), "builtins.dict", (None, "int"), "w"),
+        },
     )
     assert CheckpointIndex.from_json(index.to_json(), "x") == index
 
@@ -165,7 +179,12 @@ def test_the_index_reads_back_what_it_wrote():
 
 
 def test_every_rank_message_reads_back_what_it_wrote():
-    desc = LayoutDescription([], ["step"], {"step": ("step",), "opt.0": ("opt", 0)})
+    desc = LayoutDescription(
+        [],
+        ["step"],
+        {"step": ("step",), "opt.0": ("opt", 0)},
+        containers={"cfg": ContainerRecord(("cfg",), "omegaconf.dictconfig.DictConfig")},
+    )
     layout = LayoutReport("fp", desc)
     assert LayoutReport.from_json(layout.to_json(), "m") == layout
     write = WriteReport("fp", {"w@0,0": [1, 2]}, {"step": ValueEntry("__0_0.distcp", 9, 4, 5)})

@@ -112,7 +112,9 @@ def build_index(plan: SavePlan, done: list[WriteReport], generation: int) -> Che
                 )
             )
     values = {fqn: value for report in done for fqn, value in report.values.items()}
-    return CheckpointIndex(records, values, key_types=plan.key_types or None)
+    return CheckpointIndex(
+        records, values, key_types=plan.key_types or None, containers=plan.containers or None
+    )
 
 
 def publish(storage: Storage, metadata: Metadata, index: CheckpointIndex, generation: int) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ..core.dtypes import dtype_from_name, dtype_name
-from ..core.flatten import KeyTypes, Path, flatten
+from ..core.flatten import ContainerRecord, Containers, KeyTypes, Path, flatten
 from ..core.shapes import numel
 from ..errors import CheckpointError
 from .shards import local_chunks
@@ -46,9 +46,12 @@ class ChunkSpec:
 
 
 LayoutSignature = tuple[
-    tuple[ChunkSpec, ...], tuple[str, ...], tuple[tuple[str, tuple[str | None, ...]], ...]
+    tuple[ChunkSpec, ...],
+    tuple[str, ...],
+    tuple[tuple[str, tuple[str | None, ...]], ...],
+    tuple[tuple[str, ContainerRecord], ...],
 ]
-"""What decides a save plan: a layout's chunk specs, value keys and key types."""
+"""What decides a save plan: a layout's chunk specs, value keys, key types and containers."""
 
 
 @dataclass
@@ -61,12 +64,14 @@ class LocalLayout:
     paths: dict[str, Path]
     key_types: KeyTypes = field(default_factory=dict)
     """The types of the state dict's non-string keys (see :data:`~..core.flatten.KeyTypes`)."""
+    containers: Containers = field(default_factory=dict)
+    """Its empty and non-``dict`` mappings (see :data:`~..core.flatten.Containers`)."""
 
     @property
     def signature(self) -> LayoutSignature:
         """Everything that decides the plan, as a hashable tuple (the plan cache's key)."""
         typed = tuple((k, tuple(v)) for k, v in self.key_types.items())
-        return (tuple(self.chunks), tuple(self.values), typed)
+        return (tuple(self.chunks), tuple(self.values), typed, tuple(self.containers.items()))
 
     def fingerprint(self) -> str:
         """A short digest of :attr:`signature`, comparable across ranks."""
@@ -109,7 +114,8 @@ def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 @torch.no_grad()  # DTensor.to_local then returns the local tensor without an autograd node
 def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
     key_types: KeyTypes = {}
-    flat, paths = flatten(resolve_stateful(state_dict), key_types)
+    containers: Containers = {}
+    flat, paths = flatten(resolve_stateful(state_dict), key_types, containers)
     chunks: list[ChunkSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
@@ -140,7 +146,7 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
             tensors[spec.record_key] = value
         else:
             values[fqn] = value
-    return LocalLayout(chunks, tensors, values, paths, key_types)
+    return LocalLayout(chunks, tensors, values, paths, key_types, containers)
 
 
 def serialize_value(fqn: str, value: Any) -> bytes:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from ..core.checksum import ALGORITHM, BLOCK_BYTES
 from ..core.control_plane import store_key
-from ..core.flatten import KeyTypes, Path
+from ..core.flatten import ContainerRecord, Containers, KeyTypes, Path
 from ..errors import CheckpointError, CorruptCheckpointError
 from .layout import ChunkSpec, LocalLayout
 
@@ -111,6 +111,36 @@ def _key_types(raw: dict[str, Any], what: str, error: type[CheckpointError]) -> 
     return raw
 
 
+def _containers_to_dict(containers: Containers) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for name, rec in containers.items():
+        entry: dict[str, Any] = {"path": list(rec.path), "type": rec.type}
+        if rec.key_types:
+            entry["key_types"] = list(rec.key_types)
+        if rec.after is not None:
+            entry["after"] = rec.after
+        body[name] = entry
+    return body
+
+
+def _containers(raw: dict[str, Any], what: str, error: type[CheckpointError]) -> Containers:
+    """A :data:`Containers` table read back, each entry checked."""
+    found: Containers = {}
+    for name, entry in raw.items():
+        where = f"{what}: field 'containers': entry {name!r}"
+        f = _Fields(entry, where, error)
+        path = f.get("path", list)
+        if not path or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+            raise f.fail("path", "is not a non-empty list of keys and indices")
+        kinds = f.get("key_types", list, optional=True) or []
+        if not all(k is None or isinstance(k, str) for k in kinds):
+            raise f.fail("key_types", "is not a list of type names")
+        found[name] = ContainerRecord(
+            tuple(path), f.get("type", str), tuple(kinds), f.get("after", str, optional=True)
+        )
+    return found
+
+
 def _decode(text: str | bytes, what: str, error: type[CheckpointError]) -> Any:
     try:
         return json.loads(text)
@@ -130,11 +160,16 @@ class LayoutDescription:
     values: list[str]
     paths: dict[str, Path]
     key_types: KeyTypes = field(default_factory=dict)
+    containers: Containers = field(default_factory=dict)
 
     @classmethod
     def of(cls, layout: LocalLayout) -> LayoutDescription:
         return cls(
-            list(layout.chunks), list(layout.values), dict(layout.paths), dict(layout.key_types)
+            list(layout.chunks),
+            list(layout.values),
+            dict(layout.paths),
+            dict(layout.key_types),
+            dict(layout.containers),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +181,7 @@ class LayoutDescription:
             "values": list(self.values),
             "paths": {k: list(v) for k, v in self.paths.items()},
             "key_types": self.key_types,
+            "containers": _containers_to_dict(self.containers),
         }
 
     @classmethod
@@ -176,7 +212,10 @@ class LayoutDescription:
                 raise f.fail("paths", f"entry {key!r} is not a list of keys and indices")
             paths[key] = tuple(path)
         key_types = _key_types(f.get("key_types", dict, optional=True) or {}, what, CheckpointError)
-        return cls(chunks, values, paths, key_types)
+        containers = _containers(
+            f.get("containers", dict, optional=True) or {}, what, CheckpointError
+        )
+        return cls(chunks, values, paths, key_types, containers)
 
 
 @dataclass(frozen=True)
@@ -392,6 +431,9 @@ class CheckpointIndex:
     key_types: KeyTypes | None = None
     """The types of non-string keys (see :data:`~slipstream.core.flatten.KeyTypes`), for
     ``load_all``; absent in checkpoints written before it was recorded."""
+    containers: Containers | None = None
+    """The empty and non-``dict`` mappings (see :data:`~slipstream.core.flatten.Containers`),
+    for ``load_all``; absent in checkpoints written before they were recorded."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know (a newer writer's), kept as they were."""
 
@@ -408,6 +450,8 @@ class CheckpointIndex:
             body["save_id"] = self.save_id
         if self.key_types:
             body["key_types"] = self.key_types
+        if self.containers:
+            body["containers"] = _containers_to_dict(self.containers)
         # Records become dicts one at a time as the encoder reaches them, each freed at
         # once: a commit on a background thread must not leave a burst of live objects.
         return json.dumps({**self.extra, **body}, default=_entry_dict).encode()
@@ -433,8 +477,10 @@ class CheckpointIndex:
             "values",
             "save_id",
             "key_types",
+            "containers",
         }
         key_types = f.get("key_types", dict, optional=True)
+        containers = f.get("containers", dict, optional=True)
         return cls(
             records=f.each("records", file_records),
             values=f.each(
@@ -445,5 +491,8 @@ class CheckpointIndex:
             version=f.get("version", int, optional=True) or INDEX_VERSION,
             save_id=f.get("save_id", str, optional=True),
             key_types=_key_types(key_types, what, CorruptCheckpointError) if key_types else None,
+            containers=(
+                _containers(containers, what, CorruptCheckpointError) if containers else None
+            ),
             extra={k: v for k, v in f.raw.items() if k not in known},
         )

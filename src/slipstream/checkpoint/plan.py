@@ -16,7 +16,7 @@ import torch
 
 from ..core.buffers import byte_view
 from ..core.dtypes import dtype_from_name
-from ..core.flatten import KeyTypes, Path
+from ..core.flatten import Containers, KeyTypes, Path
 from ..errors import CheckpointError
 from .layout import ChunkSpec
 from .messages import LayoutDescription
@@ -56,6 +56,8 @@ class SavePlan:
     paths: dict[str, Path]
     key_types: KeyTypes = field(default_factory=dict)
     """The types of the state dict's non-string keys, every rank's (recorded in the index)."""
+    containers: Containers = field(default_factory=dict)
+    """The state dict's empty and non-``dict`` mappings, every rank's (recorded in the index)."""
 
     @property
     def records(self) -> list[RecordPlan]:
@@ -103,9 +105,11 @@ def make_save_plan(
     value_holders: dict[str, list[int]] = {}
     paths: dict[str, Path] = {}
     key_types: KeyTypes = {}
+    containers: Containers = {}
     for r, desc in enumerate(descriptions):
         paths.update(desc.paths)
         key_types.update(desc.key_types)
+        containers.update(desc.containers)
         for c in desc.chunks:
             seen = tensor_meta.get(c.fqn)
             if seen is not None and (seen[0], seen[1]) != (c.dtype, c.global_shape):
@@ -168,4 +172,5 @@ def make_save_plan(
         tensor_meta=tensor_meta,
         paths=paths,
         key_types=key_types,
+        containers=containers,
     )

@@ -7,13 +7,15 @@ becomes ``"optim.state.0.exp_avg"``. Keeping DCP's rules is what lets ``dcp.load
 what slipstream writes and the other way round.
 
 DCP's names and paths keep no key types (an ``int`` key becomes ``"0"``, as a ``"0"`` key
-does). :func:`flatten` can report them on the side (:data:`KeyTypes`), for a reader that
-wants the original keys back (``load_all``).
+does), no mapping types and no empty mappings (only leaves have names). :func:`flatten` can
+report both on the side (:data:`KeyTypes`, :data:`Containers`), for a reader that wants the
+original state back (``load_all``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +27,31 @@ KEY_TYPES: dict[type, str] = {int: "int", bool: "bool", float: "float"}
 KeyTypes = dict[str, list[str | None]]
 """Flat name -> per element of its path, the recorded type of a mapping key that was not a
 string (``None`` for a string key or a list index); only names with such a key appear."""
+
+
+@dataclass(frozen=True)
+class ContainerRecord:
+    """A mapping that flattening would lose: one that is empty (it has no leaf) or whose
+    type is not ``dict`` (it would come back as one)."""
+
+    path: Path
+    type: str
+    """Its class as ``"module.qualname"``: a name to look up, never to import."""
+    key_types: tuple[str | None, ...] = ()
+    """The recorded types of its path's keys, as a :data:`KeyTypes` entry; empty if none."""
+    after: str | None = None
+    """The flat name of the last leaf before it, depth first (``None``: it comes first), so
+    that a reader puts an empty mapping back in its place among its siblings."""
+
+
+Containers = dict[str, ContainerRecord]
+"""Flat name -> the mapping at that name (see :class:`ContainerRecord`); only mappings
+that are empty or not a plain ``dict`` appear."""
+
+
+def type_name(value: Any) -> str:
+    cls = type(value)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _is_mapping(value: Any) -> bool:
@@ -51,18 +78,28 @@ def _is_leaf(value: Any) -> bool:
 
 
 def flatten(
-    state_dict: Mapping[str, Any], key_types: KeyTypes | None = None
+    state_dict: Mapping[str, Any],
+    key_types: KeyTypes | None = None,
+    containers: Containers | None = None,
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """Return ``(flat, paths)``: flat name -> leaf value, flat name -> original path.
 
-    Given ``key_types``, fill it with the types of the non-string keys (see :data:`KeyTypes`).
+    Given ``key_types``, fill it with the types of the non-string keys (see :data:`KeyTypes`);
+    given ``containers``, with the mappings below the top level that are empty or not a
+    plain ``dict`` (see :data:`Containers`).
     """
     flat: dict[str, Any] = {}
     paths: dict[str, Path] = {}
     typed: dict[int, str] = {}  # depth -> recorded type of the key at that depth, on the way
+    last_leaf: list[str | None] = [None]
 
     def visit(path: Path, name: str, value: Any) -> None:
         if _is_mapping(value):
+            if containers is not None and (type(value) is not dict or not value):
+                own = tuple(typed.get(depth) or None for depth in range(len(path)))
+                containers[name] = ContainerRecord(
+                    path, type_name(value), own if any(own) else (), last_leaf[0]
+                )
             for k, v in value.items():
                 if type(k) is str:
                     visit(path + (k,), f"{name}.{k}", v)
@@ -76,6 +113,7 @@ def flatten(
                 raise ValueError(f"two entries of the state dict flatten to the same key {name!r}")
             flat[name] = value
             paths[name] = path
+            last_leaf[0] = name
             if typed and key_types is not None:
                 kinds = [typed.get(depth) or None for depth in range(len(path))]
                 if any(kinds):

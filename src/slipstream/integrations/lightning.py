@@ -42,7 +42,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 
 import slipstream as ss
 from slipstream.errors import CheckpointError
-from slipstream.integrations import mapping_types
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +97,8 @@ class SlipstreamCheckpointIO(CheckpointIO):
         created = not fs.exists(key)
         fs.makedirs(key, exist_ok=True)
         try:
-            state = {**checkpoint, mapping_types.RECORD_KEY: mapping_types.record(checkpoint)}
             response = ss.async_save(
-                state, checkpoint_id=key, no_dist=True, storage_options=options
+                checkpoint, checkpoint_id=key, no_dist=True, storage_options=options
             )
         except BaseException:
             if created:  # nothing was written: leave no directory that looks like a checkpoint
@@ -140,7 +138,6 @@ class SlipstreamCheckpointIO(CheckpointIO):
             )
         trusted = True if weights_only is False else self.trusted
         checkpoint = ss.load_all(key, trusted=trusted, storage_options=self.storage_options)
-        mapping_types.restore(checkpoint, checkpoint.pop(mapping_types.RECORD_KEY, ()))
         if map_location is None:
             return checkpoint
         return _map_tensors(checkpoint, map_location)
