@@ -156,7 +156,8 @@ class WeightPublisher:
     dtype, e.g. tied embeddings in ``model.state_dict()``) are sent once; the plan lists
     their other names and the rollouts apply them under each.
 
-    Invariants: versions strictly increase; a round starts only once every rollout not
+    Invariants: versions strictly increase (a repeated or lower one is refused before
+    anything is sent); a round starts only once every rollout not
     found dead asked for it; ``staged`` resolves only after the last byte this rank reads
     from the caller's tensors has been copied, sent or read by every member.
     """
@@ -254,9 +255,16 @@ class WeightPublisher:
     def publish(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: int,
+        version: int | None = None,
     ) -> PublishHandle:
         """Send ``named_tensors`` as ``version`` to every rollout not found dead.
+
+        ``version``: left out (``None``), the next number: one more than the last version
+        published, 0 for the first (:attr:`next_version`; ``handle.version`` holds it). A
+        version given must be larger than the last: a repeated or lower one is refused with
+        ``ValueError`` before anything is sent or read, and the publisher and the group stay
+        as they were (a framework whose step numbers may repeat passes ``None``). So a
+        rollout only ever moves forward: every version it holds is newer than the last.
 
         ``direct``: returns once nothing more is read from ``named_tensors`` (``staged``
         resolved): this rank packed its last bucket and the slices sent straight from the
@@ -270,8 +278,13 @@ class WeightPublisher:
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"versions must increase: got {version} after {self._last_version}")
+        if version is None:
+            version = self.next_version
+        elif self._last_version is not None and version <= self._last_version:
+            raise ValueError(
+                f"versions must increase: got {version} after {self._last_version} (pass "
+                f"version=None for the next one, {self.next_version}); nothing was sent"
+            )
         items = named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
@@ -746,6 +759,12 @@ class WeightPublisher:
                 timings.delivered,
             )
             handle.delivered.set_result(version)
+
+    @property
+    def next_version(self) -> int:
+        """The version a publish with ``version=None`` takes: one more than the last
+        version published (0 before the first)."""
+        return 0 if self._last_version is None else self._last_version + 1
 
     @property
     def base_bytes(self) -> int:
