@@ -5,7 +5,7 @@ A publish is one round of the protocol in :mod:`.protocol`: the lead trainer
 found dead, and starts the round (version, plan, epoch, members); each trainer packs the
 buckets it owns and sends them over the epoch's transport (built by
 :mod:`.negotiation` when the members change); the members acknowledge. In ``cached`` mode
-the caller's thread only snapshots into the host cache (:mod:`.cache`) and the worker
+the caller's thread only snapshots into the host cache (:mod:`.host_cache`) and the worker
 thread runs the round from it, serving rollouts that ask again meanwhile.
 
 Rollouts that die or come back: a rollout found dead (its process gone, or its heartbeat
@@ -38,15 +38,16 @@ from typing import Any, Literal, cast
 
 import torch
 
-from ..checkpoint.snapshot import StagedState
 from ..core import tracing
 from ..core.control_plane import died_error
 from ..core.handles import fail_unfinished
+from ..core.holds import Holdable
 from ..errors import MissingRanksError, PeerDiedError, PeerTimeoutError, SyncError
 from .aliases import named_items, unique_tensors
-from .cache import HostCache, RefetchServer, send_bucket
+from .culprits import post_abort, who_broke
 from .delta import BucketDelta, DeltaStats, Differ
 from .group import SyncGroup
+from .host_cache import HostCache
 from .negotiation import (
     HEADER_CAP,
     TRANSPORTS,
@@ -58,6 +59,8 @@ from .negotiation import (
 from .packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
 from .plan import BucketPlan, TensorSpec, layout_json
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
+from .refetch import RefetchServer
+from .sending import send_bucket
 from .stream import StreamSources
 from .transport import Sender, let_go
 
@@ -69,9 +72,6 @@ MODES = ("direct", "cached")
 #: tensors, as with ``delta=False``; the next one refreshes the copy and the one after
 #: diffs again), in ``cached`` mode they copy into the cache without comparing.
 PLAIN_AFTER_NO_GAIN = 8
-#: How long a trainer whose transfer broke looks for the rank that broke it (a process of
-#: this host is seen gone at once; one elsewhere once its heartbeat has been still).
-FIND_DEAD_GRACE = 4.0
 
 
 @dataclass
@@ -303,7 +303,7 @@ class WeightPublisher:
         handle = PublishHandle(version)
         self._wait_previous_round()
         sent_before = self._bytes_sent()
-        snapshot = named_tensors if isinstance(named_tensors, StagedState) else None
+        snapshot = named_tensors if isinstance(named_tensors, Holdable) else None
         hold = snapshot.hold(f"publish of version {version}") if snapshot is not None else None
         try:
             sources: Sources
@@ -539,42 +539,30 @@ class WeightPublisher:
         self._broken = True
         self._drop_sender()
         let_go(exc)
-        dead, refused = self._culprits(k, start, exc)
+        dead: dict[int, str] = {}
+        refused: list[str] = []
+        if isinstance(exc, PeerDiedError):
+            dead = {r: str(exc) for r in exc.ranks}
+        else:
+            try:
+                breach = who_broke(self.group, k, self.leader, start.members, start.members, exc)
+                dead, refused = breach.dead, breach.refused
+                if breach.abort is not None:
+                    dead = {r: "found dead by another rank" for r in breach.abort.dead}
+            except (RuntimeError, SyncError):
+                pass  # the store's host is gone: every member finds that out by itself
         try:  # the first to see the round break names the culprit; later ones agree
-            mine = encode(RoundAbort(sorted(dead), str(exc)[:2000]))
-            posted = decode(RoundAbort, self.group.post_first(Keys.abort(k), mine))
+            posted = post_abort(self.group, k, list(dead), str(exc))
             if posted.dead:
                 dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
         except (RuntimeError, SyncError):
-            pass  # the store's host is gone: every member finds that out by itself
+            pass
         what = f"version {start.version} (round {k})"
         if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
             return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
         if refused and not dead:
             return SyncError(f"{what} was not applied everywhere: " + "; ".join(refused))
         return exc
-
-    def _culprits(
-        self, k: int, start: RoundStart, exc: BaseException
-    ) -> tuple[dict[int, str], list[str]]:
-        """Who broke round ``k``: the members found dead, else the members that refused it
-        (their acknowledgements' errors). After a broken transfer, look for up to
-        :data:`FIND_DEAD_GRACE` seconds: a process exits a moment after its sockets close."""
-        if isinstance(exc, PeerDiedError):
-            return {r: str(exc) for r in exc.ranks}, []
-        transfer = isinstance(exc, RuntimeError) and not isinstance(exc, MissingRanksError)
-        deadline = time.monotonic() + (FIND_DEAD_GRACE if transfer else 0.0)
-        while True:
-            dead = self.group.dead(start.members)
-            refused = []
-            for r in start.members:
-                if self.group.has(Keys.ack(r, k)):
-                    ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
-                    if ack.error:
-                        refused.append(f"rollout rank {r}: {ack.error}")
-            if dead or refused or time.monotonic() >= deadline:
-                return dead, refused
-            time.sleep(0.05)
 
     def _unchanged_fn(self, helds: dict[int, int | None]) -> Callable[[int, int | None], bool]:
         held_sums = []

@@ -33,15 +33,15 @@ from torch import nn
 
 from ..core import tracing
 from ..core.buffers import StagingPool
-from ..core.copy import copy_in_slices
-from ..errors import PeerTimeoutError, SyncError
+from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
+from .culprits import in_transfer, post_abort, who_broke
 from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .group import SyncGroup
 from .negotiation import build_receiver, epoch_tag, network_receiver, read_offer
 from .packing import payload_segments
-from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
+from .plan import BucketPlan, decode_header, payload_offsets, plan_from_json
 from .protocol import (
     Ack,
     AgainGo,
@@ -54,13 +54,10 @@ from .protocol import (
     decode,
     encode,
 )
+from .sinks import DrainSink, Sink, StreamSink, TargetSink
 from .transport import Pending, Receiver, let_go
 
 logger = logging.getLogger(__name__)
-
-#: How long a rollout whose transfer broke looks for the rank that broke it (the trainers'
-#: abort, or a dead trainer or member) before it raises the transfer's own error.
-EXPLAIN_WITHIN = 5.0
 
 
 class WeightSubscriber:
@@ -225,10 +222,9 @@ class WeightSubscriber:
             plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._transfer(k, _Round(plan, sink, "drain", self._receivers))
+                self._transfer(k, _Round(plan, DrainSink(), self._receivers))
                 raise_problems(problems, version, self.rank)
-            into = "stream" if atomic else "target"
-            rnd = _Round(plan, sink, into, self._receivers, version=version)
+            rnd = _Round(plan, self._sink(plan, sink, atomic), self._receivers, version=version)
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
             if atomic:  # every byte in the host buffer before the first item
@@ -349,28 +345,22 @@ class WeightSubscriber:
 
     def _explain(self, k: int, exc: BaseException) -> BaseException:
         """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
-        timeout, not the target's own), the dead rank named by the trainers' abort, or a dead
-        trainer or member found within ``EXPLAIN_WITHIN``; else ``exc`` itself."""
-        transport = isinstance(exc, RuntimeError) and not isinstance(exc, PeerTimeoutError)
-        if not transport:
+        timeout, not the target's own), the dead rank named by the round's abort, or a dead
+        trainer or member found by :func:`.culprits.who_broke` (then posted as the abort);
+        else ``exc`` itself."""
+        if not in_transfer(exc):
             return exc
         others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
-        deadline = time.monotonic() + EXPLAIN_WITHIN
-        while True:
-            try:
-                if self.group.has(Keys.abort(k)):
-                    abort = self._abort(k)
-                    return abort.as_error(k) if abort.dead else exc
-                dead = self.group.dead(others)
-            except SyncError as lost:  # the store's host (a trainer) is gone
-                return lost
-            if dead:  # the first to see the round break names the culprit
-                mine = encode(RoundAbort(sorted(dead), f"rollout rank {self.rank}: {exc}"[:2000]))
-                self.group.post_first(Keys.abort(k), mine)
-                return self._abort(k).as_error(k)
-            if time.monotonic() >= deadline:
-                return exc
-            time.sleep(0.05)
+        try:
+            breach = who_broke(self.group, k, self.leader, others, [], exc)
+            if breach.abort is not None:
+                return breach.abort.as_error(k) if breach.abort.dead else exc
+            if breach.dead:  # the first to see the round break names the culprit
+                reason = f"rollout rank {self.rank}: {exc}"
+                return post_abort(self.group, k, list(breach.dead), reason).as_error(k)
+        except SyncError as lost:  # the store's host (a trainer) is gone
+            return lost
+        return exc
 
     @tracing.spanned("slipstream.sync.refetch")
     def refetch(
@@ -413,7 +403,7 @@ class WeightSubscriber:
         receivers = {t: self._refetch_receiver(t, plan, o) for t, o in offers.items()}
         ack_key = Keys.again_ack(self.rank, n)
         try:
-            self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
+            self._take(_Round(plan, self._sink(plan, sink, atomic), receivers))
         except BaseException as exc:
             self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
             for t, o in offers.items():
@@ -487,14 +477,16 @@ class WeightSubscriber:
     def _take(self, rnd: _Round) -> None:
         """Receive a round and apply it; the held version is incomplete from the first byte
         applied until the caller records the new one."""
-        if rnd.into != "stream":
+        if not rnd.sink.buffered:
             self._complete = False
         pipeline = _Pipeline(self, rnd)
         while pipeline.step():
             pass
-        if rnd.into == "stream":
-            self._complete = False
-            self._apply_stream(rnd)
+        self._complete = False
+        rnd.sink.finish()
+
+    def _sink(self, plan: BucketPlan, target: ModuleTarget | CallableTarget, atomic: bool) -> Sink:
+        return StreamSink(plan, target, self._pool) if atomic else TargetSink(plan, target)
 
     def _hold(self, version: int, held_key: tuple[str, bool]) -> None:
         self._version = version
@@ -544,14 +536,7 @@ class WeightSubscriber:
             return [payload]
         buffers = []
         for seg in payload_segments(slices, mask, separate_min):
-            dest = None
-            if seg.slice is not None:
-                s = slices[seg.slice]
-                if rnd.into == "target":
-                    dest = rnd.sink.direct_view(s)
-                elif rnd.into == "stream":
-                    start = g * rnd.plan.bucket_bytes + s.bucket_offset
-                    dest = rnd.stream_bytes()[start : start + s.nbytes]
+            dest = None if seg.slice is None else rnd.sink.land(g, slices[seg.slice])
             if dest is not None and seg.slice is not None and dest.device == payload.device:
                 rnd.landed.add((g, seg.slice))
                 buffers.append(dest)
@@ -561,7 +546,7 @@ class WeightSubscriber:
 
     @tracing.spanned("slipstream.sync.receive.bucket")
     def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
-        plan, sink, into = rnd.plan, rnd.sink, rnd.into
+        plan = rnd.plan
         header, payload = pending.finish()
         slices = plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
@@ -577,67 +562,36 @@ class WeightSubscriber:
                 f"{payload.numel()} bytes, the plan expects {size}"
             )
         self.bytes_received += size
-        whole: dict[int, torch.Tensor] = {}
+        sink = rnd.sink
         for k, (s, keep, off) in enumerate(zip(slices, mask, offsets, strict=True)):
-            if keep:
-                data = payload[off : off + s.nbytes]
-                landed = (g, k) in rnd.landed
-                rnd.dirty.add(s.tensor)
-                if into == "stream":
-                    if not landed:
-                        start = g * plan.bucket_bytes + s.bucket_offset
-                        copy_in_slices(rnd.stream_bytes()[start : start + s.nbytes], data)
-                    rnd.slices.append((g, s))
-                elif into == "target":
-                    if landed:
-                        sink.landed(s)
-                    else:
-                        sink.write(s, data)
-                    if isinstance(sink, CallableTarget):
-                        if s.nbytes == plan.specs[s.tensor].nbytes:
-                            whole[s.tensor] = data
-                        else:
-                            buf = sink.assembly(s.tensor, plan.specs[s.tensor])
-                            copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
-            if into == "target" and s.tensor in rnd.dirty and plan.last_bucket[s.tensor] == g:
-                if isinstance(sink, CallableTarget) and s.tensor not in whole:
-                    sink.assembly(s.tensor, plan.specs[s.tensor])
-                sink.tensor_done(s.tensor, plan.specs[s.tensor], whole.get(s.tensor))
-        if into == "target":
-            sink.flush()
+            data = payload[off : off + s.nbytes] if keep else None
+            sink.take(g, s, data, (g, k) in rnd.landed)
+        sink.bucket_done(g)
 
     @tracing.spanned("slipstream.sync.receive.apply_delta")
     def _apply_delta(self, rnd: _Round, g: int, message: torch.Tensor) -> None:
         """Apply bucket ``g``'s delta in place, once its base is checked to be the bytes
         this rank holds (a delta for other bytes is refused, nothing applied)."""
         self.bytes_received += message.numel()
-        if rnd.into == "drain":
+        if isinstance(rnd.sink, DrainSink):
             return
         owner = rnd.plan.buckets[g].owner
         header, payload = decode_delta(message)
         where = f"rollout rank {self.rank}, bucket {g} from trainer rank {owner}"
         sink = rnd.sink
-        if rnd.tokens is None or not isinstance(sink, ModuleTarget):
+        if (
+            rnd.tokens is None
+            or not isinstance(sink, TargetSink)
+            or not isinstance(sink.target, ModuleTarget)
+        ):
             raise SyncError(f"{where}: a delta arrived for a receive that takes dense bytes only")
         try:
             header.check_base(rnd.base_tokens.get(g), where)
         except BaseMismatch as exc:  # apply nothing more; drain the round, stay in step
-            rnd.refused, rnd.into, rnd.tokens = exc, "drain", None
+            rnd.refused, rnd.sink, rnd.tokens = exc, DrainSink(), None
             return
-        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.views)
+        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.target.views)
         rnd.tokens[g] = header.token
-
-    @staticmethod
-    def _apply_stream(rnd: _Round) -> None:
-        """Apply what the pipeline gathered into the stream buffer."""
-        plan, sink, stream = rnd.plan, rnd.sink, rnd.stream_bytes()
-        for g, s in rnd.slices:
-            start = g * plan.bucket_bytes + s.bucket_offset
-            sink.write(s, stream[start : start + s.nbytes])
-        for i in sorted(rnd.dirty):
-            start = plan.stream_offset[i]
-            sink.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
-        sink.flush()
 
     def close(self) -> None:
         """Unmap shared memory and free buffers (the group stays open)."""
@@ -662,10 +616,6 @@ class _Pipeline:
         self.next = 0
         self.pending: tuple[int, Pending] | None = None
         self.unpacked: Pending | None = None
-        if rnd.into == "stream":
-            pool = subscriber._pool
-            rnd.stream = pool.acquire("sync-atomic", max(rnd.plan.stream_bytes, 1))
-            pool.release("sync-atomic")
 
     @tracing.spanned("slipstream.sync.receive.transfer")
     def step(self) -> bool:
@@ -703,17 +653,12 @@ def _next_or_end(items: Iterator[tuple[str, torch.Tensor]]) -> object:
 
 @dataclass
 class _Round:
-    """One receive: its plan, target, destination (``into``) and receiver per trainer, and
-    what it gathered: tensors with new bytes, (buffered) the stream, and the slices (bucket,
-    index in the bucket) that landed in their final place on arrival."""
+    """One receive: its plan, where its bytes go (``sink``), its receiver per trainer, and
+    the slices (bucket, index in the bucket) that landed in their final place on arrival."""
 
     plan: BucketPlan
-    sink: ModuleTarget | CallableTarget
-    into: str
+    sink: Sink
     receivers: dict[int, Receiver]
-    dirty: set[int] = field(default_factory=set)
-    slices: list[tuple[int, Slice]] = field(default_factory=list)
-    stream: torch.Tensor | None = None
     landed: set[tuple[int, int]] = field(default_factory=set)
     version: int = 0
     base_tokens: dict[int, int] = field(default_factory=dict)
@@ -722,9 +667,3 @@ class _Round:
     """Each bucket's token as this round leaves it; ``None``: not recorded (dense only)."""
     refused: BaseMismatch | None = None
     """A delta refused for its base: the rest of the round was drained, nothing applied."""
-
-    def stream_bytes(self) -> torch.Tensor:
-        """The host buffer laid out as the plan's stream (``into == "stream"`` only)."""
-        if self.stream is None:
-            raise SyncError("a round received into the target has no stream buffer")
-        return self.stream
