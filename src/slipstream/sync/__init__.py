@@ -12,7 +12,9 @@
 - :mod:`.sending`: the one send path; :mod:`.host_cache`: the trainer's host cache (and
   base of deltas); :mod:`.refetch`: serving it again to rollouts that ask;
 - :mod:`.culprits`: who broke a round, worked out the same way on both sides;
-- :mod:`.publisher`, :mod:`.subscriber`, :mod:`.apply`: the two sides and their targets.
+- :mod:`.trainer_round`, :mod:`.rollout_round`: each side's part of a publish round;
+- :mod:`.publisher`, :mod:`.subscriber`, :mod:`.sinks`, :mod:`.apply`: the two sides, where
+  received bytes go, and the targets.
 """
 
 from .group import SyncGroup, init_group

@@ -2,9 +2,11 @@
 
 :meth:`WeightSubscriber.receive` runs on the caller's thread (the subscriber starts no
 thread) and only uses the sync group's own store and process groups. One call takes part in
-one round (see :mod:`.publisher`): it asks for a version newer than the one it holds, checks
-the plan against the target before any byte moves, receives bucket g while unpacking bucket
-g-1 (two reused buffers per trainer), then acknowledges. Over relay or broadcast, slices
+one round (see :mod:`.publisher`; asking for it, its epoch's receivers and naming who broke
+it are :mod:`.rollout_round`'s): it asks for a version newer than the one it holds, checks
+the plan against the target before any byte moves (:mod:`.sinks` say where bytes go),
+receives bucket g while unpacking bucket g-1 (two reused buffers per trainer), then
+acknowledges. Over relay or broadcast, slices
 sent on their own land straight in their final place (the parameter, or the atomic stream
 buffer) and are never copied again; over relay this rank also passes every message on to
 the next rollout. :meth:`WeightSubscriber.refetch`
@@ -23,7 +25,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -36,10 +38,9 @@ from ..core.buffers import StagingPool
 from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
-from .culprits import in_transfer, post_abort, who_broke
 from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .group import SyncGroup
-from .negotiation import build_receiver, epoch_tag, network_receiver, read_offer
+from .negotiation import network_receiver, read_offer
 from .packing import payload_segments
 from .plan import BucketPlan, decode_header, payload_offsets, plan_from_json
 from .protocol import (
@@ -48,14 +49,11 @@ from .protocol import (
     AgainOffer,
     AgainRequest,
     Keys,
-    Request,
-    RoundAbort,
-    RoundStart,
-    decode,
     encode,
 )
+from .rollout_round import RolloutRound
 from .sinks import DrainSink, Sink, StreamSink, TargetSink
-from .transport import Pending, Receiver, let_go
+from .transport import Pending, Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +90,6 @@ class WeightSubscriber:
         self.leader = self.trainer_ranks[0]
         self.timeout = group.timeout if timeout is None else timeout
         self.bytes_received = 0
-        self._round: int | None = None
-        self._live_round = -1
         self._version: int | None = None
         self._complete = False
         self._held_by: tuple[str, bool] | None = None
@@ -103,9 +99,7 @@ class WeightSubscriber:
         self._offers = {t: read_offer(self.group, t, self.timeout) for t in self.trainer_ranks}
         self.transports: dict[int, str] = {t: o.kind for t, o in self._offers.items()}
         self.modes: dict[int, str] = {t: o.mode for t, o in self._offers.items()}
-        self._receivers: dict[int, Receiver] = {}
-        self._epoch = -1
-        self._members: list[int] = []
+        self._rounds = RolloutRound(self.group, self.trainer_ranks, self._offers, self.timeout)
         self._tokens: dict[int, int] = {}
         """Each bucket's token (:mod:`.delta`) as last applied in place, for plan
         ``_token_plan`` at version ``_delta_version`` (``None``: none recorded whole)."""
@@ -122,7 +116,7 @@ class WeightSubscriber:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of receive buffers, atomic staging and reassembly buffers this rank holds."""
-        receivers = sum(r.buffer_bytes for r in self._receivers.values())
+        receivers = sum(r.buffer_bytes for r in self._rounds.receivers.values())
         assembly = sum(t.numel() for t in self._assembly.values())
         return receivers + self._pool.live_bytes + assembly
 
@@ -210,7 +204,7 @@ class WeightSubscriber:
         held = self.version if (not full and self._held_by == held_key) else None
         in_place = isinstance(sink, ModuleTarget) and not atomic
         delta_base = self._delta_version if (in_place and held is not None) else None
-        k, start = self._join_round(held, delta_base)
+        k, start = self._rounds.join(held, delta_base)
         version = start.version
         ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
@@ -222,9 +216,11 @@ class WeightSubscriber:
             plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._transfer(k, _Round(plan, DrainSink(), self._receivers))
+                self._transfer(k, _Round(plan, DrainSink(), self._rounds.receivers))
                 raise_problems(problems, version, self.rank)
-            rnd = _Round(plan, self._sink(plan, sink, atomic), self._receivers, version=version)
+            rnd = _Round(
+                plan, self._sink(plan, sink, atomic), self._rounds.receivers, version=version
+            )
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
             if atomic:  # every byte in the host buffer before the first item
@@ -239,7 +235,7 @@ class WeightSubscriber:
                     except GeneratorExit:  # drain the rest of the round, yield nothing more
                         stopped = True
                 items.clear()
-                if atomic or not self._guarded(k, rnd, pipeline.step):
+                if atomic or not self._rounds.guarded(k, pipeline.step, rnd.forget_receivers):
                     break
             if rnd.refused is not None:  # drained to the end of the round: raise it now
                 raise rnd.refused
@@ -250,117 +246,25 @@ class WeightSubscriber:
                 )
         except BaseException as exc:
             items.clear()
-            broken = self._epoch < 0  # the transfer broke and let the transport go
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
+            broken = self._rounds.epoch < 0  # the transfer broke and let the transport go
+            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
             if stopped:
                 return None
             raise
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
-        self._ack(ack_key, Ack(version))
+        self._rounds.ack(ack_key, Ack(version))
         self._log("received", version, received_before, started)
         return version
 
     def _forget_tokens(self) -> None:
         self._tokens, self._token_plan, self._delta_version = {}, None, None
 
-    def _join_round(self, held: int | None, delta_base: int | None) -> tuple[int, RoundStart]:
-        """Ask for the next round this rank is a member of; return it, with its transport
-        built. A rank that (re)joins starts at the round the lead trainer is gathering; a
-        round that went on without it, or was cancelled, is passed over."""
-        k = self._round
-        if k is None:
-            k = int(self.group.store.get(Keys.NEXT_ROUND)) if self.group.has(Keys.NEXT_ROUND) else 0
-        incarnation = self.group.incarnation
-        while True:
-            request = Request(held, incarnation, delta_base)
-            self.group.post(Keys.request(self.rank, k), encode(request))
-            self._round = k
-            what = f"lead trainer rank {self.leader} to start round {k}"
-            text = self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
-            start = decode(RoundStart, text)
-            k += 1
-            if start.takes_part(self.rank, incarnation):
-                break
-        self._round = k
-        self._live_round = k - 1
-        if start.epoch != self._epoch:
-            self._enter_epoch(k - 1, start)
-        return k - 1, start
-
-    def _enter_epoch(self, k: int, start: RoundStart) -> None:
-        """Drop the last epoch's receivers and build this epoch's, one per trainer."""
-        self._drop_receivers()
-        try:
-            for t in self.trainer_ranks:
-                self._receivers[t] = build_receiver(
-                    self.group,
-                    self._offers[t],
-                    t,
-                    start.epoch,
-                    start.members,
-                    self.timeout,
-                    self._watch,
-                )
-        except BaseException as exc:
-            self._drop_receivers()
-            raise self._explain(k, exc) from exc
-        self._epoch, self._members = start.epoch, list(start.members)
-
-    def _drop_receivers(self) -> None:
-        """Let the epoch's receivers go: their process groups' connections close, so a
-        member blocked on one (relaying from us) is freed at once."""
-        for receiver in self._receivers.values():
-            receiver.close()
-        self._receivers = {}
-        for t in self.trainer_ranks:
-            self.group.drop_subgroup([t, *self._members], epoch_tag(self._epoch))
-        self._epoch = -1
-
-    def _watch(self) -> None:
-        """Raise when the trainers gave the current round up (a ring wait runs this)."""
-        k = self._live_round
-        if k >= 0 and self.group.has(Keys.abort(k)):
-            raise self._abort(k).as_error(k)
-
-    def _abort(self, k: int) -> RoundAbort:
-        return decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
-
     def _transfer(self, k: int, rnd: _Round) -> None:
         """Receive (and apply) a round; when it breaks, drop the epoch's receivers and
         raise naming the rank that broke it."""
-        self._guarded(k, rnd, lambda: self._take(rnd))
-
-    def _guarded(self, k: int, rnd: _Round, step: Callable[[], _T]) -> _T:
-        """Run one step of round ``k``'s transfer; when it breaks, drop the epoch's
-        receivers and raise naming the rank that broke it."""
-        try:
-            return step()
-        except BaseException as exc:
-            self._drop_receivers()
-            rnd.receivers = {}
-            let_go(exc)
-            raise self._explain(k, exc) from exc
-
-    def _explain(self, k: int, exc: BaseException) -> BaseException:
-        """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
-        timeout, not the target's own), the dead rank named by the round's abort, or a dead
-        trainer or member found by :func:`.culprits.who_broke` (then posted as the abort);
-        else ``exc`` itself."""
-        if not in_transfer(exc):
-            return exc
-        others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
-        try:
-            breach = who_broke(self.group, k, self.leader, others, [], exc)
-            if breach.abort is not None:
-                return breach.abort.as_error(k) if breach.abort.dead else exc
-            if breach.dead:  # the first to see the round break names the culprit
-                reason = f"rollout rank {self.rank}: {exc}"
-                return post_abort(self.group, k, list(breach.dead), reason).as_error(k)
-        except SyncError as lost:  # the store's host (a trainer) is gone
-            return lost
-        return exc
+        self._rounds.guarded(k, lambda: self._take(rnd), rnd.forget_receivers)
 
     @tracing.spanned("slipstream.sync.refetch")
     def refetch(
@@ -405,7 +309,7 @@ class WeightSubscriber:
         try:
             self._take(_Round(plan, self._sink(plan, sink, atomic), receivers))
         except BaseException as exc:
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
+            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000]))
             for t, o in offers.items():
                 if o.cache is None:
                     self.group.drop_subgroup([t, self.rank], self._again_tag())
@@ -414,7 +318,7 @@ class WeightSubscriber:
             for receiver in receivers.values():
                 receiver.close()
         self._hold(version, (sink.kind, atomic))
-        self._ack(ack_key, Ack(version))
+        self._rounds.ack(ack_key, Ack(version))
         self._log("refetched", version, received_before, started)
         return version
 
@@ -503,12 +407,6 @@ class WeightSubscriber:
             time.perf_counter() - started,
         )
 
-    def _ack(self, key: str, ack: Ack) -> None:
-        try:
-            self.group.post(key, encode(ack))
-        except (RuntimeError, SyncError):
-            pass
-
     def _plan(self, plan_id: str) -> BucketPlan:
         leader = self.leader
         plan = self._plans.get(plan_id)
@@ -595,7 +493,7 @@ class WeightSubscriber:
 
     def close(self) -> None:
         """Unmap shared memory and free buffers (the group stays open)."""
-        self._drop_receivers()
+        self._rounds.drop_receivers()
         self._pool.clear()
 
     def __enter__(self) -> WeightSubscriber:
@@ -667,3 +565,7 @@ class _Round:
     """Each bucket's token as this round leaves it; ``None``: not recorded (dense only)."""
     refused: BaseMismatch | None = None
     """A delta refused for its base: the rest of the round was drained, nothing applied."""
+
+    def forget_receivers(self) -> None:
+        """Let go of the receivers (the round broke: their connections must close)."""
+        self.receivers = {}
