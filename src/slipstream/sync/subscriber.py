@@ -235,7 +235,7 @@ class WeightSubscriber:
                     except GeneratorExit:  # drain the rest of the round, yield nothing more
                         stopped = True
                 items.clear()
-                if atomic or not self._rounds.guarded(k, pipeline.step, rnd.forget_receivers):
+                if atomic or not self._rounds.guarded(k, pipeline.step, pipeline.forget):
                     break
             if rnd.refused is not None:  # drained to the end of the round: raise it now
                 raise rnd.refused
@@ -538,6 +538,12 @@ class _Pipeline:
         self.subscriber._unpack(rnd, *pending)
         self.unpacked = pending[1]
         return True
+
+    def forget(self) -> None:
+        """Let go of the messages in flight and the receivers (the round broke: nothing
+        here may keep their connections open, or a member blocked on them waits)."""
+        self.pending = self.unpacked = None
+        self.rnd.forget_receivers()
 
 
 _END = object()
