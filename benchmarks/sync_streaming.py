@@ -221,7 +221,7 @@ def main() -> None:
                 name,
                 round(median(got["seconds"]), 3),
                 round(args.mib / 1024 / median(got["seconds"]), 3),
-                None if live is None else round(live, 1),
+                "-" if live is None else round(live, 1),
                 round(median(got["hwm_extra_mib"]), 1),
             ]
         )
