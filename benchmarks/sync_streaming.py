@@ -24,6 +24,7 @@ python benchmarks/sync_streaming.py --out benchmarks/results/sync_streaming.json
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import time
@@ -73,6 +74,9 @@ def _status(field: str) -> int:
 
 
 def _reset_high_water() -> None:
+    """Give freed heap pages back to the kernel (so the resident size counts only live
+    memory), then reset the resident high-water mark to it."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -86,8 +90,8 @@ def trainer(group, args: argparse.Namespace, numel: int) -> dict:
     def timed(publish, live: Live | None) -> dict[str, float]:
         nonlocal runs
         group.set_json(f"bench/run/{runs}", True)
-        before = _status("VmRSS")
         _reset_high_water()
+        before = _status("VmRSS")
         start = time.perf_counter()
         handle = publish()
         handle.delivered.result(timeout=600)
