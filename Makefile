@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	# fsspec through datasets; an older transformers): they go in without them, plus exactly
 	# what the modules the tests import need.
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 verl==0.9.1 tensordict==0.10.0
-	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn
+	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn spmd_types==0.2.3
 	touch $@
 
 setup: $(VENV)/.installed
@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python benchmarks/sync_streaming.py --out benchmarks/results/sync_streaming.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
+	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
 	$(MAKE) report
 
 report: setup
@@ -52,7 +53,7 @@ report: setup
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/sync_streaming.json \
 		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
-		--out BENCHMARKS.md
+		benchmarks/results/lightning.json --out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo_out

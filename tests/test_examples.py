@@ -32,3 +32,21 @@ def test_huggingface_example_round_trips(tmp_path):
     assert "from_pretrained: missing [], unexpected []" in out
     gap = float(out.split("bf16 round trip: ")[1].split()[0])
     assert 0 < gap < 0.05
+
+
+def test_switch_from_dcp_example_saves_resumes_and_loads_all(tmp_path):
+    out = _run("switch_from_dcp.py", "--root", str(tmp_path / "run"))
+    assert "saved 21 entries at step 4" in out
+    assert "resumed step 4, model equal: True" in out
+    assert "load_all: optimizer state keys [0, 1]" in out
+    assert "optimizer restored: step 4" in out
+
+
+def test_lightning_example_resumes(tmp_path):
+    root = str(tmp_path / "run")
+    first = _run("lightning_checkpoint.py", "--root", root, "--epochs", "2")
+    files = "['epoch=0-step=8.ckpt', 'epoch=1-step=16.ckpt', 'last.ckpt']"
+    assert f"trained to epoch 2; checkpoints: {files}" in first
+    second = _run("lightning_checkpoint.py", "--root", root, "--epochs", "3")
+    assert "resumed from last.ckpt" in second
+    assert "trained to epoch 3" in second

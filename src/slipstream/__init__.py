@@ -8,6 +8,7 @@ from importlib import metadata as _metadata
 
 from . import fsdp, sync
 from .checkpoint import (
+    AllowedTypes,
     AsyncSaveResponse,
     Checkpointer,
     CheckpointHealth,
@@ -17,9 +18,11 @@ from .checkpoint import (
     SaveTimings,
     StagedState,
     Storage,
+    allow_types,
     async_save,
     export_hf,
     load,
+    load_all,
     load_hf,
     register_storage,
     save,
@@ -47,6 +50,7 @@ except _metadata.PackageNotFoundError:
     __version__ = "0+unknown"
 
 __all__ = [
+    "AllowedTypes",
     "AsyncSaveResponse",
     "CheckpointHealth",
     "Checkpointer",
@@ -56,9 +60,11 @@ __all__ = [
     "SaveTimings",
     "StagedState",
     "Storage",
+    "allow_types",
     "async_save",
     "export_hf",
     "load",
+    "load_all",
     "load_hf",
     "register_storage",
     "save",

@@ -1,7 +1,8 @@
-"""DCP's own arguments to save and load: each honoured, or refused naming the argument.
+"""DCP's own arguments to save and load: each honoured, or the call handed to DCP itself.
 
 Where an argument is honoured, the checkpoint is compared with the state saved and read
-back by ``dcp.load``; where it is refused, nothing may have been written.
+back by ``dcp.load``; where the call is handed to DCP, DCP wrote it (no slipstream index)
+and it reads back as the state saved.
 """
 
 from __future__ import annotations
@@ -107,29 +108,15 @@ class _MyLoadPlanner(DefaultLoadPlanner):
     pass
 
 
-_REFUSED_SAVES = [
-    ({"storage_writer": "_MyWriter"}, TypeError, r"storage_writer: .*_MyWriter"),
-    ({"planner": _MyPlanner()}, TypeError, r"planner: .*_MyPlanner.*DefaultSavePlanner"),
-    (
-        {"planner": DefaultSavePlanner(dedup_save_to_lowest_rank=True)},
-        ValueError,
-        r"planner: DefaultSavePlanner\(dedup_save_to_lowest_rank=True\)",
-    ),
-    (
-        {"planner": DefaultSavePlanner(flatten_state_dict=False)},
-        ValueError,
-        r"planner: DefaultSavePlanner\(flatten_state_dict=False\)",
-    ),
-    (
-        {"storage_writer": "single_file_per_rank"},
-        ValueError,
-        r"storage_writer: FileSystemWriter\(single_file_per_rank=False\)",
-    ),
-    ({"storage_writer": "safetensors"}, ValueError, r"storage_writer: .*serialization_format"),
-    ({"storage_writer": "fsspec_options"}, ValueError, r"storage_writer: .*storage_options="),
-    ({"storage_writer": "fsspec_memory"}, ValueError, r"storage_writer: .*fsspec's in-process"),
-    ({"use_collectives": False}, ValueError, r"use_collectives=False"),
-    ({}, ValueError, r"save needs checkpoint_id="),
+_HANDED_OFF_SAVES = [
+    {"storage_writer": "_MyWriter"},
+    {"planner": _MyPlanner()},
+    {"planner": DefaultSavePlanner(dedup_save_to_lowest_rank=True)},
+    {"planner": DefaultSavePlanner(flatten_state_dict=False)},
+    {"storage_writer": "single_file_per_rank"},
+    {"storage_writer": "safetensors"},  # that DCP's default reader itself cannot read back
+    {"storage_writer": "fsspec_options"},
+    {"use_collectives": False},
 ]
 
 
@@ -141,55 +128,103 @@ def _writer(kind: str, path: str):
             path, serialization_format=SerializationFormat.SAFETENSORS
         ),
         "fsspec_options": lambda: FsspecWriter(path, auto_mkdir=True),
-        "fsspec_memory": lambda: FsspecWriter("memory://somewhere/ck"),
     }[kind]()
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), _REFUSED_SAVES)
-def test_what_slipstream_cannot_honour_is_refused_naming_the_argument(
-    tmp_path, kwargs, error, match
-):
+@pytest.mark.parametrize("kwargs", _HANDED_OFF_SAVES)
+def test_what_slipstream_cannot_serve_is_saved_by_dcp_itself(tmp_path, kwargs):
     kwargs = dict(kwargs)
     path = str(tmp_path / "ck")
     if isinstance(kwargs.get("storage_writer"), str):
         kwargs["storage_writer"] = _writer(kwargs["storage_writer"], path)
-    elif "planner" in kwargs or "use_collectives" in kwargs:
+    else:
         kwargs["checkpoint_id"] = path
-    with pytest.raises(error, match=match):
-        ss.save(_state(), **kwargs)
-    assert not os.path.exists(path)
+    state = _state()
+    metadata = ss.save(state, **kwargs)
+    assert isinstance(metadata, Metadata)
+    assert not (tmp_path / "ck" / ".slipstream.json").exists(), "DCP wrote it, not slipstream"
+    if getattr(kwargs.get("storage_writer"), "serialization_format", None) is not (
+        SerializationFormat.SAFETENSORS
+    ):
+        loaded = _empty()
+        dcp.load(loaded, checkpoint_id=path, no_dist=True)
+        assert _equal(loaded, state)
 
 
-def test_async_save_options_it_cannot_honour_are_refused(tmp_path):
+def test_a_hand_off_is_logged_once_naming_why(tmp_path, caplog):
+    class _OnlyHere(FileSystemWriter):
+        pass
+
+    caplog.set_level("INFO", logger="slipstream.dcp")
+    for i in range(2):
+        ss.save(_state(), storage_writer=_OnlyHere(str(tmp_path / f"ck{i}")))
+    lines = [r.getMessage() for r in caplog.records if "_OnlyHere" in r.getMessage()]
+    assert len(lines) == 1 and "torch.distributed.checkpoint" in lines[0]
+
+
+def test_save_without_a_location_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"save needs checkpoint_id="):
+        ss.save(_state())
+
+
+def test_what_dcp_cannot_reach_is_not_handed_to_it():
+    # slipstream's own storage arguments mean nothing to DCP: refused, naming why DCP runs.
+    with pytest.raises(ValueError, match=r"in-process storage.*planner: .*_MyPlanner"):
+        ss.save(_state(), "memory://bucket/ck", planner=_MyPlanner())
+    with pytest.raises(ValueError, match=r"storage_options=.*planner: .*_MyPlanner"):
+        ss.save(_state(), "/tmp/x", planner=_MyPlanner(), storage_options={"region": "x"})
+
+
+def test_async_save_serves_process_checkpointers_and_default_stagers(tmp_path):
     path = str(tmp_path / "ck")
-    with pytest.raises(ValueError, match=r"async_checkpointer_type=.*THREAD"):
-        ss.async_save(_state(), path, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(
-            30
-        )
-    with pytest.raises(ValueError, match=r"async_stager: .*DefaultStager"):
-        stager = DefaultStager(StagingOptions(False, False, False, False))
-        try:
-            ss.async_save(_state(), path, async_stager=stager).result(30)
-        finally:
-            stager.close()
-    assert not os.path.exists(path)
-    ss.async_save(_state(), path, async_checkpointer_type=AsyncCheckpointerType.THREAD).result(30)
-    assert os.path.exists(os.path.join(path, ".metadata"))
+    ss.async_save(_state(), path, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(30)
+    assert os.path.exists(os.path.join(path, ".slipstream.json")), "slipstream wrote it"
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        state = _state()
+        response = ss.async_save(state, str(tmp_path / "ck2"), async_stager=stager)
+        assert isinstance(response, ss.AsyncSaveResponse)
+        response.result(30)
+    finally:
+        stager.close()
+    assert os.path.exists(os.path.join(tmp_path / "ck2", ".slipstream.json"))
+    loaded = _empty()
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ck2"), no_dist=True)
+    assert _equal(loaded, state)
 
 
-def test_load_refuses_what_it_cannot_honour(tmp_path):
-    ss.save(_state(), tmp_path / "ck")
+def test_async_save_handed_to_dcp_still_answers_as_slipstream_does(tmp_path):
+    state = _state()
+    response = ss.async_save(state, storage_writer=_MyWriter(str(tmp_path / "ck")))
+    assert response.staging_completion.done()
+    assert isinstance(response.metadata(30), Metadata)
+    assert not (tmp_path / "ck" / ".slipstream.json").exists()
+    loaded = _empty()
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert _equal(loaded, state)
+
+
+def test_load_hands_to_dcp_only_when_trusted(tmp_path):
+    # DCP unpickles values with no allow-list: ss.load hands it a load only with trusted=True.
+    state = _state()
+    ss.save(state, tmp_path / "ck")
     path = str(tmp_path / "ck")
 
     class _MyReader(FileSystemReader):
         pass
 
-    with pytest.raises(TypeError, match=r"storage_reader: .*_MyReader"):
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"storage_reader: .*_MyReader.*trusted"):
         ss.load(_empty(), storage_reader=_MyReader(path))
-    with pytest.raises(TypeError, match=r"planner: .*_MyLoadPlanner"):
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"planner: .*_MyLoadPlanner"):
         ss.load(_empty(), path, planner=_MyLoadPlanner())
-    with pytest.raises(ValueError, match=r"planner: DefaultLoadPlanner\(allow_partial_load=True\)"):
-        ss.load(_empty(), path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    for kwargs in (
+        {"storage_reader": _MyReader(path)},
+        {"checkpoint_id": path, "planner": _MyLoadPlanner()},
+        {"checkpoint_id": path, "planner": DefaultLoadPlanner(allow_partial_load=True)},
+    ):
+        loaded = _empty()
+        ss.load(loaded, trusted=True, **kwargs)
+        assert _equal(loaded, state)
     with pytest.raises(ValueError, match=r"load needs checkpoint_id="):
         ss.load(_empty())
 

@@ -1,26 +1,32 @@
 """Drop-in functions with ``torch.distributed.checkpoint``'s arguments (see :mod:`.dcp_args`).
 
 ``async_save`` keeps one :class:`CheckpointSaver` per process group so that staging
-buffers and plans are reused across calls; they are closed at interpreter exit.
+buffers and plans are reused across calls; they are closed at interpreter exit. What
+slipstream cannot serve goes to DCP itself (:mod:`.handoff`).
 """
 
 from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import LoadPlanner, SavePlanner, StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncSaveResponse as DcpAsyncSaveResponse,
+)
 
-from ..errors import CheckpointError
-from . import dcp_args, hf_import, loader
+from ..errors import CheckpointError, UnsafeCheckpointError
+from . import dcp_args, handoff, hf_import, loader
 from .commit import METADATA_FILE
 from .options import SaveOptions
-from .safe_types import Trusted
+from .safe_types import Trust, Trusted
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
 from .storage import Location, resolve_storage
@@ -80,6 +86,80 @@ def _refuse_overwrite(location: Location, storage_options: dict[str, Any] | None
             storage.close()
 
 
+@dataclass(frozen=True)
+class Started:
+    """A save slipstream serves, started: its response, and whether DCP would have
+    returned before staging finished (``dcp.async_save`` with an asynchronous stager)."""
+
+    response: AsyncSaveResponse
+    returns_at_once: bool
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    """A save DCP ran (see :mod:`.handoff`): what ``dcp.async_save`` returned."""
+
+    result: Any
+
+
+def begin_async_save(
+    state_dict: dict[str, Any],
+    checkpoint_id: Location | None,
+    process_group: dist.ProcessGroup | None,
+    *,
+    storage_writer: StorageWriter | None,
+    planner: SavePlanner | None,
+    async_checkpointer_type: AsyncCheckpointerType | None,
+    async_stager: AsyncStager | None,
+    no_dist: bool,
+    use_collectives: bool,
+    timeout: float | None,
+    storage_options: dict[str, Any] | None,
+) -> Started | HandedOff:
+    """The one implementation behind :func:`async_save`, :func:`save` and
+    ``slipstream.dcp.async_save``: serve the save, or hand it to DCP unchanged."""
+    staging = dcp_args.async_staging(async_checkpointer_type, async_stager)
+    target = dcp_args.save_target(checkpoint_id, storage_writer, planner, use_collectives)
+    why = target if isinstance(target, dcp_args.HandOff) else staging
+    if isinstance(why, dcp_args.HandOff):
+        arguments: dict[str, Any] = {
+            "checkpoint_id": handoff.dcp_checkpoint_id(checkpoint_id, storage_options, why),
+            "storage_writer": storage_writer,
+            "planner": planner,
+            "process_group": process_group,
+            "no_dist": no_dist,
+            "use_collectives": use_collectives,
+        }
+        if async_checkpointer_type is not None:
+            arguments["async_checkpointer_type"] = async_checkpointer_type
+        if async_stager is not None:
+            arguments["async_stager"] = async_stager
+        return HandedOff(handoff.async_save(why, state_dict, **arguments))
+    assert isinstance(target, dcp_args.SaveTarget) and isinstance(staging, dcp_args.AsyncStaging)
+    if staging.note is not None:
+        handoff.log_once(staging.note)
+    if not target.overwrite:
+        _refuse_overwrite(target.location, storage_options)
+    response = _saver(process_group, timeout, no_dist).save(
+        state_dict, target.location, storage_options=storage_options
+    )
+    return Started(response, staging.returns_at_once)
+
+
+def _response_of(result: Any) -> AsyncSaveResponse:
+    """What ``dcp.async_save`` returned, as slipstream's response: a ``Future`` (DCP
+    returned once staged) or DCP's ``AsyncSaveResponse``; both resolve to ``Metadata``."""
+    upload: Future[Any]
+    if isinstance(result, DcpAsyncSaveResponse):
+        staged, upload = result.staging_completion, result.upload_completion
+    else:
+        staged, upload = Future(), result
+        staged.set_result(None)
+    response = AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
+    response.committed_as(lambda: cast(Metadata, upload.result()))  # DCP's resolves to it
+    return response
+
+
 def async_save(
     state_dict: dict[str, Any],
     checkpoint_id: Location | None = None,
@@ -104,17 +184,28 @@ def async_save(
     ``timeout`` bounds every wait on another rank; ``None`` means ``SaveOptions.timeout``.
 
     DCP's arguments (``storage_writer``, ``planner``, ``async_checkpointer_type``,
-    ``async_stager``, ``no_dist``, ``use_collectives``) are honoured where slipstream can,
-    and refused with an error naming the argument where it cannot (see
+    ``async_stager``, ``no_dist``, ``use_collectives``) are served by slipstream where it
+    can; what it cannot serve (a planner or storage writer of your own, DCP's Hugging Face
+    writer, an option slipstream has no equivalent of) is handed to
+    ``torch.distributed.checkpoint.async_save`` unchanged, with one log line (see
     :mod:`.dcp_args`). ``no_dist=True`` saves this process's state alone, as one rank.
     """
-    dcp_args.check_async_arguments(async_checkpointer_type, async_stager)
-    target = dcp_args.save_target(checkpoint_id, storage_writer, planner, use_collectives)
-    if not target.overwrite:
-        _refuse_overwrite(target.location, storage_options)
-    return _saver(process_group, timeout, no_dist).save(
-        state_dict, target.location, storage_options=storage_options
+    started = begin_async_save(
+        state_dict,
+        checkpoint_id,
+        process_group,
+        storage_writer=storage_writer,
+        planner=planner,
+        async_checkpointer_type=async_checkpointer_type,
+        async_stager=async_stager,
+        no_dist=no_dist,
+        use_collectives=use_collectives,
+        timeout=timeout,
+        storage_options=storage_options,
     )
+    if isinstance(started, HandedOff):
+        return _response_of(started.result)
+    return started.response
 
 
 def save(
@@ -131,6 +222,18 @@ def save(
 ) -> Metadata:
     """Save and return the committed checkpoint's ``Metadata`` once it is durable, as
     ``dcp.save`` does (see :func:`async_save` for the arguments)."""
+    target = dcp_args.save_target(checkpoint_id, storage_writer, planner, use_collectives)
+    if isinstance(target, dcp_args.HandOff):
+        return handoff.save(  # type: ignore[no-any-return]
+            target,
+            state_dict,
+            checkpoint_id=handoff.dcp_checkpoint_id(checkpoint_id, storage_options, target),
+            storage_writer=storage_writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+            use_collectives=use_collectives,
+        )
     response = async_save(
         state_dict,
         checkpoint_id,
@@ -143,6 +246,49 @@ def save(
         storage_options=storage_options,
     )
     return response.metadata()
+
+
+def load_state(
+    state_dict: dict[str, Any],
+    checkpoint_id: Location | None,
+    process_group: dist.ProcessGroup | None,
+    *,
+    storage_reader: StorageReader | None,
+    planner: LoadPlanner | None,
+    no_dist: bool,
+    strict: bool,
+    storage_options: dict[str, Any] | None,
+    trusted: Trusted,
+    untrusted_hand_off: bool,
+) -> None:
+    """The one implementation behind :func:`load` and ``slipstream.dcp.load``.
+
+    A load DCP must run (see :mod:`.dcp_args`) unpickles the checkpoint's values as DCP
+    does, with no allow-list: it is handed off only with ``trusted=True`` or where the
+    caller stands in for DCP itself (``untrusted_hand_off``)."""
+    location = dcp_args.load_target(checkpoint_id, storage_reader, planner)
+    if isinstance(location, dcp_args.HandOff):
+        if not (untrusted_hand_off or Trust.of(trusted).everything):
+            raise UnsafeCheckpointError(
+                f"{location.reason}: only torch.distributed.checkpoint.load can run this "
+                "load, and it unpickles the checkpoint's values without slipstream's "
+                "allow-list; pass trusted=True to let it"
+            )
+        handoff.load(
+            location,
+            state_dict,
+            checkpoint_id=handoff.dcp_checkpoint_id(checkpoint_id, storage_options, location),
+            storage_reader=storage_reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
+        return
+    storage = resolve_storage(location, storage_options)
+    if hf_import.is_hf_directory(storage):
+        hf_import.load_hf(state_dict, storage, strict=strict)
+        return
+    loader.load(state_dict, storage, strict=strict, trusted=trusted)
 
 
 def load(
@@ -162,19 +308,31 @@ def load(
     Resharding is implicit: each rank reads the parts of the saved chunks its tensors
     and DTensor shards cover. ``process_group`` and ``no_dist`` are accepted for DCP
     compatibility; loading needs no communication. ``storage_reader`` and ``planner``
-    take DCP's filesystem and fsspec readers and its default load planner (see
-    :mod:`.dcp_args`). A directory of Hugging Face safetensors (and no DCP checkpoint) is
-    read by :func:`~slipstream.load_hf`, its name prefix found from the keys.
+    take DCP's filesystem and fsspec readers and its default load planner; others (DCP's
+    Hugging Face reader, a planner of your own) are handed to ``dcp.load`` when
+    ``trusted=True`` (see :mod:`.dcp_args`). A directory of Hugging Face safetensors (and
+    no DCP checkpoint) is read by :func:`~slipstream.load_hf`, its name prefix found from
+    the keys.
+
+    Keys: every key of ``state_dict`` must be in the checkpoint (an error names those
+    missing); with ``strict`` (the default) the checkpoint may hold no others.
+    ``slipstream.dcp.load`` keeps DCP's rule instead (``strict=False``): keys of the
+    checkpoint nobody asked for are ignored.
 
     Plain values are unpickled through an allow-list of plain data (see
-    docs/checkpoint.md, "Safe loading"); ``trusted`` adds classes or functions (or their
-    ``"module.Name"``), or is ``True`` to unpickle anything, running the code it names,
-    as ``dcp.load`` does.
+    docs/checkpoint.md, "Safe loading") and the classes :func:`~slipstream.allow_types`
+    allows; ``trusted`` adds classes or functions (or their ``"module.Name"``), or is
+    ``True`` to unpickle anything, running the code it names, as ``dcp.load`` does.
     """
-    del process_group, no_dist
-    location = dcp_args.load_target(checkpoint_id, storage_reader, planner)
-    storage = resolve_storage(location, storage_options)
-    if hf_import.is_hf_directory(storage):
-        hf_import.load_hf(state_dict, storage, strict=strict)
-        return
-    loader.load(state_dict, storage, strict=strict, trusted=trusted)
+    load_state(
+        state_dict,
+        checkpoint_id,
+        process_group,
+        storage_reader=storage_reader,
+        planner=planner,
+        no_dist=no_dist,
+        strict=strict,
+        storage_options=storage_options,
+        trusted=trusted,
+        untrusted_hand_off=False,
+    )

@@ -1,8 +1,9 @@
 """Messages between the ranks of a save, through the job's key-value store.
 
 Checkpoint coordination never runs a collective on the user's process group: ranks post
-small JSON messages to the store that ``init_process_group`` already created (under a
-prefix of their own) and wait for each other's through the control plane
+small JSON messages (the dataclasses of :mod:`.messages`, under the topics it builds) to
+the store that ``init_process_group`` already created (under a prefix of their own) and
+wait for each other's through the control plane
 (:mod:`..core.control_plane`): polled with a deadline, so background threads may share the
 user's store client, and a missing rank is named in the timeout error instead of hanging.
 
@@ -19,16 +20,28 @@ mixing messages.
 
 from __future__ import annotations
 
-import json
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
-from ..core.control_plane import Heartbeat, LivenessWatch, wait_for_keys
+from ..core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
 from ..core.waits import Deadline
 from ..errors import PeerDiedError
 from .liveness import BEAT_SECONDS, SILENT_AFTER_SECONDS
+
+_M = TypeVar("_M")
+Decoder = Callable[[bytes, str], _M]
+"""A message class's ``from_json``: the message in the bytes posted, or an error naming
+the message (the text given) and the field at fault."""
+
+
+class Message(Protocol):
+    """What :meth:`RankChannel.post` sends: one of the dataclasses of :mod:`.messages`."""
+
+    def to_json(self) -> str: ...
+
 
 LIVENESS_CHECK_SECONDS = 1.0
 """How often a wait reads the heartbeats of the ranks it is still waiting for (a read per
@@ -71,10 +84,11 @@ class RankChannel:
         return cls(store, dist.get_rank(group), dist.get_world_size(group), namespace)
 
     def _key(self, topic: str, rank: int) -> str:
-        return f"{self.namespace}/{topic}/{rank}"
+        return store_key(self.namespace, topic, rank)
 
-    def post(self, topic: str, payload: object) -> None:
-        self.store.set(self._key(topic, self.rank), json.dumps(payload))
+    def post(self, topic: str, message: Message) -> None:
+        """Post this rank's ``message`` (one of :mod:`.messages`) under ``topic``."""
+        self.store.set(self._key(topic, self.rank), message.to_json())
 
     def _wait(self, topic: str, ranks: list[int], deadline: Deadline, what: str) -> None:
         """Poll until every rank of ``ranks`` has posted ``topic``; fail naming the ranks
@@ -106,16 +120,22 @@ class RankChannel:
             self._heartbeat.close()
             self._heartbeat = None
 
-    def gather(self, topic: str, deadline: Deadline, what: str) -> list[dict[str, Any]]:
-        """Every rank's payload for ``topic`` (index = rank)."""
+    def gather(self, topic: str, decode: Decoder[_M], deadline: Deadline, what: str) -> list[_M]:
+        """Every rank's message for ``topic`` (index = rank), read by ``decode`` (a
+        message class's ``from_json``)."""
         ranks = list(range(self.world_size))
         self._wait(topic, ranks, deadline, what)
-        return [json.loads(self.store.get(self._key(topic, r))) for r in ranks]
+        return [self._read(topic, r, decode) for r in ranks]
 
-    def receive(self, topic: str, from_rank: int, deadline: Deadline, what: str) -> dict[str, Any]:
+    def receive(
+        self, topic: str, decode: Decoder[_M], from_rank: int, deadline: Deadline, what: str
+    ) -> _M:
+        """``from_rank``'s message for ``topic``, read by ``decode``."""
         self._wait(topic, [from_rank], deadline, what)
-        message: dict[str, Any] = json.loads(self.store.get(self._key(topic, from_rank)))
-        return message
+        return self._read(topic, from_rank, decode)
+
+    def _read(self, topic: str, rank: int, decode: Decoder[_M]) -> _M:
+        return decode(self.store.get(self._key(topic, rank)), f"rank {rank}'s {topic} message")
 
     def forget(self, topic: str, ranks: list[int] | None = None) -> None:
         for r in range(self.world_size) if ranks is None else ranks:

@@ -29,6 +29,7 @@ from ..errors import CheckpointError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE, uncommit
 from .health import CheckpointHealth, HealthTracker
+from .messages import SkipDecision, Topics
 from .options import SaveOptions
 from .recycle import SPARE_DIR
 from .safe_types import Trusted
@@ -176,7 +177,7 @@ class Checkpointer:
         """Whether to skip the save of ``step`` because the previous one is still running,
         as rank 0 decides (posted through the saver's channel for the other ranks)."""
         channel = self._saver.channel
-        topic = f"skip/{int(step)}"
+        topic = Topics.skip(int(step))
         if channel.rank == 0:
             busy = self._last is not None and not self._last.upload_completion.done()
             durable = self._health.snapshot().last_durable_step
@@ -191,12 +192,14 @@ class Checkpointer:
                 for _, old in read:
                     channel.forget(old, [0])
                 self._skip_topics = [(s, t) for s, t in self._skip_topics if s > self._saved_step]
-            channel.post(topic, {"skip": decision})
+            channel.post(topic, SkipDecision(decision))
             self._skip_topics.append((int(step), topic))
             return decision
         deadline = Deadline(self._saver.options.timeout)
-        message = channel.receive(topic, 0, deadline, f"decide whether to save step {step}")
-        return bool(message["skip"])
+        message = channel.receive(
+            topic, SkipDecision.from_json, 0, deadline, f"decide whether to save step {step}"
+        )
+        return message.skip
 
     def health(self) -> CheckpointHealth:
         """The last durable step, the last error, failed and skipped saves, and how many

@@ -9,11 +9,9 @@ object store). A crash at any point leaves either the old state or the new one.
 
 from __future__ import annotations
 
-import json
 import pickle
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -28,10 +26,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..core.checksum import ALGORITHM, BLOCK_BYTES
 from ..core.dtypes import dtype_from_name
 from ..core.flatten import Path
 from .generations import GENERATIONS, data_file, index_file
+from .messages import CheckpointIndex, IndexRecord, WriteReport
 from .plan import SavePlan
 from .storage import Storage
 
@@ -79,16 +77,16 @@ class CommitTemplate:
 
 
 def build_metadata(
-    template: CommitTemplate, done: list[dict[str, Any]], checkpoint_id: str
+    template: CommitTemplate, done: list[WriteReport], checkpoint_id: str
 ) -> Metadata:
     """DCP metadata for a save of ``template``'s plan whose ranks reported ``done`` (index =
     rank): the template's tensor entries, shared, and the entries of this save's values."""
     state_dict_metadata: dict[str, STORAGE_TYPES] = dict(template.tensors)
     storage_data: dict[MetadataIndex, _StorageInfo] = dict(template.records)
-    for msg in done:
-        for fqn, (file, offset, length, _checksum) in msg["values"].items():
+    for report in done:
+        for fqn, value in report.values.items():
             state_dict_metadata[fqn] = BytesStorageMetadata()
-            storage_data[MetadataIndex(fqn)] = _StorageInfo(file, offset, length)
+            storage_data[MetadataIndex(fqn)] = _StorageInfo(value.file, value.offset, value.length)
     return Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=template.paths,
@@ -98,34 +96,26 @@ def build_metadata(
     )
 
 
-def build_index(plan: SavePlan, done: list[dict[str, Any]], generation: int) -> dict[str, Any]:
+def build_index(plan: SavePlan, done: list[WriteReport], generation: int) -> CheckpointIndex:
     """slipstream's own index: where raw tensor bytes start and their block checksums."""
-    records: dict[str, dict[str, dict[str, Any]]] = {}
+    records: dict[str, dict[str, IndexRecord]] = {}
     for rank, recs in enumerate(plan.records_by_rank):
-        blocks = done[rank]["records"]
+        blocks = done[rank].records
         for rec in recs:
-            records.setdefault(data_file(rec.file, generation), {})[rec.chunk.record_key] = {
-                "offset": rec.offset,
-                "length": rec.length,
-                "data_offset": rec.data_offset,
-                "nbytes": rec.nbytes,
-                "blocks": blocks[rec.chunk.record_key],
-            }
-    values = {}
-    for msg in done:
-        for fqn, (file, offset, length, checksum) in msg["values"].items():
-            values[fqn] = {"file": file, "offset": offset, "length": length, "checksum": checksum}
-    return {
-        "format": "slipstream-index",
-        "version": 1,
-        "checksum": ALGORITHM,
-        "block_bytes": BLOCK_BYTES,
-        "records": records,
-        "values": values,
-    }
+            records.setdefault(data_file(rec.file, generation), {})[rec.chunk.record_key] = (
+                IndexRecord(
+                    rec.offset,
+                    rec.length,
+                    rec.data_offset,
+                    rec.nbytes,
+                    blocks[rec.chunk.record_key],
+                )
+            )
+    values = {fqn: value for report in done for fqn, value in report.values.items()}
+    return CheckpointIndex(records, values, key_types=plan.key_types or None)
 
 
-def publish(storage: Storage, metadata: Metadata, index: dict[str, Any], generation: int) -> None:
+def publish(storage: Storage, metadata: Metadata, index: CheckpointIndex, generation: int) -> None:
     """Write the index of ``generation``, then ``.metadata`` (the commit point), each
     atomically.
 
@@ -134,8 +124,8 @@ def publish(storage: Storage, metadata: Metadata, index: dict[str, Any], generat
     same directory) wrote later.
     """
     assert metadata.storage_meta is not None, "build_metadata always sets storage_meta"
-    index = {**index, "save_id": metadata.storage_meta.save_id}
-    storage.put_atomic(index_file(generation), json.dumps(index).encode())
+    index.save_id = metadata.storage_meta.save_id
+    storage.put_atomic(index_file(generation), index.to_json())
     storage.put_atomic(METADATA_FILE, pickle.dumps(metadata))
 
 

@@ -47,6 +47,7 @@ from ..core.flatten import flatten
 from ..core.threads import usable_cores
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import METADATA_FILE
+from .containment import check_inside
 from .layout import is_stateful, resolve_stateful
 from .loader import MAX_IO_THREADS, OBJECT_STORE_IO_THREADS, _plan_reads, read_and_copy
 from .reader import CheckpointReader, ReadRequest, SourceRecord
@@ -117,7 +118,10 @@ def _weight_map(storage: Storage) -> dict[str, str] | None:
         raise CorruptCheckpointError(f"{path} is not a safetensors index ({exc!r})") from exc
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"{path}: its weight_map is not a JSON object")
-    return {str(k): str(v) for k, v in weight_map.items()}
+    return {
+        str(k): check_inside(v, storage.url, f"{INDEX_FILE} (for {k!r})")
+        for k, v in weight_map.items()
+    }
 
 
 def _read_file_header(storage: Storage, file: str) -> dict[str, SafetensorsEntry]:

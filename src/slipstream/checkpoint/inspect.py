@@ -133,11 +133,9 @@ def verify(
     blocks = values = 0
     if index is not None:
         blocks = sum(
-            len(record["blocks"])
-            for records in index["records"].values()
-            for record in records.values()
+            len(record.blocks) for records in index.records.values() for record in records.values()
         )
-        values = len(index["values"])
+        values = len(index.values)
     nbytes = sum(
         v.numel() * v.element_size() for v in entries.values() if isinstance(v, torch.Tensor)
     )

@@ -11,7 +11,7 @@ import hashlib
 import io
 import json
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ..core.dtypes import dtype_from_name, dtype_name
-from ..core.flatten import Path, flatten
+from ..core.flatten import KeyTypes, Path, flatten
 from ..core.shapes import numel
 from ..errors import CheckpointError
 from .shards import local_chunks
@@ -45,8 +45,10 @@ class ChunkSpec:
         return f"{self.fqn}@{','.join(map(str, self.offsets))}"
 
 
-LayoutSignature = tuple[tuple[ChunkSpec, ...], tuple[str, ...]]
-"""What decides a save plan: a layout's chunk specs and value keys."""
+LayoutSignature = tuple[
+    tuple[ChunkSpec, ...], tuple[str, ...], tuple[tuple[str, tuple[str | None, ...]], ...]
+]
+"""What decides a save plan: a layout's chunk specs, value keys and key types."""
 
 
 @dataclass
@@ -57,11 +59,14 @@ class LocalLayout:
     tensors: dict[str, torch.Tensor]  # record_key -> local tensor data for the chunk
     values: dict[str, Any]
     paths: dict[str, Path]
+    key_types: KeyTypes = field(default_factory=dict)
+    """The types of the state dict's non-string keys (see :data:`~..core.flatten.KeyTypes`)."""
 
     @property
     def signature(self) -> LayoutSignature:
         """Everything that decides the plan, as a hashable tuple (the plan cache's key)."""
-        return (tuple(self.chunks), tuple(self.values))
+        typed = tuple((k, tuple(v)) for k, v in self.key_types.items())
+        return (tuple(self.chunks), tuple(self.values), typed)
 
     def fingerprint(self) -> str:
         """A short digest of :attr:`signature`, comparable across ranks."""
@@ -73,17 +78,6 @@ class LocalLayout:
             + [list(self.values)]
         )
         return hashlib.sha256(desc.encode()).hexdigest()[:32]
-
-    def describe(self) -> dict[str, Any]:
-        """A JSON-able description sent to other ranks when planning."""
-        return {
-            "chunks": [
-                [c.fqn, c.dtype, list(c.global_shape), list(c.offsets), list(c.sizes), c.replicated]
-                for c in self.chunks
-            ],
-            "values": list(self.values),
-            "paths": {k: list(v) for k, v in self.paths.items()},
-        }
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -114,7 +108,8 @@ def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()  # DTensor.to_local then returns the local tensor without an autograd node
 def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
-    flat, paths = flatten(resolve_stateful(state_dict))
+    key_types: KeyTypes = {}
+    flat, paths = flatten(resolve_stateful(state_dict), key_types)
     chunks: list[ChunkSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
@@ -145,7 +140,7 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
             tensors[spec.record_key] = value
         else:
             values[fqn] = value
-    return LocalLayout(chunks, tensors, values, paths)
+    return LocalLayout(chunks, tensors, values, paths, key_types)
 
 
 def serialize_value(fqn: str, value: Any) -> bytes:

@@ -226,8 +226,20 @@ def load(
     anything, running what it names (what ``dcp.load`` does). ``progress(nbytes)`` is
     called as tensor bytes land (the ``slipstream`` command's progress bar).
     """
-    started = time.perf_counter()
     reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted))
+    load_from(reader, state_dict, strict=strict, io_threads=io_threads, progress=progress)
+
+
+def load_from(
+    reader: CheckpointReader,
+    state_dict: dict[str, Any],
+    *,
+    strict: bool = True,
+    io_threads: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """:func:`load` from a checkpoint already opened; closes ``reader``."""
+    started = time.perf_counter()
     if io_threads is None:
         io_threads = (
             min(MAX_IO_THREADS, usable_cores() + 1)

@@ -9,17 +9,17 @@ come first, so its staging buffer is byte for byte the head of its file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 import torch
 
 from ..core.buffers import byte_view
 from ..core.dtypes import dtype_from_name
-from ..core.flatten import Path
+from ..core.flatten import KeyTypes, Path
 from ..errors import CheckpointError
 from .layout import ChunkSpec
+from .messages import LayoutDescription
 from .records import tensor_frame
 
 RECORD_ALIGN = 64
@@ -54,6 +54,8 @@ class SavePlan:
     value_owner: dict[str, int]
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]]
     paths: dict[str, Path]
+    key_types: KeyTypes = field(default_factory=dict)
+    """The types of the state dict's non-string keys, every rank's (recorded in the index)."""
 
     @property
     def records(self) -> list[RecordPlan]:
@@ -90,29 +92,21 @@ def _align(n: int) -> int:
     return (n + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
 
 
-def _parse(desc: dict[str, Any]) -> tuple[list[ChunkSpec], list[str], dict[str, Path]]:
-    chunks = [
-        ChunkSpec(fqn, dtype, tuple(shape), tuple(offsets), tuple(sizes), replicated)
-        for fqn, dtype, shape, offsets, sizes, replicated in desc["chunks"]
-    ]
-    paths = {k: tuple(v) for k, v in desc["paths"].items()}
-    return chunks, list(desc["values"]), paths
-
-
 def make_save_plan(
-    rank: int, descriptions: list[dict[str, Any]], fingerprints: list[str]
+    rank: int, descriptions: list[LayoutDescription], fingerprints: list[str]
 ) -> SavePlan:
-    """Build the plan from every rank's :meth:`LocalLayout.describe` (index = rank)."""
+    """Build the plan from every rank's :class:`LayoutDescription` (index = rank)."""
     world_size = len(descriptions)
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
     specs: dict[tuple[str, tuple[int, ...], tuple[int, ...]], ChunkSpec] = {}
     tensor_meta: dict[str, tuple[str, tuple[int, ...], list[ChunkSpec]]] = {}
     value_holders: dict[str, list[int]] = {}
     paths: dict[str, Path] = {}
+    key_types: KeyTypes = {}
     for r, desc in enumerate(descriptions):
-        chunks, values, rank_paths = _parse(desc)
-        paths.update(rank_paths)
-        for c in chunks:
+        paths.update(desc.paths)
+        key_types.update(desc.key_types)
+        for c in desc.chunks:
             seen = tensor_meta.get(c.fqn)
             if seen is not None and (seen[0], seen[1]) != (c.dtype, c.global_shape):
                 raise CheckpointError(
@@ -126,7 +120,7 @@ def make_save_plan(
                 specs[key] = c
                 tensor_meta[c.fqn][2].append(c)
             holders.setdefault(key, []).append(r)
-        for fqn in values:
+        for fqn in desc.values:
             value_holders.setdefault(fqn, []).append(r)
     clash = sorted(set(tensor_meta) & set(value_holders))
     if clash:
@@ -145,7 +139,7 @@ def make_save_plan(
     image_bytes = [0] * world_size
     for r, desc in enumerate(descriptions):
         cursor = 0
-        for c in _parse(desc)[0]:
+        for c in desc.chunks:
             key = (c.fqn, c.offsets, c.sizes)
             if owner.get(key) != r:
                 continue
@@ -173,4 +167,5 @@ def make_save_plan(
         value_owner=value_owner,
         tensor_meta=tensor_meta,
         paths=paths,
+        key_types=key_types,
     )

@@ -16,7 +16,6 @@ verifies the whole block.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,9 @@ from ..core.shapes import numel
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import bounce
 from .commit import METADATA_FILE
+from .containment import check_inside
 from .generations import generation_of, index_file
+from .messages import CheckpointIndex
 from .records import TensorLayout, locate_tensor_data
 from .safe_pickle import load_metadata, load_value
 from .safe_types import DEFAULT_TRUST, Trust
@@ -90,10 +91,14 @@ class CheckpointReader:
                 "(the save never finished, or this is not a checkpoint directory)"
             )
         self.metadata: Metadata = load_metadata(data, meta_path, trust)
+        for index, info in self.metadata.storage_data.items():
+            check_inside(info.relative_path, self.path, f"{METADATA_FILE} (for {index.fqn!r})")
         self.index = self._read_index()
+        if self.index is not None:
+            self._check_index_covers(self.index)
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
 
-    def _read_index(self) -> dict[str, Any] | None:
+    def _read_index(self) -> CheckpointIndex | None:
         """slipstream's index of this checkpoint, or ``None`` if it has none.
 
         An index left by an earlier save whose ``.metadata`` was since replaced (e.g. by
@@ -104,16 +109,36 @@ class CheckpointReader:
         data = self.storage.get(name)
         if data is None:
             return None
-        try:
-            index: dict[str, Any] = json.loads(data)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{path} is not valid JSON ({exc})") from exc
-        if index.get("format") != "slipstream-index":
-            raise CorruptCheckpointError(f"{path} is not a slipstream index")
+        index = CheckpointIndex.from_json(data, path)
         storage_meta = self.metadata.storage_meta
-        if storage_meta is None or index.get("save_id") != storage_meta.save_id:
+        if storage_meta is None or index.save_id != storage_meta.save_id:
             return None
         return index
+
+    def _check_index_covers(self, index: CheckpointIndex) -> None:
+        """Every file the index names stays inside the checkpoint, and every data file the
+        metadata names is one the index covers: in a checkpoint slipstream indexed, no byte
+        is read unverified (a file it does not cover was put there by someone else)."""
+        name = index_file(generation_of(self.metadata))
+        covered = {check_inside(f, self.path, f"{name} (records)") for f in index.records}
+        for fqn, value in index.values.items():
+            covered.add(check_inside(value.file, self.path, f"{name} (value {fqn!r})"))
+        for md_index, info in self.metadata.storage_data.items():
+            if info.relative_path not in covered:
+                raise CorruptCheckpointError(
+                    f"{self.path}: {METADATA_FILE} stores {md_index.fqn!r} in "
+                    f"{info.relative_path!r}, a file the checkpoint's index {name} does not "
+                    "cover; refused, never read unverified: the checkpoint was tampered with "
+                    "or is corrupt"
+                )
+
+    def _not_indexed(self, what: str, info: _StorageInfo) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.file_path(info.relative_path)}: {METADATA_FILE} puts {what} at offset "
+            f"{info.offset} (length {info.length}), where the checkpoint's index has no "
+            "checksums for it; refused, never read unverified: the checkpoint was tampered "
+            "with or is corrupt"
+        )
 
     def file_path(self, relative_path: str) -> str:
         """Where ``relative_path`` of this checkpoint is, for messages."""
@@ -168,15 +193,16 @@ class CheckpointReader:
         info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
         key = f"{fqn}@{','.join(map(str, offsets))}"
         if self.index is not None:
-            entry = self.index["records"].get(info.relative_path, {}).get(key)
-            if entry is not None and entry["offset"] == info.offset:
+            entry = self.index.records.get(info.relative_path, {}).get(key)
+            if entry is not None and entry.offset == info.offset:
                 return SourceRecord(
                     info.relative_path,
-                    entry["data_offset"],
-                    entry["nbytes"],
-                    entry["blocks"],
-                    self.index["block_bytes"],
+                    entry.data_offset,
+                    entry.nbytes,
+                    entry.blocks,
+                    self.index.block_bytes,
                 )
+            raise self._not_indexed(repr(key), info)
         layout = self._layout(info)
         nbytes = numel(sizes) * dtype.itemsize
         if layout.dtype != dtype or layout.size != tuple(sizes) or not layout.is_compact:
@@ -209,9 +235,16 @@ class CheckpointReader:
     def read_value(self, fqn: str) -> Any:
         info = self.metadata.storage_data[MetadataIndex(fqn)]
         path = self.file_path(info.relative_path)
+        indexed = None if self.index is None else self.index.values.get(fqn)
+        if self.index is not None and (
+            indexed is None
+            or (indexed.file, indexed.offset, indexed.length)
+            != (info.relative_path, info.offset, info.length)
+        ):
+            raise self._not_indexed(f"the value {fqn!r}", info)
         data = self.read_bytes(info.relative_path, info.offset, info.length)
-        if self.index is not None and fqn in self.index["values"]:
-            if checksum(data) != self.index["values"][fqn]["checksum"]:
+        if indexed is not None:
+            if checksum(data) != indexed.checksum:
                 raise CorruptCheckpointError(
                     f"{path}: checksum mismatch in value {fqn!r} at offset {info.offset}"
                 )

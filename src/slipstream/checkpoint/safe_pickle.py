@@ -3,10 +3,11 @@
 ``.metadata`` is read by an unpickler that resolves only the classes DCP's metadata is
 made of; non-tensor values by one that resolves the plain-data globals of
 :mod:`.safe_types` (tensors, numpy arrays and random states, paths, dates, argparse
-namespaces, ...). Both add what the caller trusts (``trusted=``). A pickle that names
-anything else is refused with :class:`UnsafeCheckpointError` naming every global it asks
-for that is not allowed (found by a pass that resolves each global to an inert stand-in,
-so nothing of the checkpoint runs), never one at a time.
+namespaces, ..., omegaconf configs, and the classes allowed by ``allow_types``). Both
+add what the caller trusts (``trusted=``). A pickle that names anything else is refused
+with :class:`UnsafeCheckpointError` naming every global it asks for that is not allowed
+(found by a pass that resolves each global to an inert stand-in, so nothing of the
+checkpoint runs), never one at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .safe_types import DEFAULT_TRUST, PLAIN_DATA, Trust, canonical_name
+from .safe_types import DEFAULT_TRUST, Trust, canonical_name
 
 _METADATA_CLASSES: dict[str, Any] = {
     f"torch.distributed.checkpoint.metadata.{name}": getattr(dcp_md, name)
@@ -209,7 +210,7 @@ def load_value(data: bytes, key: str, where: str, trust: Trust = DEFAULT_TRUST) 
         if trust.everything:
             return torch.load(io.BytesIO(data), weights_only=False)
         if _torch_forces_weights_only():
-            allowed = {**PLAIN_DATA, **trust.extra}
+            allowed = trust.allowed(globals_named(data))
             with torch.serialization.safe_globals([(v, k) for k, v in allowed.items()]):
                 return torch.load(io.BytesIO(data), weights_only=True)
         module = _value_pickle_module(trust)

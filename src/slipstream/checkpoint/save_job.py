@@ -3,6 +3,7 @@ and the response the caller holds."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -98,6 +99,14 @@ class SaveJob:
     snapshot: StagedState | None = None
     """The snapshot (:func:`~.snapshot.stage`) saved, held until the save's writes are done."""
     snapshot_hold: int | None = None
+    holders: int = 2
+    """The stages that still use the staging buffer (staging and upload; upload alone for a
+    snapshot written as it is). The buffer goes back to the pool when the last lets go."""
+    holders_lock: threading.Lock = field(default_factory=threading.Lock)
+    staging_ended: threading.Event = field(default_factory=threading.Event)
+    """Set once staging has finished, failed or been skipped, and has let go of the buffer."""
+    abandoned: BaseException | None = None
+    """Why the upload gave the save up; staging that has not begun copying skips its copy."""
 
     @property
     def file(self) -> str:

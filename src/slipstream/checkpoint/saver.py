@@ -47,6 +47,13 @@ from .channel import RankChannel
 from .commit import METADATA_FILE, CommitTemplate, build_index, build_metadata, publish
 from .generations import files_of, free_generation, generation_of, index_file
 from .layout import LayoutSignature, LocalLayout, ValueSerializer, local_layout
+from .messages import (
+    CommitOutcome,
+    LayoutDescription,
+    LayoutReport,
+    Topics,
+    WriteReport,
+)
 from .options import SaveOptions
 from .plan import SavePlan, data_file_name, make_save_plan
 from .safe_pickle import load_metadata
@@ -182,7 +189,9 @@ class CheckpointSaver:
         )
         response.timings.nbytes = plan.data_bytes
         if snapshot is not None and snapshot.image_matches(plan):
-            self._stager.stage_snapshot(job)  # nothing to copy: staged before save returns
+            job.holders = 1  # nothing to copy: staged before save returns
+            self._stager.stage_snapshot(job)
+            job.staging_ended.set()
         else:
             self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
@@ -218,10 +227,10 @@ class CheckpointSaver:
         their timeout: ranks planning read it as this rank's layout, rank 0 as its write
         report, and when this is rank 0, every rank as the commit's outcome."""
         error = f"{type(exc).__name__}: {exc}"
-        self.channel.post(f"{seq}/layout", {"error": error})
-        self.channel.post(f"{seq}/done", {"fp": None, "error": error})
+        self.channel.post(Topics.layout(seq), LayoutReport(error=error))
+        self.channel.post(Topics.written(seq), WriteReport(None, error=error))
         if self.rank == 0:
-            self.channel.post(f"{seq}/commit", {"error": f"rank 0: {error}", "timeout": False})
+            self.channel.post(Topics.commit(seq), CommitOutcome(f"rank 0: {error}"))
 
     def wait_previous(self) -> None:
         """Block until the previous save has finished (its outcome is on its own futures)."""
@@ -238,18 +247,24 @@ class CheckpointSaver:
     def _make_plan(self, layout: LocalLayout, seq: int, where: str, deadline: Deadline) -> SavePlan:
         channel = self.channel
         fingerprint = layout.fingerprint()
-        channel.post(f"{seq}/layout", {"fp": fingerprint, "desc": layout.describe()})
+        topic = Topics.layout(seq)
+        channel.post(topic, LayoutReport(fingerprint, LayoutDescription.of(layout)))
         msgs = channel.gather(
-            f"{seq}/layout", deadline, "send their state dict layout for planning"
+            topic, LayoutReport.from_json, deadline, "send their state dict layout for planning"
         )
-        errors = [f"rank {r}: {m['error']}" for r, m in enumerate(msgs) if m.get("error")]
+        errors = [f"rank {r}: {m.error}" for r, m in enumerate(msgs) if m.error]
         if errors:
             raise CheckpointError(f"save to {where} failed; " + "; ".join(errors))
-        plan = make_save_plan(channel.rank, [m["desc"] for m in msgs], [m["fp"] for m in msgs])
+        descriptions = [m.description for m in msgs if m.description is not None]
+        fingerprints = [m.fingerprint for m in msgs if m.fingerprint is not None]
+        plan = make_save_plan(channel.rank, descriptions, fingerprints)
         self.plans_made += 1
         return plan
 
     def _stage(self, job: SaveJob) -> None:
+        """Stage ``job``; a failure fails ``staging_completion`` only: the upload thread
+        sees it through the watermark and fails ``upload_completion`` once it has let go
+        of everything the save holds."""
         try:
             with tracing.span("slipstream.save.stage", url=job.storage.url):
                 if self.before_staging is not None:
@@ -260,16 +275,30 @@ class CheckpointSaver:
                         raise
                 self._stager.stage(job)
         except BaseException as exc:
-            self._fail(job, exc)
+            fail_unfinished(_save_error(job, exc), job.response.staging_completion)
+        finally:
+            self._let_go(job)
+            job.staging_ended.set()
 
     def _upload(self, job: SaveJob) -> None:
+        """Write and commit ``job``. Whatever the outcome, the save lets go of its staging
+        buffer (once staging has ended too) before ``upload_completion`` resolves, so the
+        caller's next save finds everything free."""
         try:
             self._upload_and_commit(job)
         except BaseException as exc:
-            self._stager.release(job)
+            job.abandoned = exc
+            if not job.staging_ended.wait(self.options.timeout):
+                logger.warning(
+                    "staging of the failed save to %s did not end within %s s; its buffer is "
+                    "released when it does",
+                    job.storage.url,
+                    self.options.timeout,
+                )
+            self._let_go(job)
             self._fail(job, exc)
         else:
-            self._stager.release(job)
+            self._let_go(job)
             timings = job.response.timings
             timings.durable = job.elapsed()
             logger.info(
@@ -297,7 +326,7 @@ class CheckpointSaver:
             with tracing.span("slipstream.save.write", url=job.storage.url):
                 done = self._writer.write(job)
         except BaseException as exc:
-            self.channel.post(f"{job.seq}/done", {"fp": job.fingerprint, "error": str(exc)})
+            self.channel.post(Topics.written(job.seq), WriteReport(job.fingerprint, error=str(exc)))
             if self.rank == 0:
                 self._commit(job, Deadline(self.options.timeout))
             raise
@@ -342,35 +371,42 @@ class CheckpointSaver:
                     "could not remove %s/%s of a failed save: %s", job.storage.url, name, exc
                 )
 
-    def _report_and_await_commit(self, job: SaveJob, done: dict[str, Any]) -> None:
+    def _report_and_await_commit(self, job: SaveJob, done: WriteReport) -> None:
         """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
-        self.channel.post(f"{job.seq}/done", done)
+        self.channel.post(Topics.written(job.seq), done)
         deadline = Deadline(self.options.timeout)
         with tracing.span("slipstream.save.commit", url=job.storage.url):
             if self.rank == 0:
                 self._commit(job, deadline)
             outcome = self.channel.receive(
-                f"{job.seq}/commit", 0, deadline, f"commit checkpoint {job.storage.url}"
+                Topics.commit(job.seq),
+                CommitOutcome.from_json,
+                0,
+                deadline,
+                f"commit checkpoint {job.storage.url}",
             )
-        if outcome.get("error"):
-            if outcome.get("dead"):
-                raise PeerDiedError(outcome["error"])
-            raise (PeerTimeoutError if outcome["timeout"] else CheckpointError)(outcome["error"])
+        if outcome.error is not None:
+            if outcome.dead:
+                raise PeerDiedError(outcome.error)
+            raise (PeerTimeoutError if outcome.timeout else CheckpointError)(outcome.error)
         committed = job.committed
         if committed is not None:
             job.response.committed_as(lambda: committed)
         else:
-            job.response.committed_as(_CommittedMetadata(job.storage, outcome["save_id"]))
+            assert outcome.save_id is not None, "CommitOutcome.from_json: a success has one"
+            job.response.committed_as(_CommittedMetadata(job.storage, outcome.save_id))
 
     def _commit(self, job: SaveJob, deadline: Deadline) -> None:
         channel = self.channel
-        topic = f"{job.seq}/done"
+        topic = Topics.written(job.seq)
         try:
-            done = channel.gather(topic, deadline, f"finish writing {job.storage.url}")
-            errors = [f"rank {r}: {m['error']}" for r, m in enumerate(done) if m.get("error")]
+            done = channel.gather(
+                topic, WriteReport.from_json, deadline, f"finish writing {job.storage.url}"
+            )
+            errors = [f"rank {r}: {m.error}" for r, m in enumerate(done) if m.error]
             if errors:
                 raise CheckpointError(f"save to {job.storage.url} failed; " + "; ".join(errors))
-            changed = [r for r, m in enumerate(done) if m["fp"] != job.plan.fingerprints[r]]
+            changed = [r for r, m in enumerate(done) if m.fingerprint != job.plan.fingerprints[r]]
             if changed:
                 raise CheckpointError(
                     f"rank(s) {changed} saved a state dict whose layout differs from the plan "
@@ -387,19 +423,19 @@ class CheckpointSaver:
             )
             assert metadata.storage_meta is not None, "build_metadata sets storage_meta"
             job.committed = metadata
-            outcome: dict[str, Any] = {"error": None, "save_id": metadata.storage_meta.save_id}
+            outcome = CommitOutcome(save_id=metadata.storage_meta.save_id)
             self._after_publish(job, files_of(metadata))
         except BaseException as exc:
-            outcome = {
-                "error": str(exc),
-                "timeout": isinstance(exc, PeerTimeoutError),
-                "dead": isinstance(exc, PeerDiedError),
-            }
-        channel.post(f"{job.seq}/commit", outcome)
+            outcome = CommitOutcome(
+                str(exc),
+                timeout=isinstance(exc, PeerTimeoutError),
+                dead=isinstance(exc, PeerDiedError),
+            )
+        channel.post(Topics.commit(job.seq), outcome)
         channel.forget(topic)
         if job.seq > 0:
-            channel.forget(f"{job.seq - 1}/commit", [0])
-            channel.forget(f"{job.seq - 1}/layout")
+            channel.forget(Topics.commit(job.seq - 1), [0])
+            channel.forget(Topics.layout(job.seq - 1))
 
     def _after_publish(self, job: SaveJob, kept: set[str]) -> None:
         """Once committed, a save succeeds whatever happens next: deleting the files of the
@@ -424,11 +460,18 @@ class CheckpointSaver:
             except (OSError, SlipstreamError) as exc:
                 logger.warning("could not delete replaced %s/%s: %s", job.storage.url, name, exc)
 
+    def _let_go(self, job: SaveJob) -> None:
+        """One stage of ``job`` is done with its staging buffer; the last one releases it."""
+        with job.holders_lock:
+            job.holders -= 1
+            last = job.holders == 0
+        if last:
+            self._stager.release(job)
+
     @staticmethod
     def _fail(job: SaveJob, exc: BaseException) -> None:
-        if not isinstance(exc, SlipstreamError):
-            exc = CheckpointError(f"save to {job.storage.url} failed: {exc!r}")
-        fail_unfinished(exc, job.response.staging_completion, job.response.upload_completion)
+        error = _save_error(job, exc)
+        fail_unfinished(error, job.response.staging_completion, job.response.upload_completion)
 
     def close(self) -> None:
         """Wait for the save in flight, then join every thread this saver owns."""
@@ -440,6 +483,13 @@ class CheckpointSaver:
         self._stager.close()
         self._writer.close()
         self.channel.close()
+
+
+def _save_error(job: SaveJob, exc: BaseException) -> BaseException:
+    """``exc`` as the save's error: slipstream's own errors as they are, others wrapped."""
+    if isinstance(exc, SlipstreamError):
+        return exc
+    return CheckpointError(f"save to {job.storage.url} failed: {exc!r}")
 
 
 def _committed(storage: Storage) -> Metadata | None:

@@ -26,6 +26,7 @@ import copy
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from ..core.buffers import allocate_host
 from ..core.flatten import flatten, unflatten
 from ..errors import CheckpointError, PeerTimeoutError
 from .layout import LayoutSignature, LocalLayout, local_layout, resolve_stateful
+from .messages import LayoutDescription
 from .plan import RecordPlan, SavePlan, make_save_plan
 from .record_copy import copy_records, record_view
 
@@ -204,7 +206,7 @@ def stage(state_dict: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT) -> St
         if stream is not None:
             stream.synchronize()
     views = {rec.chunk.record_key: record_view(buffer.image, rec) for rec in buffer.plan.records}
-    staged = LocalLayout(layout.chunks, views, copy.deepcopy(layout.values), layout.paths)
+    staged = replace(layout, tensors=views, values=copy.deepcopy(layout.values))
     tree = unflatten({**_leaves(staged, flat), **staged.values}, layout.paths)
     return StagedState(tree, staged, buffer, generation, seconds=time.perf_counter() - started)
 
@@ -218,7 +220,7 @@ def _buffer_for(layout: LocalLayout) -> _Buffer:
         for key in [k for k, b in _buffers.items() if k != signature and not b.holders]:
             del _buffers[key]
         if buffer is None:
-            plan = make_save_plan(0, [layout.describe()], [layout.fingerprint()])
+            plan = make_save_plan(0, [LayoutDescription.of(layout)], [layout.fingerprint()])
             pin = torch.cuda.is_available() and any(
                 streams.is_accelerator(t.device) for t in layout.tensors.values()
             )

@@ -7,7 +7,8 @@ accelerator, on a side stream that first waits on the event recorded at the call
 advances the job's watermark as records land, so writing starts before staging ends.
 
 Invariant: a save's buffer is not handed to another save until :meth:`Stager.release`
-(the saver releases it once the save's writes are done).
+(the saver releases it once both the save's staging and its writes have ended, failed or
+not, and before the save's outcome reaches the caller).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..core.buffers import StagingBudgetError, StagingPool
 from ..core.handles import completed_future
 from ..core.threads import lower_thread_priority
 from ..core.waits import wait_future
+from ..errors import CheckpointError
 from .layout import LocalLayout
 from .options import SaveOptions
 from .plan import RecordPlan
@@ -77,6 +79,11 @@ class Stager:
         side stream has finished.
         """
         try:
+            if job.abandoned is not None:
+                raise CheckpointError(
+                    f"staging of {job.storage.url} skipped: the save already failed "
+                    f"({job.abandoned})"
+                )
             buf = self._buffer(job)
             job.buffer = buf
             job.progress.advance(0)
@@ -133,7 +140,8 @@ class Stager:
         job.response.staging_completion.set_result(None)
 
     def release(self, job: SaveJob) -> None:
-        """The save's writes are done: its buffer (or snapshot) may serve the next save."""
+        """The save's staging and writes have ended: its buffer (or snapshot) may serve the
+        next save."""
         self._pool.release(job.fingerprint)
         if job.snapshot is not None and job.snapshot_hold is not None:
             job.snapshot.release(job.snapshot_hold)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Any
 
 from ..core import tracing
 from ..core.buffers import byte_view
 from ..core.checksum import block_checksums, checksum
 from ..core.threads import lower_thread_priority
 from ..errors import PeerTimeoutError
+from .messages import ValueEntry, WriteReport
 from .options import SaveOptions
 from .save_job import SaveJob
 from .storage import DataWriter
@@ -41,7 +41,7 @@ class RankWriter:
         with tracing.span("slipstream.save.write_piece", start=start, end=end):
             out.write(start, end)
 
-    def write(self, job: SaveJob) -> dict[str, Any]:
+    def write(self, job: SaveJob) -> WriteReport:
         """Write the staged image as it fills, then the values; make it durable; return the
         report. A failure aborts the writer, removing what it wrote.
 
@@ -74,16 +74,16 @@ class RankWriter:
             except BaseException:
                 out.abort()
                 raise
-        return {"fp": job.fingerprint, "records": records, "values": values, "error": None}
+        return WriteReport(job.fingerprint, records, values)
 
     @staticmethod
-    def _append_values(job: SaveJob, out: DataWriter, cursor: int) -> dict[str, list[str | int]]:
+    def _append_values(job: SaveJob, out: DataWriter, cursor: int) -> dict[str, ValueEntry]:
         """Write this rank's plain values after its tensor records; return their index."""
-        values: dict[str, list[str | int]] = {}
+        values: dict[str, ValueEntry] = {}
         for fqn in job.plan.my_values():
             data = job.values[fqn]
             out.append(memoryview(data), cursor)
-            values[fqn] = [job.file, cursor, len(data), checksum(data)]
+            values[fqn] = ValueEntry(job.file, cursor, len(data), checksum(data))
             cursor += len(data)
         return values
 

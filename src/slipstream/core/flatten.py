@@ -5,6 +5,10 @@ when it holds a tensor or a non-leaf container; tuples and everything else are l
 leaf's flat name is its path joined with dots, e.g. ``("optim", "state", 0, "exp_avg")``
 becomes ``"optim.state.0.exp_avg"``. Keeping DCP's rules is what lets ``dcp.load`` read
 what slipstream writes and the other way round.
+
+DCP's names and paths keep no key types (an ``int`` key becomes ``"0"``, as a ``"0"`` key
+does). :func:`flatten` can report them on the side (:data:`KeyTypes`), for a reader that
+wants the original keys back (``load_all``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from typing import Any
 import torch
 
 Path = tuple[str | int, ...]
+
+KEY_TYPES: dict[type, str] = {int: "int", bool: "bool", float: "float"}
+"""The non-string mapping keys whose type is recorded, by the name recorded."""
+KeyTypes = dict[str, list[str | None]]
+"""Flat name -> per element of its path, the recorded type of a mapping key that was not a
+string (``None`` for a string key or a list index); only names with such a key appear."""
 
 
 def _is_mapping(value: Any) -> bool:
@@ -40,32 +50,61 @@ def _is_leaf(value: Any) -> bool:
     return True
 
 
-def flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Return ``(flat, paths)``: flat name -> leaf value, flat name -> original path."""
+def flatten(
+    state_dict: Mapping[str, Any], key_types: KeyTypes | None = None
+) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Return ``(flat, paths)``: flat name -> leaf value, flat name -> original path.
+
+    Given ``key_types``, fill it with the types of the non-string keys (see :data:`KeyTypes`).
+    """
     flat: dict[str, Any] = {}
     paths: dict[str, Path] = {}
+    typed: dict[int, str] = {}  # depth -> recorded type of the key at that depth, on the way
 
     def visit(path: Path, name: str, value: Any) -> None:
         if _is_mapping(value):
             for k, v in value.items():
-                key = str(k)
-                visit(path + (key,), f"{name}.{key}", v)
+                if type(k) is str:
+                    visit(path + (k,), f"{name}.{k}", v)
+                else:
+                    key = str(k)
+                    typed[len(path)] = KEY_TYPES.get(type(k), "")
+                    visit(path + (key,), f"{name}.{key}", v)
+                    del typed[len(path)]
         elif _is_leaf(value):
             if name in flat:
                 raise ValueError(f"two entries of the state dict flatten to the same key {name!r}")
             flat[name] = value
             paths[name] = path
+            if typed and key_types is not None:
+                kinds = [typed.get(depth) or None for depth in range(len(path))]
+                if any(kinds):
+                    key_types[name] = kinds
         else:
             for i, v in enumerate(value):
                 visit(path + (i,), f"{name}.{i}", v)
 
     for key, value in state_dict.items():
-        visit((str(key),), str(key), value)
+        if type(key) is str:
+            visit((key,), key, value)
+        else:
+            typed[0] = KEY_TYPES.get(type(key), "")
+            visit((str(key),), str(key), value)
+            del typed[0]
     return flat, paths
 
 
+def _existing_key(node: Any, key: str | int) -> Any:
+    """The key of mapping ``node`` that ``key`` (a path element: keys as strings) names:
+    ``key`` itself, or an existing non-string key whose string it is (``0`` for ``"0"``)."""
+    if key in node or not isinstance(key, str):
+        return key
+    return next((k for k in node if type(k) is not str and str(k) == key), key)
+
+
 def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
-    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed."""
+    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed;
+    an existing mapping key is found by its string (a path holds keys as strings)."""
     node: Any = root
     for here, nxt in zip(path[:-1], path[1:], strict=True):
         if isinstance(node, list):
@@ -76,15 +115,18 @@ def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
                 node[here] = [] if isinstance(nxt, int) else {}
             node = node[here]
         else:
-            if here not in node:
-                node[here] = [] if isinstance(nxt, int) else {}
-            node = node[here]
+            key = _existing_key(node, here)
+            if key not in node:
+                node[key] = [] if isinstance(nxt, int) else {}
+            node = node[key]
     last = path[-1]
     if isinstance(node, list):
         assert isinstance(last, int), f"list index {last!r} in path {path}"
         while len(node) <= last:
             node.append(None)
-    node[last] = value
+        node[last] = value
+    else:
+        node[_existing_key(node, last)] = value
 
 
 def unflatten(flat: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, Any]:

@@ -1,0 +1,223 @@
+"""Lightning checkpoints through slipstream: ``Trainer(plugins=[SlipstreamCheckpointIO()])``.
+
+Lightning hands its ``CheckpointIO`` the whole checkpoint dict on global rank 0 only
+(``Strategy.save_checkpoint``), names it by a file path (``epoch=1-step=20.ckpt``), and
+removes older ones as ``ModelCheckpoint`` rotates its top-k and ``last`` files.
+:class:`SlipstreamCheckpointIO` writes a slipstream (DCP-format) checkpoint *directory* at
+that path, as one process alone (``no_dist``: no other rank takes part), and keeps these
+invariants:
+
+- ``save_checkpoint`` returns once the state is staged: the model and optimizer may change
+  from then on; the write goes on in the background. The path exists (as a directory) when
+  it returns, as a file would after ``torch.save``, so ``ModelCheckpoint``'s existence
+  checks see it.
+- A save over an existing checkpoint never leaves a half-written one: the old one stays
+  committed until the new one replaces it atomically (see slipstream's generations).
+- ``remove_checkpoint``, ``load_checkpoint`` and a later save to a path wait for the save
+  in flight to that path first; ``teardown`` waits for every save. A save that failed in the
+  background is raised, naming its path, by the next call that waits on it, the next
+  ``save_checkpoint``, or ``teardown``.
+- ``load_checkpoint`` returns the dict Lightning saved, with its original types (int keys
+  of optimizer state, hyper-parameter dataclasses, enums, omegaconf containers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+except ImportError as exc:  # pragma: no cover - exercised only without lightning installed
+    raise ImportError(
+        "slipstream.integrations.lightning needs the Lightning package: pip install lightning"
+    ) from exc
+
+import slipstream as ss
+from slipstream.errors import CheckpointError
+from slipstream.integrations import mapping_types
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 600.0
+
+
+@dataclass
+class _Pending:
+    """A save in flight, and whether it made its path (to remove again if it fails)."""
+
+    response: ss.AsyncSaveResponse
+    created: bool
+    storage_options: dict[str, Any] | None
+
+
+class SlipstreamCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that stages a checkpoint and writes it in the background.
+
+    ``timeout`` (seconds) bounds each wait on a save: its staging, and its completion before
+    a removal, a load or ``teardown``. ``storage_options`` configure an object store
+    (``s3://``, ``gs://``, ``az://`` paths; see docs/storage.md). ``trusted`` names further
+    classes a checkpoint's plain values may hold (as ``ss.load``'s ``trusted``);
+    ``load_checkpoint(..., weights_only=False)`` trusts everything, as ``torch.load`` does.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        storage_options: dict[str, Any] | None = None,
+        trusted: Any = None,
+    ) -> None:
+        self.timeout = timeout
+        self.storage_options = storage_options
+        self.trusted = trusted
+        self._in_flight: dict[str, _Pending] = {}
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Stage ``checkpoint`` for ``path`` and return; the write goes on in the background."""
+        key = _key(path)
+        self._raise_finished_failures()
+        self._wait_for(key)  # a save over one in flight: the first's failure is not lost
+        options = storage_options if storage_options is not None else self.storage_options
+        fs = get_filesystem(key, **(options or {}))
+        if fs.isfile(key):
+            raise CheckpointError(
+                f"{key} is a file (a checkpoint written by another CheckpointIO?); "
+                "SlipstreamCheckpointIO writes a directory there: remove the file or save "
+                "under another name"
+            )
+        created = not fs.exists(key)
+        fs.makedirs(key, exist_ok=True)
+        try:
+            state = {**checkpoint, mapping_types.RECORD_KEY: mapping_types.record(checkpoint)}
+            response = ss.async_save(
+                state, checkpoint_id=key, no_dist=True, storage_options=options
+            )
+        except BaseException:
+            if created:  # nothing was written: leave no directory that looks like a checkpoint
+                fs.rm(key, recursive=True)
+            raise
+        self._in_flight[key] = _Pending(response, created, options)
+        try:
+            response.staging_completion.result(self.timeout)
+        except FutureTimeoutError:
+            raise CheckpointError(
+                f"staging the checkpoint for {key} did not finish within {self.timeout:g} s"
+            ) from None
+        except BaseException as exc:
+            self._failed(key, exc)
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The dict saved at ``path`` (after the save in flight to it, if any, is done).
+
+        A file at ``path`` (a checkpoint from ``TorchCheckpointIO``) is read with
+        ``torch.load``, so a run can switch to slipstream and resume from its old
+        checkpoints. ``map_location``: a device (or its name) every tensor moves to, a dict
+        mapping ``"cpu"`` to one, or a function called as ``fn(tensor, "cpu")``.
+        """
+        key = _key(path)
+        self._wait_for(key)
+        fs = get_filesystem(key, **(self.storage_options or {}))
+        if not fs.exists(key):
+            raise FileNotFoundError(f"Checkpoint not found: {key}")
+        if fs.isfile(key):
+            return TorchCheckpointIO().load_checkpoint(
+                key, map_location=map_location, weights_only=weights_only
+            )
+        trusted = True if weights_only is False else self.trusted
+        checkpoint = ss.load_all(key, trusted=trusted, storage_options=self.storage_options)
+        mapping_types.restore(checkpoint, checkpoint.pop(mapping_types.RECORD_KEY, ()))
+        if map_location is None:
+            return checkpoint
+        return _map_tensors(checkpoint, map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path``, after the save in flight to it, if any, is done."""
+        key = _key(path)
+        self._wait_for(key)
+        fs = get_filesystem(key, **(self.storage_options or {}))
+        if fs.exists(key):
+            fs.rm(key, recursive=True)
+            logger.debug("removed checkpoint %s", key)
+
+    def teardown(self) -> None:
+        """Wait for every save in flight; raise the first failure, naming its path."""
+        failures = []
+        for key in list(self._in_flight):
+            try:
+                self._wait_for(key)
+            except CheckpointError as exc:
+                failures.append(exc)
+        if failures:
+            if len(failures) > 1:
+                logger.error("further checkpoint failures: %s", failures[1:])
+            raise failures[0]
+
+    def _wait_for(self, key: str) -> None:
+        pending = self._in_flight.get(key)
+        if pending is None:
+            return
+        try:
+            pending.response.upload_completion.result(self.timeout)
+        except FutureTimeoutError:
+            raise CheckpointError(
+                f"the save to {key} did not finish within {self.timeout:g} s "
+                "(SlipstreamCheckpointIO(timeout=...) sets how long to wait)"
+            ) from None
+        except BaseException as exc:
+            self._failed(key, exc)
+        del self._in_flight[key]
+
+    def _failed(self, key: str, exc: BaseException) -> None:
+        """Forget the failed save to ``key`` and raise its error; a path it made goes too
+        (the saver removed what it wrote), so no empty directory passes for a checkpoint;
+        a checkpoint it was saving over stays as it was."""
+        pending = self._in_flight.pop(key)
+        if pending.created:
+            fs = get_filesystem(key, **(pending.storage_options or {}))
+            if fs.exists(key):
+                fs.rm(key, recursive=True)
+        raise CheckpointError(f"saving the checkpoint {key} failed: {exc}") from exc
+
+    def _raise_finished_failures(self) -> None:
+        for key, pending in list(self._in_flight.items()):
+            if pending.response.upload_completion.done():
+                self._wait_for(key)
+
+
+def _key(path: Any) -> str:
+    text = os.fspath(path)
+    return text if "://" in text else os.path.abspath(text)
+
+
+def _map_tensors(value: Any, map_location: Any) -> Any:
+    """``value`` with every tensor moved as ``map_location`` says (containers in place)."""
+    if isinstance(value, torch.Tensor):
+        if callable(map_location):
+            mapped = map_location(value, "cpu")
+            return mapped if isinstance(mapped, torch.Tensor) else value
+        if isinstance(map_location, dict):
+            target = map_location.get("cpu")
+            return value if target is None else value.to(target)
+        return value.to(map_location)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _map_tensors(v, map_location)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            value[i] = _map_tensors(v, map_location)
+    return value

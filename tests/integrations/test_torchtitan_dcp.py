@@ -1,0 +1,168 @@
+"""torchtitan 0.3.0's real ``CheckpointManager`` with its module's ``dcp`` bound to
+``slipstream.dcp``, nothing else changed, on 2 gloo ranks.
+
+Each mode trains 4 steps saving every 2, then new processes resume from the latest
+checkpoint and train 4 more; the final weights must equal, bit for bit, those of one run of
+8 steps that never stopped. The state is torchtitan's own: its ``ModelWrapper``, its
+``OptimizersContainer`` (AdamW, FQN-flattened state) and ``LRSchedulersContainer``
+(warmup), and a dataloader-like ``Stateful`` that saves one key per data-parallel rank
+as torchtitan's ``ParallelAwareDataloader`` does (so each rank's resume meets a key it did
+not ask for). ``async_with_pinned_mem`` runs the call as torchtitan makes it, with a stager
+without pinned memory set up front (pinned memory needs an accelerator).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_workers
+from torch.distributed.checkpoint.stateful import Stateful
+
+STEPS = 8
+INTERRUPTED_AT = 4
+FEATURES = 8
+
+
+class _Data(Stateful):
+    """A data stream per rank that resumes where it stopped; its state has one key per
+    data-parallel rank, as torchtitan's ``ParallelAwareDataloader``'s has."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self.position = rank, world_size, 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 * self.rank + self.position)
+        self.position += 1
+        inputs = torch.randn(4, FEATURES, generator=generator)
+        return inputs, inputs.sum(dim=1, keepdim=True)
+
+    def state_dict(self) -> dict:
+        return {
+            f"dp_rank_{self.rank}": pickle.dumps({"position": self.position}),
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        assert state_dict["world_size"] == self.world_size
+        self.position = pickle.loads(state_dict[f"dp_rank_{self.rank}"])["position"]
+
+
+class _TrainState(Stateful):
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = int(state_dict["step"])
+
+
+def _train(rank: int, world_size: int, folder: str, mode: str, stop: int, out: str) -> None:
+    import torchtitan.components.checkpointer.dcp as titan
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    import slipstream.dcp
+
+    titan.dcp = slipstream.dcp  # the one change: the module's DCP is slipstream's
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    )
+    optimizers = OptimizersContainer(
+        OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.01}
+                )
+            ],
+            implementation="for-loop",
+        ),
+        model_parts=[model],
+    )
+    schedulers = LRSchedulersContainer.Config(warmup_steps=3).build(
+        optimizers=optimizers, training_steps=STEPS
+    )
+    data, train_state = _Data(rank, world_size), _TrainState()
+    manager = None
+    if mode != "none":
+        config = titan.CheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=2,
+            async_mode=mode,
+            keep_latest_k=0,
+            last_save_model_only=False,
+        )
+        manager = titan.CheckpointManager(
+            config,
+            dataloader=data,
+            model_parts=[model],
+            optimizers=optimizers,
+            lr_schedulers=schedulers,
+            states={"train_state": train_state},
+            sd_adapter=None,
+            base_folder=folder,
+        )
+        if mode == "async_with_pinned_mem":
+            # torchtitan makes a pinned, shared-memory stager on its first save; on a CPU
+            # machine the same call gets one that stages on its thread without pinning.
+            manager.stager = DefaultStager(StagingOptions(False, False, True, False))
+        manager.load()
+    resumed_at = train_state.step
+    try:
+        while train_state.step < stop:
+            train_state.step += 1
+            inputs, targets = data.next_batch()
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+            optimizers.step()
+            schedulers.step()
+            optimizers.zero_grad()
+            if manager is not None:
+                manager.save(train_state.step, last_step=train_state.step == STEPS)
+                # torchtitan's trainer waits for staging before the next step's update
+                manager.maybe_wait_for_staging()
+        if manager is not None:
+            manager.maybe_wait_for_saving()
+    finally:
+        if manager is not None:
+            manager.close()
+    if rank == 0:
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save({"weights": weights, "resumed_at": resumed_at}, out)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("reference")
+    out = str(root / "weights.pt")
+    run_workers(_train, 2, str(root), "none", STEPS, out, timeout=120)
+    return torch.load(out)["weights"]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
+def test_resume_from_latest_matches_an_uninterrupted_run(tmp_path, uninterrupted, mode):
+    first = str(tmp_path / "first.pt")
+    run_workers(_train, 2, str(tmp_path), mode, INTERRUPTED_AT, first, timeout=120)
+    saved = sorted(os.listdir(tmp_path / "checkpoint"))
+    assert saved == ["step-2", "step-4"], saved
+    assert os.path.exists(tmp_path / "checkpoint" / "step-4" / ".slipstream.json")
+    final = str(tmp_path / "final.pt")
+    run_workers(_train, 2, str(tmp_path), mode, STEPS, final, timeout=120)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4", "step-6", "step-8"]
+    got, interrupted = torch.load(final), torch.load(first)["weights"]
+    assert got["resumed_at"] == INTERRUPTED_AT, "the new processes did not resume"
+    assert any(not torch.equal(interrupted[k], uninterrupted[k]) for k in uninterrupted)
+    for name, want in uninterrupted.items():
+        assert torch.equal(got["weights"][name], want), name
