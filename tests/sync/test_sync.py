@@ -396,6 +396,11 @@ def _dtensor_run(rank, port, mesh_port):
                 if mode == "cached":  # serve the rollouts' refetches from both caches
                     keys = {r: f"test/{channel}/refetched/{r}" for r in (2, 3)}
                     group.wait_keys(keys, "the rollouts' refetches", 20)
+                doubled = (  # streamed: each DTensor made, then gathered, as it is yielded
+                    (n, distribute_tensor(t * 2, mesh, [Shard(0)]) if n != "bias" else t * 2)
+                    for n, t in base.items()
+                )
+                pub.publish(doubled, version=8).delivered.result(timeout=20)
         else:
             target = nn.Module()
             for n, t in base.items():
@@ -409,8 +414,11 @@ def _dtensor_run(rank, port, mesh_port):
                         b.zero_()
                     assert sub.refetch(target) == 7  # each trainer sends the buckets it owns
                     group.set_json(f"test/{channel}/refetched/{rank}", True)
+                    for n, t in base.items():
+                        assert same_bytes(target.get_buffer(n), t), (mode, n)
+                assert sub.receive(target) == 8
             for n, t in base.items():
-                assert same_bytes(target.get_buffer(n), t), (mode, n)
+                assert same_bytes(target.get_buffer(n), t * 2), (mode, n)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     group.close()

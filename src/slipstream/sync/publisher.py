@@ -1,11 +1,10 @@
 """The trainer side: :class:`WeightPublisher`, one publish round after another.
 
-A publish is one round of the protocol in :mod:`.protocol`: the lead trainer
-(``trainer_ranks[0]``) gathers the requests of the rollouts that take part, leaving out any
-found dead, and starts the round (version, plan, epoch, members); each trainer packs the
-buckets it owns and sends them over the epoch's transport (built by
-:mod:`.negotiation` when the members change); the members acknowledge. In ``cached`` mode
-the caller's thread only snapshots into the host cache (:mod:`.cache`) and the worker
+A publish is one round of the protocol in :mod:`.protocol`, run by :mod:`.trainer_round`
+(who takes part, the epoch's transport, the acknowledgements, giving a broken round up);
+this module reads the caller's tensors (a mapping, or an iterator as it yields:
+:mod:`.stream`) and packs and sends the buckets this rank owns. In ``cached`` mode
+the caller's thread only snapshots into the host cache (:mod:`.host_cache`) and the worker
 thread runs the round from it, serving rollouts that ask again meanwhile.
 
 Rollouts that die or come back: a rollout found dead (its process gone, or its heartbeat
@@ -34,31 +33,31 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
-from ..checkpoint.snapshot import StagedState
 from ..core import tracing
-from ..core.control_plane import died_error
 from ..core.handles import fail_unfinished
-from ..errors import MissingRanksError, PeerDiedError, PeerTimeoutError, SyncError
+from ..core.holds import Holdable
+from ..errors import PeerTimeoutError, SyncError
 from .aliases import named_items, unique_tensors
-from .cache import HostCache, RefetchServer, send_bucket
 from .delta import BucketDelta, DeltaStats, Differ
 from .group import SyncGroup
+from .host_cache import HostCache
 from .negotiation import (
     HEADER_CAP,
     TRANSPORTS,
-    build_sender,
     candidates,
-    epoch_tag,
     negotiate,
 )
-from .packing import NO_BYTES, BucketSources, pack_slices, packs_any
+from .packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
 from .plan import BucketPlan, TensorSpec, layout_json
-from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
-from .transport import Sender, let_go
+from .protocol import Keys, Request
+from .refetch import RefetchServer
+from .sending import send_bucket
+from .stream import StreamSources
+from .trainer_round import TrainerRound
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +67,6 @@ MODES = ("direct", "cached")
 #: tensors, as with ``delta=False``; the next one refreshes the copy and the one after
 #: diffs again), in ``cached`` mode they copy into the cache without comparing.
 PLAIN_AFTER_NO_GAIN = 8
-#: How long a trainer whose transfer broke looks for the rank that broke it (a process of
-#: this host is seen gone at once; one elsewhere once its heartbeat has been still).
-FIND_DEAD_GRACE = 4.0
 
 
 @dataclass
@@ -156,7 +152,8 @@ class WeightPublisher:
     dtype, e.g. tied embeddings in ``model.state_dict()``) are sent once; the plan lists
     their other names and the rollouts apply them under each.
 
-    Invariants: versions strictly increase; a round starts only once every rollout not
+    Invariants: versions strictly increase (a repeated or lower one is refused before
+    anything is sent); a round starts only once every rollout not
     found dead asked for it; ``staged`` resolves only after the last byte this rank reads
     from the caller's tensors has been copied, sent or read by every member.
     """
@@ -212,15 +209,6 @@ class WeightPublisher:
         self._last_round: Future[int] | None = None
         self._jobs: queue.Queue[tuple[Callable[[], int], PublishHandle, int] | None] = queue.Queue()
         self._closed = False
-        self._sender: Sender | None = None
-        self._sent_by_old_senders = 0
-        self._epoch = -1
-        self._members: list[int] = []
-        self._lives: dict[str, int] = {}
-        self._broken = False
-        self._live_round = -1
-        self._acked_whole: set[int] = set()
-        """Members whose acknowledgement of the live round said their transfer was whole."""
         self._offer = negotiate(
             self.group,
             self.rollout_ranks,
@@ -234,6 +222,14 @@ class WeightPublisher:
         self.transport = self._offer.kind
         assert self._offer.shape is not None
         self.separate_min_bytes = self._offer.shape.separate_min
+        self._rounds = TrainerRound(
+            self.group,
+            self.trainer_ranks,
+            self.rollout_ranks,
+            self._offer,
+            self.timeout,
+            self.rollout_versions,
+        )
         self._cache = HostCache(self.rank, self.timeout)
         self._refetch = RefetchServer(
             self.group,
@@ -254,9 +250,16 @@ class WeightPublisher:
     def publish(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: int,
+        version: int | None = None,
     ) -> PublishHandle:
         """Send ``named_tensors`` as ``version`` to every rollout not found dead.
+
+        ``version``: left out (``None``), the next number: one more than the last version
+        published, 0 for the first (:attr:`next_version`; ``handle.version`` holds it). A
+        version given must be larger than the last: a repeated or lower one is refused with
+        ``ValueError`` before anything is sent or read, and the publisher and the group stay
+        as they were (a framework whose step numbers may repeat passes ``None``). So a
+        rollout only ever moves forward: every version it holds is newer than the last.
 
         ``direct``: returns once nothing more is read from ``named_tensors`` (``staged``
         resolved): this rank packed its last bucket and the slices sent straight from the
@@ -267,40 +270,67 @@ class WeightPublisher:
         is smaller (``handle.timings`` reports the dense bytes, the changed fraction and the
         diff's time). ``named_tensors`` may be (part of) a snapshot from
         :func:`slipstream.stage`: it is held, so not restaged, while this call reads it.
+
+        Streaming: ``named_tensors`` that is neither a mapping nor a list or tuple (a
+        generator, say one that gathers a ``full_tensor()`` per step) is read as it
+        yields once the layout is known, from :meth:`set_layout` or the last publish:
+        buckets are packed and sent as their tensors come, and a yielded tensor is let
+        go once its last bucket is packed, so about two buckets' worth of them are alive
+        at once, never the whole model. It must yield the layout's tensors in its order,
+        under their names, shapes and dtypes (tied names may follow the tensor they share,
+        and are skipped); anything else fails the publish with
+        :class:`~slipstream.sync.stream.LayoutMismatch` naming the tensor (the round is
+        given up for every rollout, and the next publish goes on). Without a layout, the
+        first iterator is read whole (as a mapping would be) and gives its layout.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"versions must increase: got {version} after {self._last_version}")
-        items = named_items(named_tensors)
+        if version is None:
+            version = self.next_version
+        elif self._last_version is not None and version <= self._last_version:
+            raise ValueError(
+                f"versions must increase: got {version} after {self._last_version} (pass "
+                f"version=None for the next one, {self.next_version}); nothing was sent"
+            )
+        streamed = self._plan is not None and not isinstance(named_tensors, (Mapping, Sequence))
+        items = [] if streamed else named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
-        sent_before = self._bytes_sent()
-        snapshot = named_tensors if isinstance(named_tensors, StagedState) else None
+        sent_before = self._rounds.sent_bytes()
+        snapshot = named_tensors if isinstance(named_tensors, Holdable) else None
         hold = snapshot.hold(f"publish of version {version}") if snapshot is not None else None
         try:
-            specs, tensors = unique_tensors(items)
-            plan = self._plan_for(specs)
-            k = self._round
-            self._round += 1
+            sources: Sources
+            if streamed:
+                assert self._plan is not None
+                plan = self._plan_for(self._plan.specs)
+                sources = StreamSources(plan, iter(cast(Iterable[Any], named_tensors)), self.rank)
+            else:
+                specs, tensors = unique_tensors(items)
+                plan = self._plan_for(specs)
+                sources = BucketSources(plan, tensors, self.rank)
             self._last_version = version
             job: Callable[[], int]
             handle.timings.dense_bytes = sum(plan.buckets[g].nbytes for g in plan.owned(self.rank))
             if self.mode == "direct":
-                start, requests = self._start_round(k, version, plan, handle)
-                sources = BucketSources(plan, tensors, self.rank)
-                self._guarded(
+                k = self._round
+                self._round += 1
+                start, requests = self._rounds.start(k, version, plan)
+                handle.absent = {int(r): why for r, why in start.absent.items()}
+                self._rounds.guarded(
                     k,
                     start,
                     lambda: self._pack_and_send(plan, sources, requests, version, handle.timings),
                 )
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
-                job = functools.partial(self._finish_round, k, start)
+                job = functools.partial(self._rounds.finish, k, start)
             else:
                 differ = self._differ if self._plain_publishes == 0 else None
                 self._plain_publishes = max(0, self._plain_publishes - 1)
-                peak, deltas, stats = self._cache.snapshot(plan, tensors, version, differ)
+                peak, deltas, stats = self._cache.snapshot(plan, sources, version, differ)
+                k = self._round  # taken once the snapshot is whole: a failed one starts no round
+                self._round += 1
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
                 _record_diff(handle.timings, stats)
                 self._note_gain(stats)
@@ -318,6 +348,16 @@ class WeightPublisher:
         handle.timings.blocked = handle.elapsed()
         return handle
 
+    def set_layout(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Fix the layout (names, global shapes, dtypes, ties) that streamed publishes must
+        follow, from tensors shaped as the published ones will be: e.g. the model's
+        ``state_dict()`` (DTensors give their global shape; meta tensors are fine, though
+        their ties cannot be seen). Nothing is read from their bytes and nothing is sent."""
+        specs, _ = unique_tensors(named_items(named_tensors))
+        self._plan_for(specs)
+
     def _wait_previous_round(self) -> None:
         previous = self._last_round
         if previous is None:
@@ -330,7 +370,7 @@ class WeightPublisher:
                 f"{self.timeout:.1f} s; rollout versions: {self.rollout_versions}"
             ) from None
 
-    def _plan_for(self, specs: list[TensorSpec]) -> BucketPlan:
+    def _plan_for(self, specs: Sequence[TensorSpec]) -> BucketPlan:
         plan = self._plan
         if plan is None or plan.specs != tuple(specs):
             plan = BucketPlan.build(specs, self.bucket_bytes, self.trainer_ranks)
@@ -348,188 +388,6 @@ class WeightPublisher:
             )
             self._announced.add(plan.plan_id)
         return plan
-
-    # ------------------------------------------------------------------------------- rounds
-    def _start_round(
-        self,
-        k: int,
-        version: int,
-        plan: BucketPlan,
-        handle: PublishHandle,
-        idle: Callable[[], None] | None = None,
-    ) -> tuple[RoundStart, dict[int, Request]]:
-        """Agree on round ``k``: its members (the lead trainer waits for every rollout not
-        found dead to ask; the others read the lead's decision), and the epoch, whose
-        transport this rank builds when it is new. Returns the round and each member's
-        request (what it holds). ``idle`` runs while the lead waits."""
-        self._live_round = k
-        self._acked_whole = set()
-        requests: dict[int, Request] = {}
-        if self.rank == self.leader:
-            start, requests = self._gather_round(k, version, plan, idle)
-        else:
-            what = f"lead trainer rank {self.leader} to start round {k}"
-            start = decode(
-                RoundStart, self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
-            )
-            if start.cancelled:
-                raise SyncError(f"round {k} was cancelled by the lead trainer: {start.cancelled}")
-            if (start.version, start.plan) != (version, plan.plan_id):
-                raise SyncError(
-                    f"trainer rank {self.rank} publishes version {version} (plan "
-                    f"{plan.plan_id}) but lead trainer rank {self.leader} publishes version "
-                    f"{start.version} (plan {start.plan}) in round {k}: ranks disagree on the "
-                    "version or on the tensors' names/shapes/dtypes"
-                )
-        handle.absent = {int(r): why for r, why in start.absent.items()}
-        for r in handle.absent:
-            self.rollout_versions[r] = None
-        if not requests:  # the lead read them while gathering the round
-            requests = {
-                r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-                for r in start.members
-            }
-        if start.epoch != self._epoch:
-            self._guarded(k, start, lambda: self._enter_epoch(start))
-        return start, requests
-
-    def _gather_round(
-        self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
-    ) -> tuple[RoundStart, dict[int, Request]]:
-        """The lead's side of :meth:`_start_round`: wait for the requests, post the round;
-        returns it with the members' requests."""
-        self.group.post(Keys.NEXT_ROUND, str(k))
-        try:
-            absent = self.group.wait_keys(
-                {r: Keys.request(r, k) for r in self.rollout_ranks},
-                f"rollouts to ask for version {version} (round {k})",
-                self.timeout,
-                idle=idle,
-                drop_dead=True,
-            )
-        except MissingRanksError as exc:
-            cancelled = RoundStart(version, plan.plan_id, self._epoch, [], cancelled=str(exc))
-            self.group.post(Keys.round(k), encode(cancelled))
-            raise
-        lives = {}
-        asked_by: dict[int, Request] = {}
-        for r in self.rollout_ranks:
-            if r in absent:
-                continue
-            asked = decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-            now = self.group.member(r).incarnation
-            if asked.incarnation != now:  # asked by a process that was replaced since
-                absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
-            else:
-                lives[str(r)] = now
-                asked_by[r] = asked
-        absent.update(self.group.dead([int(r) for r in lives]))
-        members = [r for r in self.rollout_ranks if r not in absent]
-        lives = {str(r): lives[str(r)] for r in members}
-        epoch = self._epoch
-        if lives != self._lives or self._broken or self._epoch < 0:
-            epoch = self._epoch + 1
-        if absent:
-            logger.warning(
-                "trainer rank %d: version %d goes to rollout rank(s) %s only; left out: %s",
-                self.rank,
-                version,
-                members,
-                absent,
-            )
-        start = RoundStart(
-            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
-        )
-        self.group.post(Keys.round(k), encode(start))
-        self.group.post(Keys.NEXT_ROUND, str(k + 1))
-        return start, {r: asked_by[r] for r in members}
-
-    def _enter_epoch(self, start: RoundStart) -> None:
-        """Drop the last epoch's transport and build this rank's sender for ``start``'s."""
-        self._drop_sender()
-        if start.members:
-            self._sender = build_sender(
-                self.group, self._offer, start.epoch, start.members, self.timeout, self._watch
-            )
-        self._epoch, self._members, self._broken = start.epoch, list(start.members), False
-        self._lives = dict(start.lives)
-
-    def _drop_sender(self) -> None:
-        """Let the current epoch's transport go: its process group's connections close."""
-        sender = self._sender
-        if sender is None:
-            return
-        self._sender = None
-        self._sent_by_old_senders += sender.bytes_sent
-        sender.close()
-        self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch))
-
-    def _watch(self) -> None:
-        """Raise when the current round was given up by another trainer, or a member's
-        transfer broke (a ring wait runs this: such a member frees no slot again)."""
-        k = self._live_round
-        if k < 0:
-            return
-        if self.group.has(Keys.abort(k)):
-            abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
-            raise abort.as_error(k)
-        for r in self._members:
-            if r not in self._acked_whole and self.group.has(Keys.ack(r, k)):
-                ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
-                if ack.broken:
-                    raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
-                self._acked_whole.add(r)
-
-    def _guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
-        """Run one step of round ``k``; when it fails, give the round up for everyone."""
-        try:
-            return step()
-        except BaseException as exc:
-            raise self._give_up(k, start, exc) from exc
-
-    def _give_up(self, k: int, start: RoundStart, exc: BaseException) -> BaseException:
-        """Give round ``k`` up: drop the epoch's transport (freeing every member blocked on
-        it), post the abort naming the members found dead, and return the error to raise:
-        the dead rank as its subject when one is found, else the members' own refusals."""
-        self._broken = True
-        self._drop_sender()
-        let_go(exc)
-        dead, refused = self._culprits(k, start, exc)
-        try:  # the first to see the round break names the culprit; later ones agree
-            mine = encode(RoundAbort(sorted(dead), str(exc)[:2000]))
-            posted = decode(RoundAbort, self.group.post_first(Keys.abort(k), mine))
-            if posted.dead:
-                dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
-        except (RuntimeError, SyncError):
-            pass  # the store's host is gone: every member finds that out by itself
-        what = f"version {start.version} (round {k})"
-        if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
-            return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
-        if refused and not dead:
-            return SyncError(f"{what} was not applied everywhere: " + "; ".join(refused))
-        return exc
-
-    def _culprits(
-        self, k: int, start: RoundStart, exc: BaseException
-    ) -> tuple[dict[int, str], list[str]]:
-        """Who broke round ``k``: the members found dead, else the members that refused it
-        (their acknowledgements' errors). After a broken transfer, look for up to
-        :data:`FIND_DEAD_GRACE` seconds: a process exits a moment after its sockets close."""
-        if isinstance(exc, PeerDiedError):
-            return {r: str(exc) for r in exc.ranks}, []
-        transfer = isinstance(exc, RuntimeError) and not isinstance(exc, MissingRanksError)
-        deadline = time.monotonic() + (FIND_DEAD_GRACE if transfer else 0.0)
-        while True:
-            dead = self.group.dead(start.members)
-            refused = []
-            for r in start.members:
-                if self.group.has(Keys.ack(r, k)):
-                    ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
-                    if ack.error:
-                        refused.append(f"rollout rank {r}: {ack.error}")
-            if dead or refused or time.monotonic() >= deadline:
-                return dead, refused
-            time.sleep(0.05)
 
     def _unchanged_fn(self, helds: dict[int, int | None]) -> Callable[[int, int | None], bool]:
         held_sums = []
@@ -562,7 +420,7 @@ class WeightPublisher:
     def _pack_and_send(
         self,
         plan: BucketPlan,
-        sources: BucketSources,
+        sources: Sources,
         requests: dict[int, Request],
         version: int,
         timings: PublishTimings,
@@ -573,7 +431,7 @@ class WeightPublisher:
         if self.delta:  # deltas did not pay lately: the kept copy is not brought along
             self._plain_publishes -= 1
             self._cache.version = None
-        sender = self._sender
+        sender = self._rounds.sender
         unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
         separate_min = sender.separate_min if sender is not None else None
         sums: dict[int, int] = {}
@@ -591,6 +449,7 @@ class WeightPublisher:
                 sent_from_tensors |= bool(separate)
                 send_bucket(sender, plan, g, mask, nbytes, out, separate)
             sources.leave(g)
+        sources.finish()
         if sent_from_tensors and sender is not None:  # they read the caller's tensors
             sender.flush()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
@@ -600,7 +459,7 @@ class WeightPublisher:
     def _diff_and_send(
         self,
         plan: BucketPlan,
-        sources: BucketSources,
+        sources: Sources,
         requests: dict[int, Request],
         version: int,
         timings: PublishTimings,
@@ -609,7 +468,7 @@ class WeightPublisher:
         to the new version, diffing it when every member holds the base, and send it (as
         a delta where that is smaller) before reading the next: diffing bucket g+1 overlaps
         bucket g on the wire. Nothing is sent from the caller's tensors."""
-        sender = self._sender
+        sender = self._rounds.sender
         cache = self._cache
         stats = DeltaStats()
         sums: dict[int, int] = {}
@@ -631,6 +490,7 @@ class WeightPublisher:
                         device = self.group.device
                         sums.update(cache.send_bucket(sender, plan, g, device, unchanged, version))
                 sources.leave(g)
+            sources.finish()
             cache.finish(plan, version)
         finally:
             cache.lock.release()
@@ -652,11 +512,12 @@ class WeightPublisher:
         handle: PublishHandle,
         deltas: dict[int, BucketDelta | None],
     ) -> int:
-        start, requests = self._start_round(k, version, plan, handle, idle=self._refetch.poll)
+        start, requests = self._rounds.start(k, version, plan, idle=self._refetch.poll)
+        handle.absent = {int(r): why for r, why in start.absent.items()}
 
         @tracing.spanned("slipstream.sync.publish.send")
         def send() -> None:
-            sender = self._sender
+            sender = self._rounds.sender
             if sender is None:
                 return
             helds = {r: q.held for r, q in requests.items()}
@@ -675,39 +536,8 @@ class WeightPublisher:
                         )
             self._remember(version, sums)
 
-        self._guarded(k, start, send)
-        return self._finish_round(k, start)
-
-    def _finish_round(self, k: int, start: RoundStart) -> int:
-        """Wait until every send left and every member acknowledged round ``k``."""
-        self._guarded(k, start, lambda: self._await_acks(k, start))
-        errors = []
-        for r in start.members:
-            ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
-            self.rollout_versions[r] = ack.holds
-            if ack.error:
-                errors.append(f"rollout rank {r}: {ack.error}")
-        if errors:
-            self._broken = True
-            raise SyncError(
-                f"version {start.version} was not applied everywhere: " + "; ".join(errors)
-            )
-        return start.version
-
-    @tracing.spanned("slipstream.sync.publish.await_acks")
-    def _await_acks(self, k: int, start: RoundStart) -> None:
-        if self._sender is not None:
-            self._sender.flush()
-        self.group.wait_keys(
-            {r: Keys.ack(r, k) for r in start.members},
-            f"rollouts to acknowledge version {start.version}",
-            self.timeout,
-            idle=self._watch,
-        )
-
-    def _bytes_sent(self) -> int:
-        current = self._sender.bytes_sent if self._sender is not None else 0
-        return self._sent_by_old_senders + current
+        self._rounds.guarded(k, start, send)
+        return self._rounds.finish(k, start)
 
     # ------------------------------------------------------------------- worker thread
     def _work(self) -> None:
@@ -727,7 +557,7 @@ class WeightPublisher:
                 handle.delivered.set_exception(exc)
                 continue
             timings = handle.timings
-            self.bytes_sent = self._bytes_sent()
+            self.bytes_sent = self._rounds.sent_bytes()
             timings.nbytes = self.bytes_sent - sent_before
             timings.delivered = handle.elapsed()
             changed = timings.changed_fraction
@@ -748,6 +578,12 @@ class WeightPublisher:
             handle.delivered.set_result(version)
 
     @property
+    def next_version(self) -> int:
+        """The version a publish with ``version=None`` takes: one more than the last
+        version published (0 before the first)."""
+        return 0 if self._last_version is None else self._last_version + 1
+
+    @property
     def base_bytes(self) -> int:
         """Host bytes kept as the base of deltas: in ``direct`` mode a copy of the last
         version sent (``delta=True``), in ``cached`` mode the cache itself."""
@@ -756,7 +592,7 @@ class WeightPublisher:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of transfer buffers, host cache and kept base this publisher holds."""
-        sender = self._sender.buffer_bytes if self._sender is not None else 0
+        sender = self._rounds.sender.buffer_bytes if self._rounds.sender is not None else 0
         return sender + self._cache.nbytes
 
     def staleness(self) -> dict[int, int | None]:
@@ -779,7 +615,7 @@ class WeightPublisher:
                 f"trainer rank {self.rank}: the publisher's worker did not finish within "
                 f"{self.timeout:.1f} s (a rollout is not receiving?)"
             )
-        self._drop_sender()
+        self._rounds.drop_sender()
         self._cache.clear()
 
     def __enter__(self) -> WeightPublisher:

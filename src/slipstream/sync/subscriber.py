@@ -2,9 +2,11 @@
 
 :meth:`WeightSubscriber.receive` runs on the caller's thread (the subscriber starts no
 thread) and only uses the sync group's own store and process groups. One call takes part in
-one round (see :mod:`.publisher`): it asks for a version newer than the one it holds, checks
-the plan against the target before any byte moves, receives bucket g while unpacking bucket
-g-1 (two reused buffers per trainer), then acknowledges. Over relay or broadcast, slices
+one round (see :mod:`.publisher`; asking for it, its epoch's receivers and naming who broke
+it are :mod:`.rollout_round`'s): it asks for a version newer than the one it holds, checks
+the plan against the target before any byte moves (:mod:`.sinks` say where bytes go),
+receives bucket g while unpacking bucket g-1 (two reused buffers per trainer), then
+acknowledges. Over relay or broadcast, slices
 sent on their own land straight in their final place (the parameter, or the atomic stream
 buffer) and are never copied again; over relay this rank also passes every message on to
 the next rollout. :meth:`WeightSubscriber.refetch`
@@ -19,45 +21,41 @@ leaves the target and ``version`` exactly as they were.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from ..core import tracing
 from ..core.buffers import StagingPool
-from ..core.copy import copy_in_slices
-from ..errors import PeerTimeoutError, SyncError
+from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
 from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .group import SyncGroup
-from .negotiation import build_receiver, epoch_tag, network_receiver, read_offer
+from .negotiation import network_receiver, read_offer
 from .packing import payload_segments
-from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
+from .plan import BucketPlan, decode_header, payload_offsets, plan_from_json
 from .protocol import (
     Ack,
     AgainGo,
     AgainOffer,
     AgainRequest,
     Keys,
-    Request,
-    RoundAbort,
-    RoundStart,
-    decode,
     encode,
 )
-from .transport import Pending, Receiver, let_go
+from .rollout_round import RolloutRound
+from .sinks import DrainSink, Sink, StreamSink, TargetSink
+from .transport import Pending, Receiver
 
 logger = logging.getLogger(__name__)
-
-#: How long a rollout whose transfer broke looks for the rank that broke it (the trainers'
-#: abort, or a dead trainer or member) before it raises the transfer's own error.
-EXPLAIN_WITHIN = 5.0
 
 
 class WeightSubscriber:
@@ -92,8 +90,6 @@ class WeightSubscriber:
         self.leader = self.trainer_ranks[0]
         self.timeout = group.timeout if timeout is None else timeout
         self.bytes_received = 0
-        self._round: int | None = None
-        self._live_round = -1
         self._version: int | None = None
         self._complete = False
         self._held_by: tuple[str, bool] | None = None
@@ -103,14 +99,14 @@ class WeightSubscriber:
         self._offers = {t: read_offer(self.group, t, self.timeout) for t in self.trainer_ranks}
         self.transports: dict[int, str] = {t: o.kind for t, o in self._offers.items()}
         self.modes: dict[int, str] = {t: o.mode for t, o in self._offers.items()}
-        self._receivers: dict[int, Receiver] = {}
-        self._epoch = -1
-        self._members: list[int] = []
+        self._rounds = RolloutRound(self.group, self.trainer_ranks, self._offers, self.timeout)
         self._tokens: dict[int, int] = {}
         """Each bucket's token (:mod:`.delta`) as last applied in place, for plan
         ``_token_plan`` at version ``_delta_version`` (``None``: none recorded whole)."""
         self._token_plan: str | None = None
         self._delta_version: int | None = None
+        self._items: list[tuple[str, torch.Tensor]] = []
+        """What the running receive gathered for :meth:`receive_iter` to yield next."""
 
     @property
     def version(self) -> int | None:
@@ -120,7 +116,7 @@ class WeightSubscriber:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of receive buffers, atomic staging and reassembly buffers this rank holds."""
-        receivers = sum(r.buffer_bytes for r in self._receivers.values())
+        receivers = sum(r.buffer_bytes for r in self._rounds.receivers.values())
         assembly = sum(t.numel() for t in self._assembly.values())
         return receivers + self._pool.live_bytes + assembly
 
@@ -129,7 +125,6 @@ class WeightSubscriber:
         """False from the first byte of a receive applied until that receive completes."""
         return self._complete
 
-    @tracing.spanned("slipstream.sync.receive")
     def receive(
         self,
         target: nn.Module | LoadWeights,
@@ -148,142 +143,128 @@ class WeightSubscriber:
         :class:`~slipstream.errors.PeerDiedError` naming it within seconds (the target
         then holds no complete version, or with ``atomic=True`` its previous one).
         """
+        with tracing.span("slipstream.sync.receive"):
+            rounds = self._receive(make_target(target, name_map, self._assembly), atomic, full)
+            while True:
+                try:
+                    next(rounds)
+                except StopIteration as done:
+                    return int(done.value)
+
+    def receive_iter(
+        self, name_map: NameMap = None, atomic: bool = False, full: bool = False
+    ) -> Generator[tuple[str, torch.Tensor], None, int | None]:
+        """Wait for the next published version and yield it as ``(name, tensor)`` pairs,
+        every name of every sent tensor (aliases too, the same tensor), as its buckets
+        arrive; the generator returns the version (and :attr:`version` holds it).
+
+        The round starts at the first ``next()``. Each tensor is a view of a receive or
+        reassembly buffer, valid until the next item is asked for: copy what you keep.
+        ``name_map`` and ``full`` are as for :meth:`receive`; unchanged tensors are not
+        resent (so not yielded) unless ``full=True``. A broken round raises from
+        ``next()`` as :meth:`receive` would raise it. ``atomic=True`` receives every byte
+        into a host buffer before the first item: a broken round raises before any tensor
+        of the version is yielded. Closing the generator early (``close()``, or
+        ``contextlib.closing``) drains the rest of the round, so the group stays in step,
+        and acknowledges it as not applied.
+        """
+        return self._receive(make_target(self._collect, name_map, self._assembly), atomic, full)
+
+    async def areceive_iter(
+        self, name_map: NameMap = None, atomic: bool = False, full: bool = False
+    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """:meth:`receive_iter` for asyncio callers: each step of the receive runs on one
+        worker thread of its own (``slipstream-sync-receive``) while the event loop runs;
+        the round advances only when the next item is awaited, so each item is valid until
+        then. Closing it (or cancelling the consumer) drains the rest of the round on that
+        thread, which is joined before it returns."""
+        rounds = self.receive_iter(name_map, atomic, full)
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1, thread_name_prefix="slipstream-sync-receive") as worker:
+            try:
+                while True:
+                    item = await loop.run_in_executor(worker, _next_or_end, rounds)
+                    if item is _END:
+                        return
+                    yield item  # type: ignore[misc]
+            finally:  # after the step in flight (one thread), drain what is left
+                await asyncio.shield(loop.run_in_executor(worker, rounds.close))
+
+    def _collect(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self._items.extend(batch)
+
+    def _receive(
+        self, sink: ModuleTarget | CallableTarget, atomic: bool, full: bool
+    ) -> Generator[tuple[str, torch.Tensor], None, int | None]:
+        """One receive as a generator: it yields what the sink gathered for the caller
+        (receive_iter's items) after each bucket, and returns the version received."""
         started = time.perf_counter()
         received_before = self.bytes_received
-        sink = make_target(target, name_map, self._assembly)
         held_key = (sink.kind, atomic)
         held = self.version if (not full and self._held_by == held_key) else None
         in_place = isinstance(sink, ModuleTarget) and not atomic
         delta_base = self._delta_version if (in_place and held is not None) else None
-        k, start = self._join_round(held, delta_base)
+        k, start = self._rounds.join(held, delta_base)
         version = start.version
         ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
         self._forget_tokens()
+        items = self._items
+        items.clear()
+        stopped = False
         try:
             plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._transfer(k, _Round(plan, sink, "drain", self._receivers))
+                self._transfer(k, _Round(plan, DrainSink(), self._rounds.receivers))
                 raise_problems(problems, version, self.rank)
-            into = "stream" if atomic else "target"
-            rnd = _Round(plan, sink, into, self._receivers, version=version)
+            rnd = _Round(
+                plan, self._sink(plan, sink, atomic), self._rounds.receivers, version=version
+            )
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
-            self._transfer(k, rnd)
+            if atomic:  # every byte in the host buffer before the first item
+                self._transfer(k, rnd)
+            else:
+                self._complete = False
+            pipeline = _Pipeline(self, rnd)
+            while True:
+                if items and not stopped:
+                    try:
+                        yield from items
+                    except GeneratorExit:  # drain the rest of the round, yield nothing more
+                        stopped = True
+                items.clear()
+                if atomic or not self._rounds.guarded(k, pipeline.step, pipeline.forget):
+                    break
             if rnd.refused is not None:  # drained to the end of the round: raise it now
                 raise rnd.refused
+            if stopped:
+                raise SyncError(
+                    f"rollout rank {self.rank}: the consumer stopped before the last tensor "
+                    f"of version {version}"
+                )
         except BaseException as exc:
-            broken = self._epoch < 0  # the transfer broke and let the transport go
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
+            items.clear()
+            broken = self._rounds.epoch < 0  # the transfer broke and let the transport go
+            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
+            if stopped:
+                return None
             raise
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
-        self._ack(ack_key, Ack(version))
+        self._rounds.ack(ack_key, Ack(version))
         self._log("received", version, received_before, started)
         return version
 
     def _forget_tokens(self) -> None:
         self._tokens, self._token_plan, self._delta_version = {}, None, None
 
-    def _join_round(self, held: int | None, delta_base: int | None) -> tuple[int, RoundStart]:
-        """Ask for the next round this rank is a member of; return it, with its transport
-        built. A rank that (re)joins starts at the round the lead trainer is gathering; a
-        round that went on without it, or was cancelled, is passed over."""
-        k = self._round
-        if k is None:
-            k = int(self.group.store.get(Keys.NEXT_ROUND)) if self.group.has(Keys.NEXT_ROUND) else 0
-        incarnation = self.group.incarnation
-        while True:
-            request = Request(held, incarnation, delta_base)
-            self.group.post(Keys.request(self.rank, k), encode(request))
-            self._round = k
-            what = f"lead trainer rank {self.leader} to start round {k}"
-            text = self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
-            start = decode(RoundStart, text)
-            k += 1
-            if start.takes_part(self.rank, incarnation):
-                break
-        self._round = k
-        self._live_round = k - 1
-        if start.epoch != self._epoch:
-            self._enter_epoch(k - 1, start)
-        return k - 1, start
-
-    def _enter_epoch(self, k: int, start: RoundStart) -> None:
-        """Drop the last epoch's receivers and build this epoch's, one per trainer."""
-        self._drop_receivers()
-        try:
-            for t in self.trainer_ranks:
-                self._receivers[t] = build_receiver(
-                    self.group,
-                    self._offers[t],
-                    t,
-                    start.epoch,
-                    start.members,
-                    self.timeout,
-                    self._watch,
-                )
-        except BaseException as exc:
-            self._drop_receivers()
-            raise self._explain(k, exc) from exc
-        self._epoch, self._members = start.epoch, list(start.members)
-
-    def _drop_receivers(self) -> None:
-        """Let the epoch's receivers go: their process groups' connections close, so a
-        member blocked on one (relaying from us) is freed at once."""
-        for receiver in self._receivers.values():
-            receiver.close()
-        self._receivers = {}
-        for t in self.trainer_ranks:
-            self.group.drop_subgroup([t, *self._members], epoch_tag(self._epoch))
-        self._epoch = -1
-
-    def _watch(self) -> None:
-        """Raise when the trainers gave the current round up (a ring wait runs this)."""
-        k = self._live_round
-        if k >= 0 and self.group.has(Keys.abort(k)):
-            raise self._abort(k).as_error(k)
-
-    def _abort(self, k: int) -> RoundAbort:
-        return decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
-
     def _transfer(self, k: int, rnd: _Round) -> None:
         """Receive (and apply) a round; when it breaks, drop the epoch's receivers and
         raise naming the rank that broke it."""
-        try:
-            self._take(rnd)
-        except BaseException as exc:
-            self._drop_receivers()
-            rnd.receivers = {}
-            let_go(exc)
-            raise self._explain(k, exc) from exc
-
-    def _explain(self, k: int, exc: BaseException) -> BaseException:
-        """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
-        timeout, not the target's own), the dead rank named by the trainers' abort, or a dead
-        trainer or member found within ``EXPLAIN_WITHIN``; else ``exc`` itself."""
-        transport = isinstance(exc, RuntimeError) and not isinstance(exc, PeerTimeoutError)
-        if not transport:
-            return exc
-        others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
-        deadline = time.monotonic() + EXPLAIN_WITHIN
-        while True:
-            try:
-                if self.group.has(Keys.abort(k)):
-                    abort = self._abort(k)
-                    return abort.as_error(k) if abort.dead else exc
-                dead = self.group.dead(others)
-            except SyncError as lost:  # the store's host (a trainer) is gone
-                return lost
-            if dead:  # the first to see the round break names the culprit
-                mine = encode(RoundAbort(sorted(dead), f"rollout rank {self.rank}: {exc}"[:2000]))
-                self.group.post_first(Keys.abort(k), mine)
-                return self._abort(k).as_error(k)
-            if time.monotonic() >= deadline:
-                return exc
-            time.sleep(0.05)
+        self._rounds.guarded(k, lambda: self._take(rnd), rnd.forget_receivers)
 
     @tracing.spanned("slipstream.sync.refetch")
     def refetch(
@@ -326,9 +307,9 @@ class WeightSubscriber:
         receivers = {t: self._refetch_receiver(t, plan, o) for t, o in offers.items()}
         ack_key = Keys.again_ack(self.rank, n)
         try:
-            self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
+            self._take(_Round(plan, self._sink(plan, sink, atomic), receivers))
         except BaseException as exc:
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
+            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000]))
             for t, o in offers.items():
                 if o.cache is None:
                     self.group.drop_subgroup([t, self.rank], self._again_tag())
@@ -337,7 +318,7 @@ class WeightSubscriber:
             for receiver in receivers.values():
                 receiver.close()
         self._hold(version, (sink.kind, atomic))
-        self._ack(ack_key, Ack(version))
+        self._rounds.ack(ack_key, Ack(version))
         self._log("refetched", version, received_before, started)
         return version
 
@@ -400,13 +381,16 @@ class WeightSubscriber:
     def _take(self, rnd: _Round) -> None:
         """Receive a round and apply it; the held version is incomplete from the first byte
         applied until the caller records the new one."""
-        if rnd.into == "stream":
-            self._receive_all(rnd)
+        if not rnd.sink.buffered:
             self._complete = False
-            self._apply_stream(rnd)
-        else:
-            self._complete = False
-            self._receive_all(rnd)
+        pipeline = _Pipeline(self, rnd)
+        while pipeline.step():
+            pass
+        self._complete = False
+        rnd.sink.finish()
+
+    def _sink(self, plan: BucketPlan, target: ModuleTarget | CallableTarget, atomic: bool) -> Sink:
+        return StreamSink(plan, target, self._pool) if atomic else TargetSink(plan, target)
 
     def _hold(self, version: int, held_key: tuple[str, bool]) -> None:
         self._version = version
@@ -423,12 +407,6 @@ class WeightSubscriber:
             time.perf_counter() - started,
         )
 
-    def _ack(self, key: str, ack: Ack) -> None:
-        try:
-            self.group.post(key, encode(ack))
-        except (RuntimeError, SyncError):
-            pass
-
     def _plan(self, plan_id: str) -> BucketPlan:
         leader = self.leader
         plan = self._plans.get(plan_id)
@@ -439,34 +417,6 @@ class WeightSubscriber:
                 raise SyncError(f"plan {plan_id} from trainer rank {leader} does not match its id")
             self._plans = {plan_id: plan}
         return plan
-
-    @tracing.spanned("slipstream.sync.receive.transfer")
-    def _receive_all(self, rnd: _Round) -> _Round:
-        """Receive every bucket, pipelined: bucket g arrives while bucket g-1 is unpacked.
-
-        ``rnd.into``: ``"target"`` applies each bucket as it lands; ``"stream"`` copies it
-        into a host buffer laid out as the plan's stream (applied later); ``"drain"``
-        discards.
-        """
-        plan = rnd.plan
-        if rnd.into == "stream":
-            rnd.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
-            self._pool.release("sync-atomic")
-        pending = None
-        step = len(plan.trainer_ranks)  # the same owner's next bucket
-        for bucket in plan.buckets:
-            g = bucket.index
-            receiver = rnd.receivers[bucket.owner]
-            after = g + step
-            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
-            place = functools.partial(self._place, rnd, g, receiver.separate_min)
-            current = (g, receiver.start(bucket.header_bytes, following, place))
-            if pending is not None:
-                self._unpack(rnd, *pending)
-            pending = current
-        if pending is not None:
-            self._unpack(rnd, *pending)
-        return rnd
 
     @staticmethod
     def _place(
@@ -484,14 +434,7 @@ class WeightSubscriber:
             return [payload]
         buffers = []
         for seg in payload_segments(slices, mask, separate_min):
-            dest = None
-            if seg.slice is not None:
-                s = slices[seg.slice]
-                if rnd.into == "target":
-                    dest = rnd.sink.direct_view(s)
-                elif rnd.into == "stream":
-                    start = g * rnd.plan.bucket_bytes + s.bucket_offset
-                    dest = rnd.stream_bytes()[start : start + s.nbytes]
+            dest = None if seg.slice is None else rnd.sink.land(g, slices[seg.slice])
             if dest is not None and seg.slice is not None and dest.device == payload.device:
                 rnd.landed.add((g, seg.slice))
                 buffers.append(dest)
@@ -501,13 +444,12 @@ class WeightSubscriber:
 
     @tracing.spanned("slipstream.sync.receive.bucket")
     def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
-        plan, sink, into = rnd.plan, rnd.sink, rnd.into
+        plan = rnd.plan
         header, payload = pending.finish()
         slices = plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
         if mask and mask[0] == DELTA:
             self._apply_delta(rnd, g, payload)
-            pending.release()
             return
         if rnd.tokens is not None:
             rnd.tokens[g] = root_token(plan.plan_id, g, rnd.version)
@@ -518,72 +460,40 @@ class WeightSubscriber:
                 f"{payload.numel()} bytes, the plan expects {size}"
             )
         self.bytes_received += size
-        whole: dict[int, torch.Tensor] = {}
+        sink = rnd.sink
         for k, (s, keep, off) in enumerate(zip(slices, mask, offsets, strict=True)):
-            if keep:
-                data = payload[off : off + s.nbytes]
-                landed = (g, k) in rnd.landed
-                rnd.dirty.add(s.tensor)
-                if into == "stream":
-                    if not landed:
-                        start = g * plan.bucket_bytes + s.bucket_offset
-                        copy_in_slices(rnd.stream_bytes()[start : start + s.nbytes], data)
-                    rnd.slices.append((g, s))
-                elif into == "target":
-                    if landed:
-                        sink.landed(s)
-                    else:
-                        sink.write(s, data)
-                    if isinstance(sink, CallableTarget):
-                        if s.nbytes == plan.specs[s.tensor].nbytes:
-                            whole[s.tensor] = data
-                        else:
-                            buf = sink.assembly(s.tensor, plan.specs[s.tensor])
-                            copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
-            if into == "target" and s.tensor in rnd.dirty and plan.last_bucket[s.tensor] == g:
-                if isinstance(sink, CallableTarget) and s.tensor not in whole:
-                    sink.assembly(s.tensor, plan.specs[s.tensor])
-                sink.tensor_done(s.tensor, plan.specs[s.tensor], whole.get(s.tensor))
-        if into == "target":
-            sink.flush()
-        pending.release()
+            data = payload[off : off + s.nbytes] if keep else None
+            sink.take(g, s, data, (g, k) in rnd.landed)
+        sink.bucket_done(g)
 
     @tracing.spanned("slipstream.sync.receive.apply_delta")
     def _apply_delta(self, rnd: _Round, g: int, message: torch.Tensor) -> None:
         """Apply bucket ``g``'s delta in place, once its base is checked to be the bytes
         this rank holds (a delta for other bytes is refused, nothing applied)."""
         self.bytes_received += message.numel()
-        if rnd.into == "drain":
+        if isinstance(rnd.sink, DrainSink):
             return
         owner = rnd.plan.buckets[g].owner
         header, payload = decode_delta(message)
         where = f"rollout rank {self.rank}, bucket {g} from trainer rank {owner}"
         sink = rnd.sink
-        if rnd.tokens is None or not isinstance(sink, ModuleTarget):
+        if (
+            rnd.tokens is None
+            or not isinstance(sink, TargetSink)
+            or not isinstance(sink.target, ModuleTarget)
+        ):
             raise SyncError(f"{where}: a delta arrived for a receive that takes dense bytes only")
         try:
             header.check_base(rnd.base_tokens.get(g), where)
         except BaseMismatch as exc:  # apply nothing more; drain the round, stay in step
-            rnd.refused, rnd.into, rnd.tokens = exc, "drain", None
+            rnd.refused, rnd.sink, rnd.tokens = exc, DrainSink(), None
             return
-        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.views)
+        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.target.views)
         rnd.tokens[g] = header.token
-
-    @staticmethod
-    def _apply_stream(rnd: _Round) -> None:
-        """Apply what :meth:`_receive_all` gathered into the stream buffer."""
-        plan, sink, stream = rnd.plan, rnd.sink, rnd.stream_bytes()
-        for g, s in rnd.slices:
-            start = g * plan.bucket_bytes + s.bucket_offset
-            sink.write(s, stream[start : start + s.nbytes])
-        for i in sorted(rnd.dirty):
-            start = plan.stream_offset[i]
-            sink.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
-        sink.flush()
 
     def close(self) -> None:
         """Unmap shared memory and free buffers (the group stays open)."""
-        self._drop_receivers()
+        self._rounds.drop_receivers()
         self._pool.clear()
 
     def __enter__(self) -> WeightSubscriber:
@@ -593,19 +503,66 @@ class WeightSubscriber:
         self.close()
 
 
+class _Pipeline:
+    """A round's buckets, received in order: each :meth:`step` starts the receive of
+    bucket g and unpacks bucket g-1 meanwhile. The buffer of the bucket last unpacked is
+    handed back only at the next step, so what it yielded stays valid until then."""
+
+    def __init__(self, subscriber: WeightSubscriber, rnd: _Round) -> None:
+        self.subscriber = subscriber
+        self.rnd = rnd
+        self.next = 0
+        self.pending: tuple[int, Pending] | None = None
+        self.unpacked: Pending | None = None
+
+    @tracing.spanned("slipstream.sync.receive.transfer")
+    def step(self) -> bool:
+        """One step; ``False`` once every bucket was unpacked (nothing was done)."""
+        if self.unpacked is not None:
+            self.unpacked.release()
+            self.unpacked = None
+        rnd, plan = self.rnd, self.rnd.plan
+        current = None
+        if self.next < len(plan.buckets):
+            g = self.next
+            bucket = plan.buckets[g]
+            receiver = rnd.receivers[bucket.owner]
+            after = g + len(plan.trainer_ranks)  # the same owner's next bucket
+            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
+            place = functools.partial(self.subscriber._place, rnd, g, receiver.separate_min)
+            current = (g, receiver.start(bucket.header_bytes, following, place))
+            self.next += 1
+        pending, self.pending = self.pending, current
+        if pending is None:
+            return current is not None
+        self.subscriber._unpack(rnd, *pending)
+        self.unpacked = pending[1]
+        return True
+
+    def forget(self) -> None:
+        """Let go of the messages in flight and the receivers (the round broke: nothing
+        here may keep their connections open, or a member blocked on them waits)."""
+        self.pending = self.unpacked = None
+        self.rnd.forget_receivers()
+
+
+_END = object()
+_T = TypeVar("_T")
+
+
+def _next_or_end(items: Iterator[tuple[str, torch.Tensor]]) -> object:
+    """The next item, or ``_END`` (a StopIteration cannot cross a future)."""
+    return next(items, _END)
+
+
 @dataclass
 class _Round:
-    """One receive: its plan, target, destination (``into``) and receiver per trainer, and
-    what it gathered: tensors with new bytes, (buffered) the stream, and the slices (bucket,
-    index in the bucket) that landed in their final place on arrival."""
+    """One receive: its plan, where its bytes go (``sink``), its receiver per trainer, and
+    the slices (bucket, index in the bucket) that landed in their final place on arrival."""
 
     plan: BucketPlan
-    sink: ModuleTarget | CallableTarget
-    into: str
+    sink: Sink
     receivers: dict[int, Receiver]
-    dirty: set[int] = field(default_factory=set)
-    slices: list[tuple[int, Slice]] = field(default_factory=list)
-    stream: torch.Tensor | None = None
     landed: set[tuple[int, int]] = field(default_factory=set)
     version: int = 0
     base_tokens: dict[int, int] = field(default_factory=dict)
@@ -615,8 +572,6 @@ class _Round:
     refused: BaseMismatch | None = None
     """A delta refused for its base: the rest of the round was drained, nothing applied."""
 
-    def stream_bytes(self) -> torch.Tensor:
-        """The host buffer laid out as the plan's stream (``into == "stream"`` only)."""
-        if self.stream is None:
-            raise SyncError("a round received into the target has no stream buffer")
-        return self.stream
+    def forget_receivers(self) -> None:
+        """Let go of the receivers (the round broke: their connections must close)."""
+        self.receivers = {}
