@@ -7,6 +7,7 @@ channel recovers without rebuilding anything."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -49,7 +50,30 @@ def _died_at(group) -> float:
     return group.get_json("test/died_at", 0, "the dying rollout's time of death", 30)
 
 
-def _killed_mid_receive(rank, port, transport, dying):
+def _receive_atomically(sub, target, via):
+    """Version 2 into ``target`` atomically through ``via``: ``receive``, or copying what
+    ``receive_iter`` / ``areceive_iter`` yield (counted in ``target.items_seen``)."""
+    if via == "receive":
+        return sub.receive(target, atomic=True)
+
+    def keep(name, t):
+        target.get_buffer(name).copy_(t)
+        target.items_seen += 1
+
+    if via == "receive_iter":
+        for name, t in sub.receive_iter(atomic=True):
+            keep(name, t)
+    else:
+
+        async def pull():
+            async for name, t in sub.areceive_iter(atomic=True):
+                keep(name, t)
+
+        asyncio.run(pull())
+    return sub.version
+
+
+def _killed_mid_receive(rank, port, transport, mode, dying, via, separate):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=120)
     survivor = 3 - dying
     if rank == 0:
@@ -58,8 +82,9 @@ def _killed_mid_receive(rank, port, transport, dying):
             [0],
             [1, 2],
             bucket_bytes=BUCKET,
+            mode=mode,
             transport=transport,
-            separate_min_bytes=SEPARATE,
+            separate_min_bytes=separate,
         )
         assert pub.publish(weights(1), version=1).delivered.result(timeout=30) == 1
         with pytest.raises(PeerDiedError) as err:
@@ -85,12 +110,14 @@ def _killed_mid_receive(rank, port, transport, dying):
 
         sub.receive(die)
     out = {}
+    target.items_seen = 0
     try:
-        out["received"] = sub.receive(target, atomic=True)
+        out["received"] = _receive_atomically(sub, target, via)
     except PeerDiedError as exc:
         out["noticed"] = time.time() - _died_at(group)
         out["ranks"] = exc.ranks
         out["version"] = sub.version
+        out["items_seen"] = target.items_seen  # atomic: the break comes before any item
     out["holds"] = held_version(target)  # never a mix, whatever happened
     assert sub.receive(target, atomic=True) == 3
     out["then"] = held_version(target)
@@ -99,10 +126,32 @@ def _killed_mid_receive(rank, port, transport, dying):
     return out
 
 
-@pytest.mark.parametrize("dying", [1, 2])
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_rollout_killed_mid_receive_is_noticed_within_seconds_by_everyone(transport, dying):
-    out = spawn(_killed_mid_receive, 3, transport, dying, timeout=90, may_die=(dying,))
+#: (transport, mode, dying rollout, how the survivor receives, separate_min_bytes): both
+#: rollouts dying in direct mode, the tail (the end of a relay) in cached mode, the survivor
+#: pulling with receive_iter in cached mode, and, over relay, a case with the default
+#: separate_min (nothing sent on its own) and the survivor pulling from asyncio.
+CASES = [
+    *[(t, "direct", d, "receive", SEPARATE) for t in TRANSPORTS for d in (1, 2)],
+    *[(t, "cached", 2, "receive_iter", SEPARATE) for t in TRANSPORTS],
+    ("relay", "direct", 2, "areceive_iter", "auto"),
+]
+
+
+@pytest.mark.parametrize(("transport", "mode", "dying", "via", "separate"), CASES)
+def test_a_rollout_killed_mid_receive_is_noticed_within_seconds_by_everyone(
+    transport, mode, dying, via, separate
+):
+    out = spawn(
+        _killed_mid_receive,
+        3,
+        transport,
+        mode,
+        dying,
+        via,
+        separate,
+        timeout=90,
+        may_die=(dying,),
+    )
     assert out[0] < NOTICED_WITHIN, out[0]
     survivor = out[3 - dying]
     if "received" in survivor:  # it had every byte of version 2 before the other died
@@ -111,6 +160,7 @@ def test_a_rollout_killed_mid_receive_is_noticed_within_seconds_by_everyone(tran
         assert survivor["noticed"] < NOTICED_WITHIN, survivor
         assert survivor["ranks"] == [dying], survivor
         assert survivor["version"] == 1 and survivor["holds"] == 1, survivor  # atomic
+        assert survivor["items_seen"] == 0, survivor
     assert survivor["then"] == 3
 
 

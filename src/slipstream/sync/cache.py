@@ -43,7 +43,7 @@ from .delta import (
 )
 from .group import SyncGroup
 from .negotiation import network_sender, separate_min_for, shape_of
-from .packing import BucketSources, pack_slices, payload_segments, segment_parts, slice_checksum
+from .packing import Sources, pack_slices, payload_segments, segment_parts, slice_checksum
 from .plan import BucketPlan, Slice, encode_header
 from .protocol import (
     Ack,
@@ -143,18 +143,17 @@ class HostCache:
     def snapshot(
         self,
         plan: BucketPlan,
-        tensors: Sequence[torch.Tensor],
+        sources: Sources,
         version: int,
         differ: Differ | None = None,
     ) -> tuple[int, dict[int, BucketDelta | None], DeltaStats]:
-        """Bring this rank's buckets of ``tensors`` in (bucket-by-bucket gathers), diffing
+        """Bring this rank's buckets of ``sources`` in (bucket by bucket), diffing
         them against the previous version when ``differ`` is given and the cache holds one
         of this plan. Returns the most DTensor bytes materialised at once, each owned
         bucket's delta (``None``: not diffed, or dense was smaller) and the diff stats."""
         self.acquire()
         try:
             self.begin(plan)
-            sources = BucketSources(plan, tensors, self.rank)
             deltas: dict[int, BucketDelta | None] = {}
             stats = DeltaStats()
             for bucket in plan.buckets:
@@ -164,6 +163,7 @@ class HostCache:
                     deltas[g], bucket_stats = self.update(plan, g, sources.slice_bytes, differ)
                     stats.add(bucket_stats)
                 sources.leave(g)
+            sources.finish()
             self.finish(plan, version)
             return sources.peak_gathered_bytes, deltas, stats
         finally:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -83,6 +83,22 @@ class BucketSources:
 
     def slice_bytes(self, s: Slice) -> torch.Tensor:
         return as_bytes(self._live[s.tensor])[s.tensor_offset : s.tensor_offset + s.nbytes]
+
+    def finish(self) -> None:
+        """Nothing is left to read: every tensor was given up front."""
+
+
+class Sources(Protocol):
+    """Where a publish reads its tensors from, bucket by bucket in the plan's order:
+    :class:`BucketSources` (a list given up front) or :class:`.stream.StreamSources` (an
+    iterator, read as it yields)."""
+
+    peak_gathered_bytes: int
+
+    def enter(self, g: int) -> None: ...
+    def leave(self, g: int) -> None: ...
+    def slice_bytes(self, s: Slice) -> torch.Tensor: ...
+    def finish(self) -> None: ...
 
 
 def slice_checksum(data: torch.Tensor) -> int | None:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -55,9 +55,10 @@ from .negotiation import (
     epoch_tag,
     negotiate,
 )
-from .packing import NO_BYTES, BucketSources, pack_slices, packs_any
+from .packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
 from .plan import BucketPlan, TensorSpec, layout_json
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
+from .stream import StreamSources
 from .transport import Sender, let_go
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ class WeightPublisher:
     dtype, e.g. tied embeddings in ``model.state_dict()``) are sent once; the plan lists
     their other names and the rollouts apply them under each.
 
-    Invariants: versions strictly increase; a round starts only once every rollout not
+    Invariants: versions strictly increase (a repeated or lower one is refused before
+    anything is sent); a round starts only once every rollout not
     found dead asked for it; ``staged`` resolves only after the last byte this rank reads
     from the caller's tensors has been copied, sent or read by every member.
     """
@@ -254,9 +256,16 @@ class WeightPublisher:
     def publish(
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: int,
+        version: int | None = None,
     ) -> PublishHandle:
         """Send ``named_tensors`` as ``version`` to every rollout not found dead.
+
+        ``version``: left out (``None``), the next number: one more than the last version
+        published, 0 for the first (:attr:`next_version`; ``handle.version`` holds it). A
+        version given must be larger than the last: a repeated or lower one is refused with
+        ``ValueError`` before anything is sent or read, and the publisher and the group stay
+        as they were (a framework whose step numbers may repeat passes ``None``). So a
+        rollout only ever moves forward: every version it holds is newer than the last.
 
         ``direct``: returns once nothing more is read from ``named_tensors`` (``staged``
         resolved): this rank packed its last bucket and the slices sent straight from the
@@ -267,28 +276,52 @@ class WeightPublisher:
         is smaller (``handle.timings`` reports the dense bytes, the changed fraction and the
         diff's time). ``named_tensors`` may be (part of) a snapshot from
         :func:`slipstream.stage`: it is held, so not restaged, while this call reads it.
+
+        Streaming: ``named_tensors`` that is neither a mapping nor a list or tuple (a
+        generator, say one that gathers a ``full_tensor()`` per step) is read as it
+        yields once the layout is known, from :meth:`set_layout` or the last publish:
+        buckets are packed and sent as their tensors come, and a yielded tensor is let
+        go once its last bucket is packed, so about two buckets' worth of them are alive
+        at once, never the whole model. It must yield the layout's tensors in its order,
+        under their names, shapes and dtypes (tied names may follow the tensor they share,
+        and are skipped); anything else fails the publish with
+        :class:`~slipstream.sync.stream.LayoutMismatch` naming the tensor (the round is
+        given up for every rollout, and the next publish goes on). Without a layout, the
+        first iterator is read whole (as a mapping would be) and gives its layout.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
-        if self._last_version is not None and version <= self._last_version:
-            raise ValueError(f"versions must increase: got {version} after {self._last_version}")
-        items = named_items(named_tensors)
+        if version is None:
+            version = self.next_version
+        elif self._last_version is not None and version <= self._last_version:
+            raise ValueError(
+                f"versions must increase: got {version} after {self._last_version} (pass "
+                f"version=None for the next one, {self.next_version}); nothing was sent"
+            )
+        streamed = self._plan is not None and not isinstance(named_tensors, (Mapping, Sequence))
+        items = [] if streamed else named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
         sent_before = self._bytes_sent()
         snapshot = named_tensors if isinstance(named_tensors, StagedState) else None
         hold = snapshot.hold(f"publish of version {version}") if snapshot is not None else None
         try:
-            specs, tensors = unique_tensors(items)
-            plan = self._plan_for(specs)
-            k = self._round
-            self._round += 1
+            sources: Sources
+            if streamed:
+                assert self._plan is not None
+                plan = self._plan_for(self._plan.specs)
+                sources = StreamSources(plan, iter(cast(Iterable[Any], named_tensors)), self.rank)
+            else:
+                specs, tensors = unique_tensors(items)
+                plan = self._plan_for(specs)
+                sources = BucketSources(plan, tensors, self.rank)
             self._last_version = version
             job: Callable[[], int]
             handle.timings.dense_bytes = sum(plan.buckets[g].nbytes for g in plan.owned(self.rank))
             if self.mode == "direct":
+                k = self._round
+                self._round += 1
                 start, requests = self._start_round(k, version, plan, handle)
-                sources = BucketSources(plan, tensors, self.rank)
                 self._guarded(
                     k,
                     start,
@@ -300,7 +333,9 @@ class WeightPublisher:
             else:
                 differ = self._differ if self._plain_publishes == 0 else None
                 self._plain_publishes = max(0, self._plain_publishes - 1)
-                peak, deltas, stats = self._cache.snapshot(plan, tensors, version, differ)
+                peak, deltas, stats = self._cache.snapshot(plan, sources, version, differ)
+                k = self._round  # taken once the snapshot is whole: a failed one starts no round
+                self._round += 1
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
                 _record_diff(handle.timings, stats)
                 self._note_gain(stats)
@@ -318,6 +353,16 @@ class WeightPublisher:
         handle.timings.blocked = handle.elapsed()
         return handle
 
+    def set_layout(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Fix the layout (names, global shapes, dtypes, ties) that streamed publishes must
+        follow, from tensors shaped as the published ones will be: e.g. the model's
+        ``state_dict()`` (DTensors give their global shape; meta tensors are fine, though
+        their ties cannot be seen). Nothing is read from their bytes and nothing is sent."""
+        specs, _ = unique_tensors(named_items(named_tensors))
+        self._plan_for(specs)
+
     def _wait_previous_round(self) -> None:
         previous = self._last_round
         if previous is None:
@@ -330,7 +375,7 @@ class WeightPublisher:
                 f"{self.timeout:.1f} s; rollout versions: {self.rollout_versions}"
             ) from None
 
-    def _plan_for(self, specs: list[TensorSpec]) -> BucketPlan:
+    def _plan_for(self, specs: Sequence[TensorSpec]) -> BucketPlan:
         plan = self._plan
         if plan is None or plan.specs != tuple(specs):
             plan = BucketPlan.build(specs, self.bucket_bytes, self.trainer_ranks)
@@ -562,7 +607,7 @@ class WeightPublisher:
     def _pack_and_send(
         self,
         plan: BucketPlan,
-        sources: BucketSources,
+        sources: Sources,
         requests: dict[int, Request],
         version: int,
         timings: PublishTimings,
@@ -591,6 +636,7 @@ class WeightPublisher:
                 sent_from_tensors |= bool(separate)
                 send_bucket(sender, plan, g, mask, nbytes, out, separate)
             sources.leave(g)
+        sources.finish()
         if sent_from_tensors and sender is not None:  # they read the caller's tensors
             sender.flush()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
@@ -600,7 +646,7 @@ class WeightPublisher:
     def _diff_and_send(
         self,
         plan: BucketPlan,
-        sources: BucketSources,
+        sources: Sources,
         requests: dict[int, Request],
         version: int,
         timings: PublishTimings,
@@ -631,6 +677,7 @@ class WeightPublisher:
                         device = self.group.device
                         sums.update(cache.send_bucket(sender, plan, g, device, unchanged, version))
                 sources.leave(g)
+            sources.finish()
             cache.finish(plan, version)
         finally:
             cache.lock.release()
@@ -746,6 +793,12 @@ class WeightPublisher:
                 timings.delivered,
             )
             handle.delivered.set_result(version)
+
+    @property
+    def next_version(self) -> int:
+        """The version a publish with ``version=None`` takes: one more than the last
+        version published (0 before the first)."""
+        return 0 if self._last_version is None else self._last_version + 1
 
     @property
     def base_bytes(self) -> int:

@@ -19,11 +19,14 @@ leaves the target and ``version`` exactly as they were.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -111,6 +114,8 @@ class WeightSubscriber:
         ``_token_plan`` at version ``_delta_version`` (``None``: none recorded whole)."""
         self._token_plan: str | None = None
         self._delta_version: int | None = None
+        self._items: list[tuple[str, torch.Tensor]] = []
+        """What the running receive gathered for :meth:`receive_iter` to yield next."""
 
     @property
     def version(self) -> int | None:
@@ -129,7 +134,6 @@ class WeightSubscriber:
         """False from the first byte of a receive applied until that receive completes."""
         return self._complete
 
-    @tracing.spanned("slipstream.sync.receive")
     def receive(
         self,
         target: nn.Module | LoadWeights,
@@ -148,9 +152,63 @@ class WeightSubscriber:
         :class:`~slipstream.errors.PeerDiedError` naming it within seconds (the target
         then holds no complete version, or with ``atomic=True`` its previous one).
         """
+        with tracing.span("slipstream.sync.receive"):
+            rounds = self._receive(make_target(target, name_map, self._assembly), atomic, full)
+            while True:
+                try:
+                    next(rounds)
+                except StopIteration as done:
+                    return int(done.value)
+
+    def receive_iter(
+        self, name_map: NameMap = None, atomic: bool = False, full: bool = False
+    ) -> Generator[tuple[str, torch.Tensor], None, int | None]:
+        """Wait for the next published version and yield it as ``(name, tensor)`` pairs,
+        every name of every sent tensor (aliases too, the same tensor), as its buckets
+        arrive; the generator returns the version (and :attr:`version` holds it).
+
+        The round starts at the first ``next()``. Each tensor is a view of a receive or
+        reassembly buffer, valid until the next item is asked for: copy what you keep.
+        ``name_map`` and ``full`` are as for :meth:`receive`; unchanged tensors are not
+        resent (so not yielded) unless ``full=True``. A broken round raises from
+        ``next()`` as :meth:`receive` would raise it. ``atomic=True`` receives every byte
+        into a host buffer before the first item: a broken round raises before any tensor
+        of the version is yielded. Closing the generator early (``close()``, or
+        ``contextlib.closing``) drains the rest of the round, so the group stays in step,
+        and acknowledges it as not applied.
+        """
+        return self._receive(make_target(self._collect, name_map, self._assembly), atomic, full)
+
+    async def areceive_iter(
+        self, name_map: NameMap = None, atomic: bool = False, full: bool = False
+    ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        """:meth:`receive_iter` for asyncio callers: each step of the receive runs on one
+        worker thread of its own (``slipstream-sync-receive``) while the event loop runs;
+        the round advances only when the next item is awaited, so each item is valid until
+        then. Closing it (or cancelling the consumer) drains the rest of the round on that
+        thread, which is joined before it returns."""
+        rounds = self.receive_iter(name_map, atomic, full)
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1, thread_name_prefix="slipstream-sync-receive") as worker:
+            try:
+                while True:
+                    item = await loop.run_in_executor(worker, _next_or_end, rounds)
+                    if item is _END:
+                        return
+                    yield item  # type: ignore[misc]
+            finally:  # after the step in flight (one thread), drain what is left
+                await asyncio.shield(loop.run_in_executor(worker, rounds.close))
+
+    def _collect(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        self._items.extend(batch)
+
+    def _receive(
+        self, sink: ModuleTarget | CallableTarget, atomic: bool, full: bool
+    ) -> Generator[tuple[str, torch.Tensor], None, int | None]:
+        """One receive as a generator: it yields what the sink gathered for the caller
+        (receive_iter's items) after each bucket, and returns the version received."""
         started = time.perf_counter()
         received_before = self.bytes_received
-        sink = make_target(target, name_map, self._assembly)
         held_key = (sink.kind, atomic)
         held = self.version if (not full and self._held_by == held_key) else None
         in_place = isinstance(sink, ModuleTarget) and not atomic
@@ -160,6 +218,9 @@ class WeightSubscriber:
         ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
         self._forget_tokens()
+        items = self._items
+        items.clear()
+        stopped = False
         try:
             plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
@@ -170,12 +231,33 @@ class WeightSubscriber:
             rnd = _Round(plan, sink, into, self._receivers, version=version)
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
-            self._transfer(k, rnd)
+            if atomic:  # every byte in the host buffer before the first item
+                self._transfer(k, rnd)
+            else:
+                self._complete = False
+            pipeline = _Pipeline(self, rnd)
+            while True:
+                if items and not stopped:
+                    try:
+                        yield from items
+                    except GeneratorExit:  # drain the rest of the round, yield nothing more
+                        stopped = True
+                items.clear()
+                if atomic or not self._guarded(k, rnd, pipeline.step):
+                    break
             if rnd.refused is not None:  # drained to the end of the round: raise it now
                 raise rnd.refused
+            if stopped:
+                raise SyncError(
+                    f"rollout rank {self.rank}: the consumer stopped before the last tensor "
+                    f"of version {version}"
+                )
         except BaseException as exc:
+            items.clear()
             broken = self._epoch < 0  # the transfer broke and let the transport go
             self._ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
+            if stopped:
+                return None
             raise
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
@@ -252,8 +334,13 @@ class WeightSubscriber:
     def _transfer(self, k: int, rnd: _Round) -> None:
         """Receive (and apply) a round; when it breaks, drop the epoch's receivers and
         raise naming the rank that broke it."""
+        self._guarded(k, rnd, lambda: self._take(rnd))
+
+    def _guarded(self, k: int, rnd: _Round, step: Callable[[], _T]) -> _T:
+        """Run one step of round ``k``'s transfer; when it breaks, drop the epoch's
+        receivers and raise naming the rank that broke it."""
         try:
-            self._take(rnd)
+            return step()
         except BaseException as exc:
             self._drop_receivers()
             rnd.receivers = {}
@@ -400,13 +487,14 @@ class WeightSubscriber:
     def _take(self, rnd: _Round) -> None:
         """Receive a round and apply it; the held version is incomplete from the first byte
         applied until the caller records the new one."""
+        if rnd.into != "stream":
+            self._complete = False
+        pipeline = _Pipeline(self, rnd)
+        while pipeline.step():
+            pass
         if rnd.into == "stream":
-            self._receive_all(rnd)
             self._complete = False
             self._apply_stream(rnd)
-        else:
-            self._complete = False
-            self._receive_all(rnd)
 
     def _hold(self, version: int, held_key: tuple[str, bool]) -> None:
         self._version = version
@@ -439,34 +527,6 @@ class WeightSubscriber:
                 raise SyncError(f"plan {plan_id} from trainer rank {leader} does not match its id")
             self._plans = {plan_id: plan}
         return plan
-
-    @tracing.spanned("slipstream.sync.receive.transfer")
-    def _receive_all(self, rnd: _Round) -> _Round:
-        """Receive every bucket, pipelined: bucket g arrives while bucket g-1 is unpacked.
-
-        ``rnd.into``: ``"target"`` applies each bucket as it lands; ``"stream"`` copies it
-        into a host buffer laid out as the plan's stream (applied later); ``"drain"``
-        discards.
-        """
-        plan = rnd.plan
-        if rnd.into == "stream":
-            rnd.stream = self._pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
-            self._pool.release("sync-atomic")
-        pending = None
-        step = len(plan.trainer_ranks)  # the same owner's next bucket
-        for bucket in plan.buckets:
-            g = bucket.index
-            receiver = rnd.receivers[bucket.owner]
-            after = g + step
-            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
-            place = functools.partial(self._place, rnd, g, receiver.separate_min)
-            current = (g, receiver.start(bucket.header_bytes, following, place))
-            if pending is not None:
-                self._unpack(rnd, *pending)
-            pending = current
-        if pending is not None:
-            self._unpack(rnd, *pending)
-        return rnd
 
     @staticmethod
     def _place(
@@ -507,7 +567,6 @@ class WeightSubscriber:
         _, mask = decode_header(header, len(slices))
         if mask and mask[0] == DELTA:
             self._apply_delta(rnd, g, payload)
-            pending.release()
             return
         if rnd.tokens is not None:
             rnd.tokens[g] = root_token(plan.plan_id, g, rnd.version)
@@ -546,7 +605,6 @@ class WeightSubscriber:
                 sink.tensor_done(s.tensor, plan.specs[s.tensor], whole.get(s.tensor))
         if into == "target":
             sink.flush()
-        pending.release()
 
     @tracing.spanned("slipstream.sync.receive.apply_delta")
     def _apply_delta(self, rnd: _Round, g: int, message: torch.Tensor) -> None:
@@ -571,7 +629,7 @@ class WeightSubscriber:
 
     @staticmethod
     def _apply_stream(rnd: _Round) -> None:
-        """Apply what :meth:`_receive_all` gathered into the stream buffer."""
+        """Apply what the pipeline gathered into the stream buffer."""
         plan, sink, stream = rnd.plan, rnd.sink, rnd.stream_bytes()
         for g, s in rnd.slices:
             start = g * plan.bucket_bytes + s.bucket_offset
@@ -591,6 +649,56 @@ class WeightSubscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Pipeline:
+    """A round's buckets, received in order: each :meth:`step` starts the receive of
+    bucket g and unpacks bucket g-1 meanwhile. The buffer of the bucket last unpacked is
+    handed back only at the next step, so what it yielded stays valid until then."""
+
+    def __init__(self, subscriber: WeightSubscriber, rnd: _Round) -> None:
+        self.subscriber = subscriber
+        self.rnd = rnd
+        self.next = 0
+        self.pending: tuple[int, Pending] | None = None
+        self.unpacked: Pending | None = None
+        if rnd.into == "stream":
+            pool = subscriber._pool
+            rnd.stream = pool.acquire("sync-atomic", max(rnd.plan.stream_bytes, 1))
+            pool.release("sync-atomic")
+
+    @tracing.spanned("slipstream.sync.receive.transfer")
+    def step(self) -> bool:
+        """One step; ``False`` once every bucket was unpacked (nothing was done)."""
+        if self.unpacked is not None:
+            self.unpacked.release()
+            self.unpacked = None
+        rnd, plan = self.rnd, self.rnd.plan
+        current = None
+        if self.next < len(plan.buckets):
+            g = self.next
+            bucket = plan.buckets[g]
+            receiver = rnd.receivers[bucket.owner]
+            after = g + len(plan.trainer_ranks)  # the same owner's next bucket
+            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
+            place = functools.partial(self.subscriber._place, rnd, g, receiver.separate_min)
+            current = (g, receiver.start(bucket.header_bytes, following, place))
+            self.next += 1
+        pending, self.pending = self.pending, current
+        if pending is None:
+            return current is not None
+        self.subscriber._unpack(rnd, *pending)
+        self.unpacked = pending[1]
+        return True
+
+
+_END = object()
+_T = TypeVar("_T")
+
+
+def _next_or_end(items: Iterator[tuple[str, torch.Tensor]]) -> object:
+    """The next item, or ``_END`` (a StopIteration cannot cross a future)."""
+    return next(items, _END)
 
 
 @dataclass
