@@ -18,6 +18,7 @@ import os
 import signal
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -27,6 +28,7 @@ BACKEND = "slipstream"
 MODULE = "slipstream.integrations.verl"
 TIMEOUT = 60.0
 TRAINERS = 2
+BUCKET = 4096
 
 
 def _model(seed: int):
@@ -52,7 +54,7 @@ def _engine(engine_kwargs: dict, **built_with):
     from verl.utils.import_utils import import_external_libs
 
     import_external_libs(MODULE)  # what verl does with custom_backend_module
-    return CheckpointEngineRegistry.new(BACKEND, bucket_size=4096, **built_with, **engine_kwargs)
+    return CheckpointEngineRegistry.new(BACKEND, bucket_size=BUCKET, **built_with, **engine_kwargs)
 
 
 class _Trainer:
@@ -90,16 +92,31 @@ class _Trainer:
         self.opt.zero_grad()
 
     def per_tensor_param(self):
-        """verl's FSDP engine's ``get_per_tensor_param``: one gathered tensor per item."""
+        """verl's FSDP engine's ``get_per_tensor_param``: one gathered tensor per item. It
+        counts the bytes of the tensors it yielded that are still alive (``peak_alive``)."""
         from torch.distributed.tensor import DTensor
 
-        params = self.model.state_dict()
-        return (
-            (name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in params.items()
-        )
+        self.alive = self.peak_alive = 0
+        for name, p in self.model.state_dict().items():
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            self.alive += t.nbytes
+            self.peak_alive = max(self.peak_alive, self.alive)
+            weakref.finalize(t, self._freed, t.nbytes)
+            yield name, t
+            del t
+
+    def _freed(self, nbytes: int) -> None:
+        self.alive -= nbytes
 
     def send(self, global_steps):
-        return asyncio.run(self.engine.send_weights(self.per_tensor_param(), global_steps))
+        metrics = asyncio.run(self.engine.send_weights(self.per_tensor_param(), global_steps))
+        gathered = [p.full_tensor() for p in self.model.state_dict().values()]
+        return {
+            "metrics": metrics,
+            "peak_alive": self.peak_alive,
+            "model_bytes": sum(t.nbytes for t in gathered),
+            "largest": max(t.nbytes for t in gathered),
+        }
 
     def weights(self):
         return {name: t.clone() for name, t in self.per_tensor_param()}
@@ -320,8 +337,16 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode):
             channels.append(results["channel"])
             versions = {results[r]["version"] for r in rollouts}
             assert versions == {u}, (u, versions)  # 0, 1, then the next number: 2, 3, 4
-            sent = results["trainer0"]
-            assert sent["slipstream/version"] == u and sent["slipstream/sent_bytes"] > 0
+            for t in ("trainer0", "trainer1"):
+                sent = results[t]
+                assert sent["metrics"]["slipstream/version"] == u
+                # the first publish reads verl's generator whole (it gives the layout); later
+                # ones, on a new channel too, stream it: a few buckets of tensors alive at once
+                if u == 0:
+                    assert sent["peak_alive"] == sent["model_bytes"]
+                else:
+                    assert sent["peak_alive"] <= 4 * BUCKET + sent["largest"], sent
+                    assert sent["peak_alive"] < sent["model_bytes"] / 2, sent
             # each rollout keeps its rank in the one sync group (trainers are ranks 0 and 1)
             assert results["ranks"] == {r: {"rolloutA": 2, "rolloutB": 3}[r] for r in rollouts}
             reference = cluster.call({t: ("weights", ()) for t in ("trainer0", "trainer1")})

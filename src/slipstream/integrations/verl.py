@@ -191,6 +191,7 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         self._state: GroupState | None = None
         self._address: tuple[str, int] | None = None
         self._channel: str | None = None
+        self._layout: list[tuple[str, tuple[int, ...], torch.dtype]] = []
 
     # ------------------------------------------------------------------ the manager's calls
     # verl's base class annotates prepare() as a dict, init_process_group as **kwargs and the
@@ -268,6 +269,11 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
                         channel=t.channel,
                         delta=self.delta,
                     )
+                    if self._layout:  # stream from this channel's first publish on
+                        self.publisher.set_layout(
+                            (name, torch.empty(shape, dtype=dtype, device="meta"))
+                            for name, shape, dtype in self._layout
+                        )
             else:
                 self.subscriber = WeightSubscriber(
                     group, t.trainer_ranks, t.rollout_ranks, channel=t.channel
@@ -286,8 +292,12 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         weights: Generator[tuple[str, torch.Tensor], None, None],
         global_steps: int | None = None,
     ) -> dict[str, Any]:
-        """Publish ``weights`` (read on this thread: the actor's generator gathers each
-        tensor collectively over the trainers) and wait until every rollout holds them."""
+        """Publish ``weights`` and wait until every rollout holds them.
+
+        The generator is read on this thread (the actor's gathers each tensor collectively
+        over the trainers) as the publisher packs and sends: once the layout is known (from
+        the update before), a few buckets' worth of its tensors are alive at once, never
+        the whole model."""
         publisher = self.publisher
         if publisher is None:
             if self.group is None:
@@ -296,7 +306,7 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
                 pass
             return {}
         version = self._next_version(global_steps)
-        handle = publisher.publish(weights, version=version)
+        handle = publisher.publish(self._recorded(weights), version=version)
         await asyncio.wrap_future(handle.delivered)
         t = handle.timings
         return {
@@ -308,6 +318,8 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         }
 
     def _next_version(self, global_steps: int | None) -> int:
+        """``global_steps`` when it is past the last version, else the next number. Kept
+        here rather than left to the publisher: a new channel's publisher starts over."""
         last = self.version
         if global_steps is not None and (last is None or global_steps > last):
             version = global_steps
@@ -316,25 +328,42 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         self.version = version
         return version
 
+    def _recorded(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """``weights`` as they come, noting each one's name, shape and dtype (no tensor is
+        kept): the layout a new channel's publisher streams with from its first publish."""
+        layout = []
+        for name, tensor in weights:
+            layout.append((name, tuple(tensor.shape), tensor.dtype))
+            yield name, tensor
+        self._layout = layout
+
     async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """The next published version's tensors (those changed since the version held,
-        unless the engine was built with ``full=True``)."""
+        unless the engine was built with ``full=True``), yielded as their buckets arrive;
+        each is valid until the next is asked for."""
         subscriber = self._subscriber_for("receive_weights")
-        items = await asyncio.to_thread(self._collect, subscriber.receive, self.full)
-        for name, tensor in items:
+        async for name, tensor in subscriber.areceive_iter(full=self.full):
             yield name, tensor
+        self.version = subscriber.version
 
     async def get_weights(  # type: ignore[override]
         self,
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Every tensor of the version in the trainers' host caches (``mode="cached"``),
-        without waiting for a publish."""
+        without waiting for a publish. They are copies: the refetch completes first."""
         subscriber = self._subscriber_for("get_weights")
-        items = await asyncio.to_thread(self._collect, subscriber.refetch, None)
-        for name, tensor in items:
-            yield name, tensor
+        kept: list[tuple[str, torch.Tensor]] = []
+
+        def keep(items: Iterable[tuple[str, torch.Tensor]]) -> None:
+            kept.extend((name, tensor.clone()) for name, tensor in items)
+
+        self.version = await asyncio.to_thread(subscriber.refetch, keep)
+        for item in kept:
+            yield item
 
     def _subscriber_for(self, what: str) -> WeightSubscriber:
         if self.subscriber is None:
@@ -343,19 +372,6 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
                 "(init_process_group not called, or called with a trainer rank)"
             )
         return self.subscriber
-
-    def _collect(self, call: Any, full: bool | None) -> list[tuple[str, torch.Tensor]]:
-        out: list[tuple[str, torch.Tensor]] = []
-
-        def keep(items: Iterable[tuple[str, torch.Tensor]]) -> None:
-            out.extend((name, tensor.clone()) for name, tensor in items)
-
-        if full is None:
-            call(keep)
-        else:
-            call(keep, full=full)
-        self.version = self.subscriber.version if self.subscriber is not None else None
-        return out
 
     # -------------------------------------------------------------------------- shutdown
     def _close_ends(self) -> None:
