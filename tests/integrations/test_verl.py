@@ -384,3 +384,43 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode):
         cluster.call(closing)
     finally:
         cluster.close()
+
+
+def test_ranks_are_kept_and_the_channel_changes_only_with_the_set_of_rollouts():
+    from slipstream.integrations.verl import GroupState, assign
+
+    state = GroupState("127.0.0.1", 1234)
+
+    def update(rollouts: list[str]):
+        nonlocal state
+        state = assign(state, 2, rollouts)
+        return {r: state.rank_of(r) for r in rollouts}, state.channel
+
+    assert update(["a", "b"]) == ({"a": 2, "b": 3}, "verl-0")
+    assert update(["b", "a"]) == ({"b": 3, "a": 2}, "verl-0")  # the order does not matter
+    assert update(["a"]) == ({"a": 2}, "verl-1")  # b removed
+    # a new engine (b's actor restarted by Ray) takes the rank no present rollout holds
+    assert update(["a", "c"]) == ({"a": 2, "c": 3}, "verl-2")
+    with pytest.raises(ValueError, match="room for 2 rollout"):
+        update(["a", "b", "c"])  # the group's size is fixed by its first update
+    assert update(["c", "b"]) == ({"c": 3, "b": 2}, "verl-2")  # b takes absent a's rank
+    with pytest.raises(ValueError, match="built for 2 trainer"):
+        assign(state, 1, ["b"])
+    with pytest.raises(ValueError, match="twice"):
+        assign(state, 2, ["b", "b"])
+
+
+def test_build_topology_needs_the_master_engine_first():
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    import_external_libs(MODULE)
+    cls = CheckpointEngineRegistry.get(BACKEND)
+    master = cls(bucket_size=BUCKET, is_master=True, host="127.0.0.1")
+    rollout = cls(bucket_size=BUCKET)
+    actor, rollouts = cls.build_topology(1, 1, [master.prepare(), rollout.prepare()])
+    (mine,), (theirs,) = actor["topology"], rollouts["topology"]
+    assert (mine.rank, theirs.rank, mine.world_size, mine.host) == (0, 1, 2, "127.0.0.1")
+    assert master.prepare().group.port == mine.port  # the address is picked once
+    with pytest.raises(ValueError, match="is_master=True"):
+        cls.build_topology(1, 1, [rollout.prepare(), master.prepare()])
