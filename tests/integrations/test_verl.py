@@ -81,9 +81,16 @@ class _Trainer:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.engine = _engine(engine_kwargs, is_master=dist.get_rank() == 0)
 
-    def train(self, step: int) -> None:
+    def train(self, step: int, sparse: bool = False) -> None:
+        """One SGD step; ``sparse``: instead, add 1 to every 64th value of every parameter
+        (every tensor changes, a few of its words do: what deltas are for)."""
         import torch
 
+        if sparse:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.to_local().view(-1)[step % 64 :: 64] += 1.0
+            return
         torch.manual_seed(100 + step)
         tokens = torch.randint(0, 96, (2, 8))
         loss = self.model(tokens, labels=tokens).loss
@@ -314,9 +321,12 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("mode", ["direct", "cached"])
-def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode):
-    cluster = _Cluster({"mode": mode, "host": "127.0.0.1", "timeout": TIMEOUT})
+@pytest.mark.parametrize(
+    "mode, local_cache", [("direct", False), ("cached", False), ("cached", True)]
+)
+def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode, local_cache):
+    kwargs = {"mode": mode, "host": "127.0.0.1", "timeout": TIMEOUT, "local_cache": local_cache}
+    cluster = _Cluster(kwargs)
     try:
         # global_steps as verl passes them: 0 at start, a step repeated, None, then on
         steps = [0, 1, 1, None, 2]
@@ -331,7 +341,7 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode):
         channels = []
         before_removal: dict = {}
         for u, global_steps in enumerate(steps):
-            cluster.call({t: ("train", (u,)) for t in ("trainer0", "trainer1")})
+            cluster.call({t: ("train", (u, mode == "cached")) for t in ("trainer0", "trainer1")})
             rollouts = present[u]
             results = _update(cluster, rollouts, global_steps)
             channels.append(results["channel"])
@@ -347,6 +357,15 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode):
                 else:
                     assert sent["peak_alive"] <= 4 * BUCKET + sent["largest"], sent
                     assert sent["peak_alive"] < sent["model_bytes"] / 2, sent
+                # every tensor changed at every update, so only deltas send fewer bytes: they
+                # go once every rollout of a publisher's set received its previous version
+                # into its local cache (update 4, the second of the set of update 3)
+                sent_bytes = sent["metrics"]["slipstream/sent_bytes"]
+                dense = sent["metrics"]["slipstream/dense_bytes"]
+                if local_cache and u == 4:
+                    assert sent_bytes < dense / 2, sent
+                else:
+                    assert sent_bytes == dense, (u, sent)
             # each rollout keeps its rank in the one sync group (trainers are ranks 0 and 1)
             assert results["ranks"] == {r: {"rolloutA": 2, "rolloutB": 3}[r] for r in rollouts}
             reference = cluster.call({t: ("weights", ()) for t in ("trainer0", "trainer1")})

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from verl.checkpoint_engine.base import CheckpointEngineRegistry, CheckpointEngineWithCache
 
 from .. import sync
@@ -135,6 +136,23 @@ def assign(state: GroupState, trainers: int, rollouts: Sequence[str]) -> GroupSt
     return GroupState(state.host, state.port, world, trainers, holders, members, channel, epoch)
 
 
+def host_copy(items: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+    """A module whose buffers are ``items`` under their dotted names (nested modules along
+    the dots): a receive target that slipstream fills in place, deltas included."""
+    root = nn.Module()
+    for name, tensor in items:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            child = dict(module.named_children()).get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module.register_buffer(leaf, tensor)
+    return root
+
+
 def _node_ip() -> str:
     """The address Ray gives this node (a loopback one when Ray runs no cluster)."""
     import ray.util
@@ -156,12 +174,15 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
     ``bucket_size`` on rollouts; the rest comes from ``engine_kwargs.slipstream``:
     ``mode`` (``"direct"`` or ``"cached"``, the publisher's), ``transport``, ``delta``,
     ``timeout`` (seconds, every wait of the group), ``host`` (the store's address; Ray's
-    node IP when left out) and ``full`` (rollouts ask for every tensor on every update,
-    instead of those changed since the version they hold).
+    node IP when left out), ``full`` (rollouts ask for every tensor on every update,
+    instead of those changed since the version they hold) and ``local_cache`` (a rollout
+    keeps a host copy of the weights, received into in place: cached mode's deltas reach
+    it, and ``get_weights`` serves from it).
 
     ``receive_weights`` yields the tensors of the published version (those that changed,
-    unless ``full``); ``get_weights`` (``mode="cached"``) yields every tensor of the version
-    in the trainers' caches, without waiting for a publish.
+    unless ``full``; every one with ``local_cache``); ``get_weights`` yields every tensor
+    of the local cache, or else of the version in the trainers' caches (``mode="cached"``),
+    without waiting for a publish.
     """
 
     def __init__(
@@ -174,6 +195,7 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         timeout: float = 300.0,
         host: str | None = None,
         full: bool = False,
+        local_cache: bool = False,
     ) -> None:
         self.bucket_size = bucket_size
         self.is_master = is_master
@@ -182,6 +204,8 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         self.delta = delta
         self.timeout = timeout
         self.full = full
+        self.local_cache = local_cache
+        self.cache: nn.Module | None = None
         self.identity = uuid.uuid4().hex
         self.version: int | None = None
         self.group: SyncGroup | None = None
@@ -315,6 +339,7 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
             "slipstream/dense_bytes": t.dense_bytes,
             "slipstream/blocked_s": t.blocked,
             "slipstream/delivered_s": t.delivered,
+            "slipstream/changed_fraction": t.changed_fraction,
         }
 
     def _next_version(self, global_steps: int | None) -> int:
@@ -342,19 +367,42 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
     async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """The next published version's tensors (those changed since the version held,
-        unless the engine was built with ``full=True``), yielded as their buckets arrive;
-        each is valid until the next is asked for."""
+        """The next published version's tensors, yielded as their buckets arrive, each
+        valid until the next is asked for: those changed since the version held, unless the
+        engine was built with ``full=True``.
+
+        With ``local_cache=True``: the first version is kept in a host copy as it is
+        yielded; from then on each version is received into that copy, in place (so deltas
+        apply), and every tensor of it is yielded."""
         subscriber = self._subscriber_for("receive_weights")
-        async for name, tensor in subscriber.areceive_iter(full=self.full):
-            yield name, tensor
+        if not self.local_cache:
+            async for name, tensor in subscriber.areceive_iter(full=self.full):
+                yield name, tensor
+        elif self.cache is None:
+            kept = []
+            async for name, tensor in subscriber.areceive_iter(full=True):
+                kept.append((name, tensor.clone()))
+                yield kept[-1]
+            self.cache = host_copy(kept)
+        else:
+            await asyncio.to_thread(subscriber.receive, self.cache)
+            for item in self.cache.state_dict().items():
+                yield item
         self.version = subscriber.version
 
     async def get_weights(  # type: ignore[override]
         self,
     ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
-        """Every tensor of the version in the trainers' host caches (``mode="cached"``),
-        without waiting for a publish. They are copies: the refetch completes first."""
+        """Every tensor of the last version received, from the local cache
+        (``local_cache=True``); without one, of the version in the trainers' host caches
+        (``mode="cached"``), fetched again without waiting for a publish (copies: the
+        refetch completes first)."""
+        if self.local_cache:
+            if self.cache is None:
+                raise RuntimeError("get_weights before any version was received")
+            for item in self.cache.state_dict().items():
+                yield item
+            return
         subscriber = self._subscriber_for("get_weights")
         kept: list[tuple[str, torch.Tensor]] = []
 
