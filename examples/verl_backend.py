@@ -57,8 +57,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.engine = new_engine(is_master=True)
 
-    def call(self, method: str, *args):
-        return getattr(self.engine, method)(*args)
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
 
     def train_and_send(self, global_steps):
         loss = self.model(torch.randint(0, 512, (8, 16))).pow(2).mean()
@@ -82,8 +82,8 @@ class Rollout:
         self.model = make_model()
         self.engine = new_engine()
 
-    def call(self, method: str, *args):
-        return getattr(self.engine, method)(*args)
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
 
     def update_weights(self, global_steps):
         params = self.model.state_dict()
@@ -108,9 +108,13 @@ def update(trainer, rollouts: list, global_steps) -> dict:
     metadata = ray.get([w.call.remote("prepare") for w in workers], timeout=TIMEOUT)
     cls = CheckpointEngineRegistry.get(BACKEND)
     actor_kwargs, rollout_kwargs = cls.build_topology(1, len(rollouts), metadata)
-    inits = [trainer.call.remote("init_process_group", *(v[0] for v in actor_kwargs.values()))]
+    # each keyword's list holds one entry per worker; the manager passes them by name
+    inits = [
+        trainer.call.remote("init_process_group", **{k: v[0] for k, v in actor_kwargs.items()})
+    ]
     for i, r in enumerate(rollouts):
-        inits.append(r.call.remote("init_process_group", *(v[i] for v in rollout_kwargs.values())))
+        kwargs = {k: v[i] for k, v in rollout_kwargs.items()}
+        inits.append(r.call.remote("init_process_group", **kwargs))
     ray.get(inits, timeout=TIMEOUT)
     sent = trainer.train_and_send.remote(global_steps)
     held = ray.get([r.update_weights.remote(global_steps) for r in rollouts], timeout=TIMEOUT)

@@ -187,12 +187,12 @@ def _serve(role: str, rank: int, conn, port: int, engine_kwargs: dict) -> None:
         )
         conn.send(("ok", None))
         while True:
-            method, args = conn.recv()
+            method, args, *kwargs = conn.recv()
             if method == "exit":
                 break
             try:
                 target = worker if hasattr(worker, method) else worker.engine
-                conn.send(("ok", getattr(target, method)(*args)))
+                conn.send(("ok", getattr(target, method)(*args, **dict(*kwargs))))
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
     except BaseException:
@@ -300,11 +300,11 @@ def _update(cluster: _Cluster, rollouts: list[str], global_steps) -> dict:
     metadata = [prepared[w] for w in workers]
     actor_kwargs, rollout_kwargs = cls.build_topology(len(trainers), len(rollouts), metadata)
     calls = {}
+    # the manager dispatches each keyword's list, one entry per worker, by name
     for i, w in enumerate(trainers):
-        calls[w] = ("init_process_group", tuple(v[i] for v in actor_kwargs.values()))
+        calls[w] = ("init_process_group", (), {k: v[i] for k, v in actor_kwargs.items()})
     for i, w in enumerate(rollouts):
-        calls[w] = ("init_process_group", tuple(v[i] for v in rollout_kwargs.values()))
-    assert list(actor_kwargs) == list(rollout_kwargs) == ["topology"]
+        calls[w] = ("init_process_group", (), {k: v[i] for k, v in rollout_kwargs.items()})
     cluster.call(calls)
     calls = {w: ("send", (global_steps,)) for w in trainers}
     calls.update({w: ("receive", (global_steps,)) for w in rollouts})
