@@ -1,5 +1,6 @@
-"""The package's import graph: no module imports itself back through others, and core/ sits
-below checkpoint/, sync/ and fsdp/ (it imports none of them)."""
+"""The package's import graph: no module imports itself back through others, core/ sits
+below checkpoint/, sync/ and fsdp/ (it imports none of them), sync/ and fsdp/ never import
+checkpoint/, and checkpoint/ never imports sync/."""
 
 import ast
 from pathlib import Path
@@ -80,3 +81,30 @@ def test_core_imports_nothing_above_it():
         if mod.startswith("slipstream.core")
     }
     assert not any(bad.values()), bad
+
+
+def _importers(graph: dict[str, set[str]], below: tuple[str, ...], above: tuple[str, ...]):
+    """Modules under ``below`` that import a module under ``above``, with what they import."""
+    bad = {
+        mod: sorted(d for d in deps if d.startswith(above))
+        for mod, deps in graph.items()
+        if mod.startswith(below)
+    }
+    return {mod: deps for mod, deps in bad.items() if deps}
+
+
+def test_sync_and_fsdp_never_import_checkpoint():
+    graph = _imports(_modules())
+    bad = _importers(graph, ("slipstream.sync", "slipstream.fsdp"), ("slipstream.checkpoint",))
+    assert not bad, bad
+
+
+def test_checkpoint_never_imports_sync():
+    graph = _imports(_modules())
+    assert not _importers(graph, ("slipstream.checkpoint",), ("slipstream.sync",))
+
+
+def test_the_layering_check_sees_an_import():
+    graph = {"slipstream.sync.x": {"slipstream.checkpoint.snapshot"}}
+    found = _importers(graph, ("slipstream.sync",), ("slipstream.checkpoint",))
+    assert found == {"slipstream.sync.x": ["slipstream.checkpoint.snapshot"]}

@@ -2,10 +2,10 @@
 
 A model of 256 MiB in 512 tensors, yielded one fresh tensor per step (as verl's generator
 gathers one ``full_tensor()`` per ``next()``): the yielded tensors alive at once never exceed
-4 buckets plus 10% of the model, counted by weak references to every tensor yielded, and the
-trainer's resident high-water mark (``VmHWM``, reset before the publish) grows by no more
-than that either; the same items handed over as a list hold the whole model, which the
-count sees. The rollout receives every byte exactly.
+4 buckets plus 10% of the model, counted by weak references to their storages (so a view a
+transport still holds counts), and the trainer's resident high-water mark (``VmHWM``, reset
+before the publish) grows by no more than that either; the same items handed over as a list
+hold the whole model, which the count sees. The rollout receives every byte exactly.
 
 On two trainers, in both modes, a streamed publish matches the layout of the first one (a
 tied name yielded again is skipped, the tie applied): a shape that differs, a name out of
@@ -38,7 +38,8 @@ def value(version: int, i: int) -> torch.Tensor:
 
 
 class Live:
-    """Bytes of yielded tensors still alive (weak references: nothing kept here)."""
+    """Bytes of yielded tensors whose memory is still alive (held by the tensor or any view
+    of it): weak references to their storages, nothing kept."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -51,7 +52,7 @@ class Live:
         n = t.numel() * t.element_size()
         self.bytes += n
         self.peak = max(self.peak, self.bytes)
-        weakref.finalize(t, self._gone, n)
+        weakref.finalize(t.untyped_storage(), self._gone, n)  # its memory, views included
         return t
 
 

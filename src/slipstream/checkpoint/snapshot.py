@@ -94,7 +94,8 @@ class StagedState(Mapping[str, Any]):
     tensors views of the snapshot's host buffer, its plain values copied at staging time.
 
     Pass it (or ``snap[key]``) wherever the state dict would go: ``Checkpointer.save``,
-    ``ss.async_save``, ``WeightPublisher.publish``.
+    ``ss.async_save``, ``WeightPublisher.publish``. It is a
+    :class:`~slipstream.core.holds.Holdable`: a reader holds it while it reads.
     """
 
     def __init__(

@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -295,26 +294,6 @@ class SyncGroup:
                 self._call(lambda: self._membership.watch.dead(remote), "reading heartbeats")
             )
         return found
-
-    def find_dead(
-        self, ranks: Sequence[int], grace: float = SILENT_AFTER_SECONDS + 1
-    ) -> dict[int, str]:
-        """:meth:`dead`, looking for up to ``grace`` seconds: after a broken transfer, the
-        process that broke it exits a moment after its sockets close (and a rank on
-        another host is known dead only once its beat has been still long enough)."""
-        deadline = time.monotonic() + grace
-        while True:
-            gone = self.dead(ranks)
-            if gone or time.monotonic() >= deadline:
-                return gone
-            time.sleep(0.05)
-
-    def exited(self, ranks: Iterable[int], grace: float = 1.0) -> list[int]:
-        """Those of ``ranks`` on this host whose process is gone, looking for up to
-        ``grace`` seconds."""
-        here = host_identity()
-        local = [r for r in ranks if self.member(r).host == here]
-        return sorted(self.find_dead(local, grace)) if local else []
 
     def close(self, timeout: float | None = None) -> None:
         """Leave the group: shut our subgroups down, stop beating, say goodbye on the store.

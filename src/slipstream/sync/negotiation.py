@@ -27,6 +27,7 @@ import torch
 from ..core import process_memory
 from ..errors import SyncError
 from .cma import CmaReceiver, CmaSender
+from .culprits import exited
 from .group import SyncGroup
 from .protocol import Keys, Probe, ProbeReply, ReceiverShape, RingInfo, TransportOffer, encode
 from .shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
@@ -173,7 +174,7 @@ def network_sender(
         group.device,
         shape.separate_min,
         rollouts,
-        lambda: group.exited(rollouts),
+        lambda: exited(group, rollouts),
         relay,
     )
 

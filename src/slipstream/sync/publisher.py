@@ -1,11 +1,10 @@
 """The trainer side: :class:`WeightPublisher`, one publish round after another.
 
-A publish is one round of the protocol in :mod:`.protocol`: the lead trainer
-(``trainer_ranks[0]``) gathers the requests of the rollouts that take part, leaving out any
-found dead, and starts the round (version, plan, epoch, members); each trainer packs the
-buckets it owns and sends them over the epoch's transport (built by
-:mod:`.negotiation` when the members change); the members acknowledge. In ``cached`` mode
-the caller's thread only snapshots into the host cache (:mod:`.cache`) and the worker
+A publish is one round of the protocol in :mod:`.protocol`, run by :mod:`.trainer_round`
+(who takes part, the epoch's transport, the acknowledgements, giving a broken round up);
+this module reads the caller's tensors (a mapping, or an iterator as it yields:
+:mod:`.stream`) and packs and sends the buckets this rank owns. In ``cached`` mode
+the caller's thread only snapshots into the host cache (:mod:`.host_cache`) and the worker
 thread runs the round from it, serving rollouts that ask again meanwhile.
 
 Rollouts that die or come back: a rollout found dead (its process gone, or its heartbeat
@@ -38,28 +37,27 @@ from typing import Any, Literal, cast
 
 import torch
 
-from ..checkpoint.snapshot import StagedState
 from ..core import tracing
-from ..core.control_plane import died_error
 from ..core.handles import fail_unfinished
-from ..errors import MissingRanksError, PeerDiedError, PeerTimeoutError, SyncError
+from ..core.holds import Holdable
+from ..errors import PeerTimeoutError, SyncError
 from .aliases import named_items, unique_tensors
-from .cache import HostCache, RefetchServer, send_bucket
 from .delta import BucketDelta, DeltaStats, Differ
 from .group import SyncGroup
+from .host_cache import HostCache
 from .negotiation import (
     HEADER_CAP,
     TRANSPORTS,
-    build_sender,
     candidates,
-    epoch_tag,
     negotiate,
 )
 from .packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
 from .plan import BucketPlan, TensorSpec, layout_json
-from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, decode, encode
+from .protocol import Keys, Request
+from .refetch import RefetchServer
+from .sending import send_bucket
 from .stream import StreamSources
-from .transport import Sender, let_go
+from .trainer_round import TrainerRound
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +67,6 @@ MODES = ("direct", "cached")
 #: tensors, as with ``delta=False``; the next one refreshes the copy and the one after
 #: diffs again), in ``cached`` mode they copy into the cache without comparing.
 PLAIN_AFTER_NO_GAIN = 8
-#: How long a trainer whose transfer broke looks for the rank that broke it (a process of
-#: this host is seen gone at once; one elsewhere once its heartbeat has been still).
-FIND_DEAD_GRACE = 4.0
 
 
 @dataclass
@@ -214,15 +209,6 @@ class WeightPublisher:
         self._last_round: Future[int] | None = None
         self._jobs: queue.Queue[tuple[Callable[[], int], PublishHandle, int] | None] = queue.Queue()
         self._closed = False
-        self._sender: Sender | None = None
-        self._sent_by_old_senders = 0
-        self._epoch = -1
-        self._members: list[int] = []
-        self._lives: dict[str, int] = {}
-        self._broken = False
-        self._live_round = -1
-        self._acked_whole: set[int] = set()
-        """Members whose acknowledgement of the live round said their transfer was whole."""
         self._offer = negotiate(
             self.group,
             self.rollout_ranks,
@@ -236,6 +222,14 @@ class WeightPublisher:
         self.transport = self._offer.kind
         assert self._offer.shape is not None
         self.separate_min_bytes = self._offer.shape.separate_min
+        self._rounds = TrainerRound(
+            self.group,
+            self.trainer_ranks,
+            self.rollout_ranks,
+            self._offer,
+            self.timeout,
+            self.rollout_versions,
+        )
         self._cache = HostCache(self.rank, self.timeout)
         self._refetch = RefetchServer(
             self.group,
@@ -302,8 +296,8 @@ class WeightPublisher:
         items = [] if streamed else named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
-        sent_before = self._bytes_sent()
-        snapshot = named_tensors if isinstance(named_tensors, StagedState) else None
+        sent_before = self._rounds.sent_bytes()
+        snapshot = named_tensors if isinstance(named_tensors, Holdable) else None
         hold = snapshot.hold(f"publish of version {version}") if snapshot is not None else None
         try:
             sources: Sources
@@ -321,15 +315,16 @@ class WeightPublisher:
             if self.mode == "direct":
                 k = self._round
                 self._round += 1
-                start, requests = self._start_round(k, version, plan, handle)
-                self._guarded(
+                start, requests = self._rounds.start(k, version, plan)
+                handle.absent = {int(r): why for r, why in start.absent.items()}
+                self._rounds.guarded(
                     k,
                     start,
                     lambda: self._pack_and_send(plan, sources, requests, version, handle.timings),
                 )
                 handle.timings.staged = handle.elapsed()
                 handle.staged.set_result(None)
-                job = functools.partial(self._finish_round, k, start)
+                job = functools.partial(self._rounds.finish, k, start)
             else:
                 differ = self._differ if self._plain_publishes == 0 else None
                 self._plain_publishes = max(0, self._plain_publishes - 1)
@@ -394,188 +389,6 @@ class WeightPublisher:
             self._announced.add(plan.plan_id)
         return plan
 
-    # ------------------------------------------------------------------------------- rounds
-    def _start_round(
-        self,
-        k: int,
-        version: int,
-        plan: BucketPlan,
-        handle: PublishHandle,
-        idle: Callable[[], None] | None = None,
-    ) -> tuple[RoundStart, dict[int, Request]]:
-        """Agree on round ``k``: its members (the lead trainer waits for every rollout not
-        found dead to ask; the others read the lead's decision), and the epoch, whose
-        transport this rank builds when it is new. Returns the round and each member's
-        request (what it holds). ``idle`` runs while the lead waits."""
-        self._live_round = k
-        self._acked_whole = set()
-        requests: dict[int, Request] = {}
-        if self.rank == self.leader:
-            start, requests = self._gather_round(k, version, plan, idle)
-        else:
-            what = f"lead trainer rank {self.leader} to start round {k}"
-            start = decode(
-                RoundStart, self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
-            )
-            if start.cancelled:
-                raise SyncError(f"round {k} was cancelled by the lead trainer: {start.cancelled}")
-            if (start.version, start.plan) != (version, plan.plan_id):
-                raise SyncError(
-                    f"trainer rank {self.rank} publishes version {version} (plan "
-                    f"{plan.plan_id}) but lead trainer rank {self.leader} publishes version "
-                    f"{start.version} (plan {start.plan}) in round {k}: ranks disagree on the "
-                    "version or on the tensors' names/shapes/dtypes"
-                )
-        handle.absent = {int(r): why for r, why in start.absent.items()}
-        for r in handle.absent:
-            self.rollout_versions[r] = None
-        if not requests:  # the lead read them while gathering the round
-            requests = {
-                r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-                for r in start.members
-            }
-        if start.epoch != self._epoch:
-            self._guarded(k, start, lambda: self._enter_epoch(start))
-        return start, requests
-
-    def _gather_round(
-        self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
-    ) -> tuple[RoundStart, dict[int, Request]]:
-        """The lead's side of :meth:`_start_round`: wait for the requests, post the round;
-        returns it with the members' requests."""
-        self.group.post(Keys.NEXT_ROUND, str(k))
-        try:
-            absent = self.group.wait_keys(
-                {r: Keys.request(r, k) for r in self.rollout_ranks},
-                f"rollouts to ask for version {version} (round {k})",
-                self.timeout,
-                idle=idle,
-                drop_dead=True,
-            )
-        except MissingRanksError as exc:
-            cancelled = RoundStart(version, plan.plan_id, self._epoch, [], cancelled=str(exc))
-            self.group.post(Keys.round(k), encode(cancelled))
-            raise
-        lives = {}
-        asked_by: dict[int, Request] = {}
-        for r in self.rollout_ranks:
-            if r in absent:
-                continue
-            asked = decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-            now = self.group.member(r).incarnation
-            if asked.incarnation != now:  # asked by a process that was replaced since
-                absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
-            else:
-                lives[str(r)] = now
-                asked_by[r] = asked
-        absent.update(self.group.dead([int(r) for r in lives]))
-        members = [r for r in self.rollout_ranks if r not in absent]
-        lives = {str(r): lives[str(r)] for r in members}
-        epoch = self._epoch
-        if lives != self._lives or self._broken or self._epoch < 0:
-            epoch = self._epoch + 1
-        if absent:
-            logger.warning(
-                "trainer rank %d: version %d goes to rollout rank(s) %s only; left out: %s",
-                self.rank,
-                version,
-                members,
-                absent,
-            )
-        start = RoundStart(
-            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
-        )
-        self.group.post(Keys.round(k), encode(start))
-        self.group.post(Keys.NEXT_ROUND, str(k + 1))
-        return start, {r: asked_by[r] for r in members}
-
-    def _enter_epoch(self, start: RoundStart) -> None:
-        """Drop the last epoch's transport and build this rank's sender for ``start``'s."""
-        self._drop_sender()
-        if start.members:
-            self._sender = build_sender(
-                self.group, self._offer, start.epoch, start.members, self.timeout, self._watch
-            )
-        self._epoch, self._members, self._broken = start.epoch, list(start.members), False
-        self._lives = dict(start.lives)
-
-    def _drop_sender(self) -> None:
-        """Let the current epoch's transport go: its process group's connections close."""
-        sender = self._sender
-        if sender is None:
-            return
-        self._sender = None
-        self._sent_by_old_senders += sender.bytes_sent
-        sender.close()
-        self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch))
-
-    def _watch(self) -> None:
-        """Raise when the current round was given up by another trainer, or a member's
-        transfer broke (a ring wait runs this: such a member frees no slot again)."""
-        k = self._live_round
-        if k < 0:
-            return
-        if self.group.has(Keys.abort(k)):
-            abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
-            raise abort.as_error(k)
-        for r in self._members:
-            if r not in self._acked_whole and self.group.has(Keys.ack(r, k)):
-                ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
-                if ack.broken:
-                    raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
-                self._acked_whole.add(r)
-
-    def _guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
-        """Run one step of round ``k``; when it fails, give the round up for everyone."""
-        try:
-            return step()
-        except BaseException as exc:
-            raise self._give_up(k, start, exc) from exc
-
-    def _give_up(self, k: int, start: RoundStart, exc: BaseException) -> BaseException:
-        """Give round ``k`` up: drop the epoch's transport (freeing every member blocked on
-        it), post the abort naming the members found dead, and return the error to raise:
-        the dead rank as its subject when one is found, else the members' own refusals."""
-        self._broken = True
-        self._drop_sender()
-        let_go(exc)
-        dead, refused = self._culprits(k, start, exc)
-        try:  # the first to see the round break names the culprit; later ones agree
-            mine = encode(RoundAbort(sorted(dead), str(exc)[:2000]))
-            posted = decode(RoundAbort, self.group.post_first(Keys.abort(k), mine))
-            if posted.dead:
-                dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
-        except (RuntimeError, SyncError):
-            pass  # the store's host is gone: every member finds that out by itself
-        what = f"version {start.version} (round {k})"
-        if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
-            return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
-        if refused and not dead:
-            return SyncError(f"{what} was not applied everywhere: " + "; ".join(refused))
-        return exc
-
-    def _culprits(
-        self, k: int, start: RoundStart, exc: BaseException
-    ) -> tuple[dict[int, str], list[str]]:
-        """Who broke round ``k``: the members found dead, else the members that refused it
-        (their acknowledgements' errors). After a broken transfer, look for up to
-        :data:`FIND_DEAD_GRACE` seconds: a process exits a moment after its sockets close."""
-        if isinstance(exc, PeerDiedError):
-            return {r: str(exc) for r in exc.ranks}, []
-        transfer = isinstance(exc, RuntimeError) and not isinstance(exc, MissingRanksError)
-        deadline = time.monotonic() + (FIND_DEAD_GRACE if transfer else 0.0)
-        while True:
-            dead = self.group.dead(start.members)
-            refused = []
-            for r in start.members:
-                if self.group.has(Keys.ack(r, k)):
-                    ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
-                    if ack.error:
-                        refused.append(f"rollout rank {r}: {ack.error}")
-            if dead or refused or time.monotonic() >= deadline:
-                return dead, refused
-            time.sleep(0.05)
-
     def _unchanged_fn(self, helds: dict[int, int | None]) -> Callable[[int, int | None], bool]:
         held_sums = []
         for v in set(helds.values()):
@@ -618,7 +431,7 @@ class WeightPublisher:
         if self.delta:  # deltas did not pay lately: the kept copy is not brought along
             self._plain_publishes -= 1
             self._cache.version = None
-        sender = self._sender
+        sender = self._rounds.sender
         unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
         separate_min = sender.separate_min if sender is not None else None
         sums: dict[int, int] = {}
@@ -655,7 +468,7 @@ class WeightPublisher:
         to the new version, diffing it when every member holds the base, and send it (as
         a delta where that is smaller) before reading the next: diffing bucket g+1 overlaps
         bucket g on the wire. Nothing is sent from the caller's tensors."""
-        sender = self._sender
+        sender = self._rounds.sender
         cache = self._cache
         stats = DeltaStats()
         sums: dict[int, int] = {}
@@ -699,11 +512,12 @@ class WeightPublisher:
         handle: PublishHandle,
         deltas: dict[int, BucketDelta | None],
     ) -> int:
-        start, requests = self._start_round(k, version, plan, handle, idle=self._refetch.poll)
+        start, requests = self._rounds.start(k, version, plan, idle=self._refetch.poll)
+        handle.absent = {int(r): why for r, why in start.absent.items()}
 
         @tracing.spanned("slipstream.sync.publish.send")
         def send() -> None:
-            sender = self._sender
+            sender = self._rounds.sender
             if sender is None:
                 return
             helds = {r: q.held for r, q in requests.items()}
@@ -722,39 +536,8 @@ class WeightPublisher:
                         )
             self._remember(version, sums)
 
-        self._guarded(k, start, send)
-        return self._finish_round(k, start)
-
-    def _finish_round(self, k: int, start: RoundStart) -> int:
-        """Wait until every send left and every member acknowledged round ``k``."""
-        self._guarded(k, start, lambda: self._await_acks(k, start))
-        errors = []
-        for r in start.members:
-            ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
-            self.rollout_versions[r] = ack.holds
-            if ack.error:
-                errors.append(f"rollout rank {r}: {ack.error}")
-        if errors:
-            self._broken = True
-            raise SyncError(
-                f"version {start.version} was not applied everywhere: " + "; ".join(errors)
-            )
-        return start.version
-
-    @tracing.spanned("slipstream.sync.publish.await_acks")
-    def _await_acks(self, k: int, start: RoundStart) -> None:
-        if self._sender is not None:
-            self._sender.flush()
-        self.group.wait_keys(
-            {r: Keys.ack(r, k) for r in start.members},
-            f"rollouts to acknowledge version {start.version}",
-            self.timeout,
-            idle=self._watch,
-        )
-
-    def _bytes_sent(self) -> int:
-        current = self._sender.bytes_sent if self._sender is not None else 0
-        return self._sent_by_old_senders + current
+        self._rounds.guarded(k, start, send)
+        return self._rounds.finish(k, start)
 
     # ------------------------------------------------------------------- worker thread
     def _work(self) -> None:
@@ -774,7 +557,7 @@ class WeightPublisher:
                 handle.delivered.set_exception(exc)
                 continue
             timings = handle.timings
-            self.bytes_sent = self._bytes_sent()
+            self.bytes_sent = self._rounds.sent_bytes()
             timings.nbytes = self.bytes_sent - sent_before
             timings.delivered = handle.elapsed()
             changed = timings.changed_fraction
@@ -809,7 +592,7 @@ class WeightPublisher:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of transfer buffers, host cache and kept base this publisher holds."""
-        sender = self._sender.buffer_bytes if self._sender is not None else 0
+        sender = self._rounds.sender.buffer_bytes if self._rounds.sender is not None else 0
         return sender + self._cache.nbytes
 
     def staleness(self) -> dict[int, int | None]:
@@ -832,7 +615,7 @@ class WeightPublisher:
                 f"trainer rank {self.rank}: the publisher's worker did not finish within "
                 f"{self.timeout:.1f} s (a rollout is not receiving?)"
             )
-        self._drop_sender()
+        self._rounds.drop_sender()
         self._cache.clear()
 
     def __enter__(self) -> WeightPublisher:

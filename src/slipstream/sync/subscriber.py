@@ -2,9 +2,11 @@
 
 :meth:`WeightSubscriber.receive` runs on the caller's thread (the subscriber starts no
 thread) and only uses the sync group's own store and process groups. One call takes part in
-one round (see :mod:`.publisher`): it asks for a version newer than the one it holds, checks
-the plan against the target before any byte moves, receives bucket g while unpacking bucket
-g-1 (two reused buffers per trainer), then acknowledges. Over relay or broadcast, slices
+one round (see :mod:`.publisher`; asking for it, its epoch's receivers and naming who broke
+it are :mod:`.rollout_round`'s): it asks for a version newer than the one it holds, checks
+the plan against the target before any byte moves (:mod:`.sinks` say where bytes go),
+receives bucket g while unpacking bucket g-1 (two reused buffers per trainer), then
+acknowledges. Over relay or broadcast, slices
 sent on their own land straight in their final place (the parameter, or the atomic stream
 buffer) and are never copied again; over relay this rank also passes every message on to
 the next rollout. :meth:`WeightSubscriber.refetch`
@@ -23,7 +25,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -33,34 +35,27 @@ from torch import nn
 
 from ..core import tracing
 from ..core.buffers import StagingPool
-from ..core.copy import copy_in_slices
-from ..errors import PeerTimeoutError, SyncError
+from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
 from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .group import SyncGroup
-from .negotiation import build_receiver, epoch_tag, network_receiver, read_offer
+from .negotiation import network_receiver, read_offer
 from .packing import payload_segments
-from .plan import BucketPlan, Slice, decode_header, payload_offsets, plan_from_json
+from .plan import BucketPlan, decode_header, payload_offsets, plan_from_json
 from .protocol import (
     Ack,
     AgainGo,
     AgainOffer,
     AgainRequest,
     Keys,
-    Request,
-    RoundAbort,
-    RoundStart,
-    decode,
     encode,
 )
-from .transport import Pending, Receiver, let_go
+from .rollout_round import RolloutRound
+from .sinks import DrainSink, Sink, StreamSink, TargetSink
+from .transport import Pending, Receiver
 
 logger = logging.getLogger(__name__)
-
-#: How long a rollout whose transfer broke looks for the rank that broke it (the trainers'
-#: abort, or a dead trainer or member) before it raises the transfer's own error.
-EXPLAIN_WITHIN = 5.0
 
 
 class WeightSubscriber:
@@ -95,8 +90,6 @@ class WeightSubscriber:
         self.leader = self.trainer_ranks[0]
         self.timeout = group.timeout if timeout is None else timeout
         self.bytes_received = 0
-        self._round: int | None = None
-        self._live_round = -1
         self._version: int | None = None
         self._complete = False
         self._held_by: tuple[str, bool] | None = None
@@ -106,9 +99,7 @@ class WeightSubscriber:
         self._offers = {t: read_offer(self.group, t, self.timeout) for t in self.trainer_ranks}
         self.transports: dict[int, str] = {t: o.kind for t, o in self._offers.items()}
         self.modes: dict[int, str] = {t: o.mode for t, o in self._offers.items()}
-        self._receivers: dict[int, Receiver] = {}
-        self._epoch = -1
-        self._members: list[int] = []
+        self._rounds = RolloutRound(self.group, self.trainer_ranks, self._offers, self.timeout)
         self._tokens: dict[int, int] = {}
         """Each bucket's token (:mod:`.delta`) as last applied in place, for plan
         ``_token_plan`` at version ``_delta_version`` (``None``: none recorded whole)."""
@@ -125,7 +116,7 @@ class WeightSubscriber:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of receive buffers, atomic staging and reassembly buffers this rank holds."""
-        receivers = sum(r.buffer_bytes for r in self._receivers.values())
+        receivers = sum(r.buffer_bytes for r in self._rounds.receivers.values())
         assembly = sum(t.numel() for t in self._assembly.values())
         return receivers + self._pool.live_bytes + assembly
 
@@ -213,7 +204,7 @@ class WeightSubscriber:
         held = self.version if (not full and self._held_by == held_key) else None
         in_place = isinstance(sink, ModuleTarget) and not atomic
         delta_base = self._delta_version if (in_place and held is not None) else None
-        k, start = self._join_round(held, delta_base)
+        k, start = self._rounds.join(held, delta_base)
         version = start.version
         ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
@@ -225,10 +216,11 @@ class WeightSubscriber:
             plan = self._plan(start.plan)
             problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._transfer(k, _Round(plan, sink, "drain", self._receivers))
+                self._transfer(k, _Round(plan, DrainSink(), self._rounds.receivers))
                 raise_problems(problems, version, self.rank)
-            into = "stream" if atomic else "target"
-            rnd = _Round(plan, sink, into, self._receivers, version=version)
+            rnd = _Round(
+                plan, self._sink(plan, sink, atomic), self._rounds.receivers, version=version
+            )
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
             if atomic:  # every byte in the host buffer before the first item
@@ -243,7 +235,7 @@ class WeightSubscriber:
                     except GeneratorExit:  # drain the rest of the round, yield nothing more
                         stopped = True
                 items.clear()
-                if atomic or not self._guarded(k, rnd, pipeline.step):
+                if atomic or not self._rounds.guarded(k, pipeline.step, rnd.forget_receivers):
                     break
             if rnd.refused is not None:  # drained to the end of the round: raise it now
                 raise rnd.refused
@@ -254,123 +246,25 @@ class WeightSubscriber:
                 )
         except BaseException as exc:
             items.clear()
-            broken = self._epoch < 0  # the transfer broke and let the transport go
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
+            broken = self._rounds.epoch < 0  # the transfer broke and let the transport go
+            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
             if stopped:
                 return None
             raise
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
-        self._ack(ack_key, Ack(version))
+        self._rounds.ack(ack_key, Ack(version))
         self._log("received", version, received_before, started)
         return version
 
     def _forget_tokens(self) -> None:
         self._tokens, self._token_plan, self._delta_version = {}, None, None
 
-    def _join_round(self, held: int | None, delta_base: int | None) -> tuple[int, RoundStart]:
-        """Ask for the next round this rank is a member of; return it, with its transport
-        built. A rank that (re)joins starts at the round the lead trainer is gathering; a
-        round that went on without it, or was cancelled, is passed over."""
-        k = self._round
-        if k is None:
-            k = int(self.group.store.get(Keys.NEXT_ROUND)) if self.group.has(Keys.NEXT_ROUND) else 0
-        incarnation = self.group.incarnation
-        while True:
-            request = Request(held, incarnation, delta_base)
-            self.group.post(Keys.request(self.rank, k), encode(request))
-            self._round = k
-            what = f"lead trainer rank {self.leader} to start round {k}"
-            text = self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
-            start = decode(RoundStart, text)
-            k += 1
-            if start.takes_part(self.rank, incarnation):
-                break
-        self._round = k
-        self._live_round = k - 1
-        if start.epoch != self._epoch:
-            self._enter_epoch(k - 1, start)
-        return k - 1, start
-
-    def _enter_epoch(self, k: int, start: RoundStart) -> None:
-        """Drop the last epoch's receivers and build this epoch's, one per trainer."""
-        self._drop_receivers()
-        try:
-            for t in self.trainer_ranks:
-                self._receivers[t] = build_receiver(
-                    self.group,
-                    self._offers[t],
-                    t,
-                    start.epoch,
-                    start.members,
-                    self.timeout,
-                    self._watch,
-                )
-        except BaseException as exc:
-            self._drop_receivers()
-            raise self._explain(k, exc) from exc
-        self._epoch, self._members = start.epoch, list(start.members)
-
-    def _drop_receivers(self) -> None:
-        """Let the epoch's receivers go: their process groups' connections close, so a
-        member blocked on one (relaying from us) is freed at once."""
-        for receiver in self._receivers.values():
-            receiver.close()
-        self._receivers = {}
-        for t in self.trainer_ranks:
-            self.group.drop_subgroup([t, *self._members], epoch_tag(self._epoch))
-        self._epoch = -1
-
-    def _watch(self) -> None:
-        """Raise when the trainers gave the current round up (a ring wait runs this)."""
-        k = self._live_round
-        if k >= 0 and self.group.has(Keys.abort(k)):
-            raise self._abort(k).as_error(k)
-
-    def _abort(self, k: int) -> RoundAbort:
-        return decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
-
     def _transfer(self, k: int, rnd: _Round) -> None:
         """Receive (and apply) a round; when it breaks, drop the epoch's receivers and
         raise naming the rank that broke it."""
-        self._guarded(k, rnd, lambda: self._take(rnd))
-
-    def _guarded(self, k: int, rnd: _Round, step: Callable[[], _T]) -> _T:
-        """Run one step of round ``k``'s transfer; when it breaks, drop the epoch's
-        receivers and raise naming the rank that broke it."""
-        try:
-            return step()
-        except BaseException as exc:
-            self._drop_receivers()
-            rnd.receivers = {}
-            let_go(exc)
-            raise self._explain(k, exc) from exc
-
-    def _explain(self, k: int, exc: BaseException) -> BaseException:
-        """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
-        timeout, not the target's own), the dead rank named by the trainers' abort, or a dead
-        trainer or member found within ``EXPLAIN_WITHIN``; else ``exc`` itself."""
-        transport = isinstance(exc, RuntimeError) and not isinstance(exc, PeerTimeoutError)
-        if not transport:
-            return exc
-        others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
-        deadline = time.monotonic() + EXPLAIN_WITHIN
-        while True:
-            try:
-                if self.group.has(Keys.abort(k)):
-                    abort = self._abort(k)
-                    return abort.as_error(k) if abort.dead else exc
-                dead = self.group.dead(others)
-            except SyncError as lost:  # the store's host (a trainer) is gone
-                return lost
-            if dead:  # the first to see the round break names the culprit
-                mine = encode(RoundAbort(sorted(dead), f"rollout rank {self.rank}: {exc}"[:2000]))
-                self.group.post_first(Keys.abort(k), mine)
-                return self._abort(k).as_error(k)
-            if time.monotonic() >= deadline:
-                return exc
-            time.sleep(0.05)
+        self._rounds.guarded(k, lambda: self._take(rnd), rnd.forget_receivers)
 
     @tracing.spanned("slipstream.sync.refetch")
     def refetch(
@@ -413,9 +307,9 @@ class WeightSubscriber:
         receivers = {t: self._refetch_receiver(t, plan, o) for t, o in offers.items()}
         ack_key = Keys.again_ack(self.rank, n)
         try:
-            self._take(_Round(plan, sink, "stream" if atomic else "target", receivers))
+            self._take(_Round(plan, self._sink(plan, sink, atomic), receivers))
         except BaseException as exc:
-            self._ack(ack_key, Ack(self.version, str(exc)[:2000]))
+            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000]))
             for t, o in offers.items():
                 if o.cache is None:
                     self.group.drop_subgroup([t, self.rank], self._again_tag())
@@ -424,7 +318,7 @@ class WeightSubscriber:
             for receiver in receivers.values():
                 receiver.close()
         self._hold(version, (sink.kind, atomic))
-        self._ack(ack_key, Ack(version))
+        self._rounds.ack(ack_key, Ack(version))
         self._log("refetched", version, received_before, started)
         return version
 
@@ -487,14 +381,16 @@ class WeightSubscriber:
     def _take(self, rnd: _Round) -> None:
         """Receive a round and apply it; the held version is incomplete from the first byte
         applied until the caller records the new one."""
-        if rnd.into != "stream":
+        if not rnd.sink.buffered:
             self._complete = False
         pipeline = _Pipeline(self, rnd)
         while pipeline.step():
             pass
-        if rnd.into == "stream":
-            self._complete = False
-            self._apply_stream(rnd)
+        self._complete = False
+        rnd.sink.finish()
+
+    def _sink(self, plan: BucketPlan, target: ModuleTarget | CallableTarget, atomic: bool) -> Sink:
+        return StreamSink(plan, target, self._pool) if atomic else TargetSink(plan, target)
 
     def _hold(self, version: int, held_key: tuple[str, bool]) -> None:
         self._version = version
@@ -510,12 +406,6 @@ class WeightSubscriber:
             (self.bytes_received - received_before) / 2**30,
             time.perf_counter() - started,
         )
-
-    def _ack(self, key: str, ack: Ack) -> None:
-        try:
-            self.group.post(key, encode(ack))
-        except (RuntimeError, SyncError):
-            pass
 
     def _plan(self, plan_id: str) -> BucketPlan:
         leader = self.leader
@@ -544,14 +434,7 @@ class WeightSubscriber:
             return [payload]
         buffers = []
         for seg in payload_segments(slices, mask, separate_min):
-            dest = None
-            if seg.slice is not None:
-                s = slices[seg.slice]
-                if rnd.into == "target":
-                    dest = rnd.sink.direct_view(s)
-                elif rnd.into == "stream":
-                    start = g * rnd.plan.bucket_bytes + s.bucket_offset
-                    dest = rnd.stream_bytes()[start : start + s.nbytes]
+            dest = None if seg.slice is None else rnd.sink.land(g, slices[seg.slice])
             if dest is not None and seg.slice is not None and dest.device == payload.device:
                 rnd.landed.add((g, seg.slice))
                 buffers.append(dest)
@@ -561,7 +444,7 @@ class WeightSubscriber:
 
     @tracing.spanned("slipstream.sync.receive.bucket")
     def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
-        plan, sink, into = rnd.plan, rnd.sink, rnd.into
+        plan = rnd.plan
         header, payload = pending.finish()
         slices = plan.bucket_slices(g)
         _, mask = decode_header(header, len(slices))
@@ -577,71 +460,40 @@ class WeightSubscriber:
                 f"{payload.numel()} bytes, the plan expects {size}"
             )
         self.bytes_received += size
-        whole: dict[int, torch.Tensor] = {}
+        sink = rnd.sink
         for k, (s, keep, off) in enumerate(zip(slices, mask, offsets, strict=True)):
-            if keep:
-                data = payload[off : off + s.nbytes]
-                landed = (g, k) in rnd.landed
-                rnd.dirty.add(s.tensor)
-                if into == "stream":
-                    if not landed:
-                        start = g * plan.bucket_bytes + s.bucket_offset
-                        copy_in_slices(rnd.stream_bytes()[start : start + s.nbytes], data)
-                    rnd.slices.append((g, s))
-                elif into == "target":
-                    if landed:
-                        sink.landed(s)
-                    else:
-                        sink.write(s, data)
-                    if isinstance(sink, CallableTarget):
-                        if s.nbytes == plan.specs[s.tensor].nbytes:
-                            whole[s.tensor] = data
-                        else:
-                            buf = sink.assembly(s.tensor, plan.specs[s.tensor])
-                            copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
-            if into == "target" and s.tensor in rnd.dirty and plan.last_bucket[s.tensor] == g:
-                if isinstance(sink, CallableTarget) and s.tensor not in whole:
-                    sink.assembly(s.tensor, plan.specs[s.tensor])
-                sink.tensor_done(s.tensor, plan.specs[s.tensor], whole.get(s.tensor))
-        if into == "target":
-            sink.flush()
+            data = payload[off : off + s.nbytes] if keep else None
+            sink.take(g, s, data, (g, k) in rnd.landed)
+        sink.bucket_done(g)
 
     @tracing.spanned("slipstream.sync.receive.apply_delta")
     def _apply_delta(self, rnd: _Round, g: int, message: torch.Tensor) -> None:
         """Apply bucket ``g``'s delta in place, once its base is checked to be the bytes
         this rank holds (a delta for other bytes is refused, nothing applied)."""
         self.bytes_received += message.numel()
-        if rnd.into == "drain":
+        if isinstance(rnd.sink, DrainSink):
             return
         owner = rnd.plan.buckets[g].owner
         header, payload = decode_delta(message)
         where = f"rollout rank {self.rank}, bucket {g} from trainer rank {owner}"
         sink = rnd.sink
-        if rnd.tokens is None or not isinstance(sink, ModuleTarget):
+        if (
+            rnd.tokens is None
+            or not isinstance(sink, TargetSink)
+            or not isinstance(sink.target, ModuleTarget)
+        ):
             raise SyncError(f"{where}: a delta arrived for a receive that takes dense bytes only")
         try:
             header.check_base(rnd.base_tokens.get(g), where)
         except BaseMismatch as exc:  # apply nothing more; drain the round, stay in step
-            rnd.refused, rnd.into, rnd.tokens = exc, "drain", None
+            rnd.refused, rnd.sink, rnd.tokens = exc, DrainSink(), None
             return
-        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.views)
+        apply_delta(payload, header.count, rnd.plan.bucket_slices(g), sink.target.views)
         rnd.tokens[g] = header.token
-
-    @staticmethod
-    def _apply_stream(rnd: _Round) -> None:
-        """Apply what the pipeline gathered into the stream buffer."""
-        plan, sink, stream = rnd.plan, rnd.sink, rnd.stream_bytes()
-        for g, s in rnd.slices:
-            start = g * plan.bucket_bytes + s.bucket_offset
-            sink.write(s, stream[start : start + s.nbytes])
-        for i in sorted(rnd.dirty):
-            start = plan.stream_offset[i]
-            sink.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
-        sink.flush()
 
     def close(self) -> None:
         """Unmap shared memory and free buffers (the group stays open)."""
-        self._drop_receivers()
+        self._rounds.drop_receivers()
         self._pool.clear()
 
     def __enter__(self) -> WeightSubscriber:
@@ -662,10 +514,6 @@ class _Pipeline:
         self.next = 0
         self.pending: tuple[int, Pending] | None = None
         self.unpacked: Pending | None = None
-        if rnd.into == "stream":
-            pool = subscriber._pool
-            rnd.stream = pool.acquire("sync-atomic", max(rnd.plan.stream_bytes, 1))
-            pool.release("sync-atomic")
 
     @tracing.spanned("slipstream.sync.receive.transfer")
     def step(self) -> bool:
@@ -703,17 +551,12 @@ def _next_or_end(items: Iterator[tuple[str, torch.Tensor]]) -> object:
 
 @dataclass
 class _Round:
-    """One receive: its plan, target, destination (``into``) and receiver per trainer, and
-    what it gathered: tensors with new bytes, (buffered) the stream, and the slices (bucket,
-    index in the bucket) that landed in their final place on arrival."""
+    """One receive: its plan, where its bytes go (``sink``), its receiver per trainer, and
+    the slices (bucket, index in the bucket) that landed in their final place on arrival."""
 
     plan: BucketPlan
-    sink: ModuleTarget | CallableTarget
-    into: str
+    sink: Sink
     receivers: dict[int, Receiver]
-    dirty: set[int] = field(default_factory=set)
-    slices: list[tuple[int, Slice]] = field(default_factory=list)
-    stream: torch.Tensor | None = None
     landed: set[tuple[int, int]] = field(default_factory=set)
     version: int = 0
     base_tokens: dict[int, int] = field(default_factory=dict)
@@ -723,8 +566,6 @@ class _Round:
     refused: BaseMismatch | None = None
     """A delta refused for its base: the rest of the round was drained, nothing applied."""
 
-    def stream_bytes(self) -> torch.Tensor:
-        """The host buffer laid out as the plan's stream (``into == "stream"`` only)."""
-        if self.stream is None:
-            raise SyncError("a round received into the target has no stream buffer")
-        return self.stream
+    def forget_receivers(self) -> None:
+        """Let go of the receivers (the round broke: their connections must close)."""
+        self.receivers = {}

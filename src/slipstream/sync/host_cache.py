@@ -1,106 +1,36 @@
-"""The trainer's host cache (``cached`` mode), the one send path, and the refetch server.
-
-:func:`send_bucket` is how every bucket leaves a trainer, packed from live tensors or read
-from the cache: it encodes the bucket's header, cuts the payload into the transport's
-segments and submits one :class:`.protocol.BucketMessage`.
+"""The trainer's host cache (``cached`` mode), and the base of delta publishes.
 
 :class:`HostCache` holds this rank's buckets of the last version snapshotted, laid out as the
 plan lays out a bucket with every slice included, in one reused host buffer; it is
-rewritten only under its lock.
-
-:class:`RefetchServer` answers rollouts that ask again (:mod:`.protocol`, refetch): from the
-publisher's worker thread, it offers the cache's version and, once the rollout accepts,
-sends every byte of this rank's buckets over a process group of just the two of them (over
-``cma`` the rollout reads the cache itself), holding the cache's lock until the rollout
-acknowledged.
+rewritten only under its lock, and served again by :mod:`.refetch`.
 
 Invariant: the cache's ``version`` is set only while every byte of that version is in it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from ..core import tracing
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
-from ..errors import PeerTimeoutError, SyncError
-from .delta import (
-    DELTA,
-    WORD,
-    BucketDelta,
-    DeltaStats,
-    Differ,
-    encode_delta,
-    root_token,
-    words_of,
-)
-from .group import SyncGroup
-from .negotiation import network_sender, separate_min_for, shape_of
-from .packing import Sources, pack_slices, payload_segments, segment_parts, slice_checksum
-from .plan import BucketPlan, Slice, encode_header
-from .protocol import (
-    Ack,
-    AgainGo,
-    AgainOffer,
-    AgainRequest,
-    BucketMessage,
-    CacheAddress,
-    Keys,
-    decode,
-    encode,
-)
-from .transport import Sender, let_go
+from ..errors import PeerTimeoutError
+from .delta import WORD, BucketDelta, DeltaStats, Differ, encode_delta, root_token, words_of
+from .negotiation import separate_min_for, shape_of
+from .packing import Sources, pack_slices, slice_checksum
+from .plan import BucketPlan, Slice
+from .protocol import AgainOffer, CacheAddress
+from .sending import send_bucket, send_delta
+from .transport import Sender
 
-logger = logging.getLogger(__name__)
-
-#: How often a ``cached`` publisher's worker looks for rollouts that ask again, in seconds
-#: (a look is one store request; a refetch waits at most this long to be noticed).
-ASK_AGAIN_POLL = 0.05
 #: Buffers per side of a refetch's transfer (allocated for its duration).
 REFETCH_SLOTS = 2
 
 Unchanged = Callable[[int, int | None], bool]
-
-
-def send_bucket(
-    sender: Sender,
-    plan: BucketPlan,
-    g: int,
-    mask: list[int],
-    nbytes: int,
-    buffer: torch.Tensor,
-    separate: dict[int, torch.Tensor],
-) -> None:
-    """Send bucket ``g`` with include ``mask`` and a payload of ``nbytes``: ``buffer`` holds
-    the packed slices (laid out by :func:`.plan.payload_offsets`; the bytes of slices in
-    ``separate`` need not be there), ``separate`` the slices sent from their own bytes."""
-    slices = plan.bucket_slices(g)
-    header = encode_header(
-        torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8), nbytes, mask
-    )
-    segments = payload_segments(slices, mask, sender.separate_min)
-    parts = segment_parts(segments, buffer[:nbytes], separate)
-    message = BucketMessage(g, header.to(buffer.device), parts)
-    sender.submit(message.header, message.parts)
-
-
-def send_delta(sender: Sender, plan: BucketPlan, g: int, message: torch.Tensor) -> None:
-    """Send bucket ``g`` as the delta ``message`` (:func:`.delta.encode_delta`): its header
-    marks every slice :data:`.delta.DELTA` and its payload is the message, one segment."""
-    slices = plan.bucket_slices(g)
-    header = encode_header(
-        torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8),
-        message.numel(),
-        [DELTA] * len(slices),
-    )
-    sender.submit(header.to(message.device), [message])
 
 
 class HostCache:
@@ -286,113 +216,3 @@ class HostCache:
     def clear(self) -> None:
         self._pool.clear()
         self.buffer = None
-
-
-class RefetchServer:
-    """Serves rollouts that ask again from a :class:`HostCache` (worker thread only)."""
-
-    def __init__(
-        self,
-        group: SyncGroup,
-        cache: HostCache,
-        rollout_ranks: Sequence[int],
-        kind: str,
-        separate_min: int | None | str,
-        timeout: float,
-        rollout_versions: dict[int, int | None],
-    ) -> None:
-        self.group = group
-        self.cache = cache
-        self.rank = group.rank
-        self.rollout_ranks = list(rollout_ranks)
-        # a colocated rollout reads the cache itself; otherwise host weights travel to it
-        # point to point (a collective of two costs more per message), device weights by
-        # broadcast, as a publish would send them
-        if kind == "cma":
-            self.kind = "cma"
-        else:
-            self.kind = "relay" if group.device.type == "cpu" else "broadcast"
-        self.separate_min = separate_min
-        self.timeout = timeout
-        self.rollout_versions = rollout_versions
-        self._seen = 0
-        self._looked = 0.0
-        self._next = dict.fromkeys(self.rollout_ranks, 0)
-
-    def poll(self) -> None:
-        """Serve every rollout that asked since the last look (at most every
-        :data:`ASK_AGAIN_POLL` seconds). A request that cannot be served is answered with
-        the reason; a failure while serving one is the asking rollout's error (it times out
-        or sees a broken transfer), logged here, and never fails a publish."""
-        now = time.monotonic()
-        if now - self._looked < ASK_AGAIN_POLL:
-            return
-        self._looked = now
-        try:
-            count = self.group.count(Keys.ASK_AGAIN_COUNT)
-            if count == self._seen:
-                return
-            for r in self.rollout_ranks:
-                while self.group.has(Keys.again(r, self._next[r])):
-                    n = self._next[r]
-                    self._next[r] += 1
-                    try:
-                        self._serve(r, n)
-                    except (SyncError, RuntimeError) as exc:
-                        logger.warning(
-                            "trainer rank %d could not serve rollout rank %d's refetch: %s",
-                            self.rank,
-                            r,
-                            exc,
-                        )
-            self._seen = count
-        except (SyncError, RuntimeError) as exc:
-            logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
-
-    @tracing.spanned("slipstream.sync.refetch.serve")
-    def _serve(self, r: int, n: int) -> None:
-        """Answer rollout ``r``'s request ``n`` with this rank's offer and, once the rollout
-        accepts, send every byte of this rank's buckets from the cache (over ``cma`` the
-        rollout reads them itself). The cache stays locked until the rollout acknowledged."""
-        request = decode(AgainRequest, self.group.get_text(Keys.again(r, n), r, "a refetch"))
-        offer_key = Keys.again_offer(r, n, self.rank)
-        if not self.cache.lock.acquire(blocking=False):
-            why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
-            self.group.post(offer_key, encode(AgainOffer(error=why)))
-            return
-        try:
-            offer = self.cache.offer(self.kind, self.separate_min)
-            self.group.post(offer_key, encode(offer))
-            if offer.error:
-                return
-            what = f"rollout rank {r} to accept version {offer.version}"
-            go = decode(AgainGo, self.group.get_text(Keys.again_go(r, n), r, what, self.timeout))
-            if not go.go:
-                return
-            plan = self.cache.plan
-            assert plan is not None and offer.shape is not None
-            if self.kind != "cma":
-                tag = f"again-i{request.incarnation}"
-                sender = network_sender(
-                    self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
-                )
-                try:
-                    self.cache.send(sender, plan, self.group.device)
-                    sender.flush()
-                except BaseException as exc:  # the pair's group is spent: build anew next time
-                    sender.close()
-                    self.group.drop_subgroup([self.rank, r], tag)
-                    let_go(exc)
-                    raise
-                sender.close()
-            what = f"rollout rank {r} to acknowledge a refetch"
-            ack = decode(Ack, self.group.get_text(Keys.again_ack(r, n), r, what, self.timeout))
-        finally:
-            self.cache.lock.release()
-        self.rollout_versions[r] = ack.holds
-        logger.info(
-            "trainer rank %d served version %s again to rollout rank %d from its cache",
-            self.rank,
-            offer.version,
-            r,
-        )

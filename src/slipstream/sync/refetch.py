@@ -1,0 +1,139 @@
+"""Serving rollouts that ask again (:mod:`.protocol`, refetch) from the host cache.
+
+:class:`RefetchServer`, on the publisher's worker thread, offers the cache's version and,
+once the rollout accepts, sends every byte of this rank's buckets over a process group of
+just the two of them (over ``cma`` the rollout reads the cache itself), holding the cache's
+lock until the rollout acknowledged.
+
+Invariant: a refetch never fails a publish: what goes wrong is the asking rollout's error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from ..core import tracing
+from ..errors import SyncError
+from .group import SyncGroup
+from .host_cache import HostCache
+from .negotiation import network_sender
+from .protocol import Ack, AgainGo, AgainOffer, AgainRequest, Keys, decode, encode
+from .transport import let_go
+
+logger = logging.getLogger(__name__)
+
+#: How often a ``cached`` publisher's worker looks for rollouts that ask again, in seconds
+#: (a look is one store request; a refetch waits at most this long to be noticed).
+ASK_AGAIN_POLL = 0.05
+
+
+class RefetchServer:
+    """Serves rollouts that ask again from a :class:`HostCache` (worker thread only)."""
+
+    def __init__(
+        self,
+        group: SyncGroup,
+        cache: HostCache,
+        rollout_ranks: Sequence[int],
+        kind: str,
+        separate_min: int | None | str,
+        timeout: float,
+        rollout_versions: dict[int, int | None],
+    ) -> None:
+        self.group = group
+        self.cache = cache
+        self.rank = group.rank
+        self.rollout_ranks = list(rollout_ranks)
+        # a colocated rollout reads the cache itself; otherwise host weights travel to it
+        # point to point (a collective of two costs more per message), device weights by
+        # broadcast, as a publish would send them
+        if kind == "cma":
+            self.kind = "cma"
+        else:
+            self.kind = "relay" if group.device.type == "cpu" else "broadcast"
+        self.separate_min = separate_min
+        self.timeout = timeout
+        self.rollout_versions = rollout_versions
+        self._seen = 0
+        self._looked = 0.0
+        self._next = dict.fromkeys(self.rollout_ranks, 0)
+
+    def poll(self) -> None:
+        """Serve every rollout that asked since the last look (at most every
+        :data:`ASK_AGAIN_POLL` seconds). A request that cannot be served is answered with
+        the reason; a failure while serving one is the asking rollout's error (it times out
+        or sees a broken transfer), logged here, and never fails a publish."""
+        now = time.monotonic()
+        if now - self._looked < ASK_AGAIN_POLL:
+            return
+        self._looked = now
+        try:
+            count = self.group.count(Keys.ASK_AGAIN_COUNT)
+            if count == self._seen:
+                return
+            for r in self.rollout_ranks:
+                while self.group.has(Keys.again(r, self._next[r])):
+                    n = self._next[r]
+                    self._next[r] += 1
+                    try:
+                        self._serve(r, n)
+                    except (SyncError, RuntimeError) as exc:
+                        logger.warning(
+                            "trainer rank %d could not serve rollout rank %d's refetch: %s",
+                            self.rank,
+                            r,
+                            exc,
+                        )
+            self._seen = count
+        except (SyncError, RuntimeError) as exc:
+            logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
+
+    @tracing.spanned("slipstream.sync.refetch.serve")
+    def _serve(self, r: int, n: int) -> None:
+        """Answer rollout ``r``'s request ``n`` with this rank's offer and, once the rollout
+        accepts, send every byte of this rank's buckets from the cache (over ``cma`` the
+        rollout reads them itself). The cache stays locked until the rollout acknowledged."""
+        request = decode(AgainRequest, self.group.get_text(Keys.again(r, n), r, "a refetch"))
+        offer_key = Keys.again_offer(r, n, self.rank)
+        if not self.cache.lock.acquire(blocking=False):
+            why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
+            self.group.post(offer_key, encode(AgainOffer(error=why)))
+            return
+        try:
+            offer = self.cache.offer(self.kind, self.separate_min)
+            self.group.post(offer_key, encode(offer))
+            if offer.error:
+                return
+            what = f"rollout rank {r} to accept version {offer.version}"
+            go = decode(AgainGo, self.group.get_text(Keys.again_go(r, n), r, what, self.timeout))
+            if not go.go:
+                return
+            plan = self.cache.plan
+            assert plan is not None and offer.shape is not None
+            if self.kind != "cma":
+                tag = f"again-i{request.incarnation}"
+                sender = network_sender(
+                    self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
+                )
+                try:
+                    self.cache.send(sender, plan, self.group.device)
+                    sender.flush()
+                except BaseException as exc:  # the pair's group is spent: build anew next time
+                    sender.close()
+                    self.group.drop_subgroup([self.rank, r], tag)
+                    let_go(exc)
+                    raise
+                sender.close()
+            what = f"rollout rank {r} to acknowledge a refetch"
+            ack = decode(Ack, self.group.get_text(Keys.again_ack(r, n), r, what, self.timeout))
+        finally:
+            self.cache.lock.release()
+        self.rollout_versions[r] = ack.holds
+        logger.info(
+            "trainer rank %d served version %s again to rollout rank %d from its cache",
+            self.rank,
+            offer.version,
+            r,
+        )

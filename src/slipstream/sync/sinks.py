@@ -1,0 +1,155 @@
+"""Where a receive puts each bucket's bytes: one :class:`Sink` per round.
+
+- :class:`TargetSink`: into the target as each bucket lands (a module in place; a
+  ``load_weights`` callable gets whole tensors after each bucket);
+- :class:`StreamSink`: into a host buffer laid out as the plan's stream, applied to the
+  target only once every byte is in (``atomic=True``);
+- :class:`DrainSink`: nowhere (a round this rank refused, received to its end so every
+  other member stays in step).
+
+The receive pipeline (:mod:`.subscriber`) asks a sink where a slice sent on its own may land
+(:meth:`Sink.land`), hands it every slice of every bucket (:meth:`Sink.take`), tells it when
+a bucket is done and, at the end, when the round is (:meth:`Sink.finish`).
+
+Invariant: a sink writes the target only from bytes of the round it belongs to, and a
+buffered sink writes nothing to it before :meth:`Sink.finish`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..core.buffers import StagingPool
+from ..core.copy import copy_in_slices
+from .apply import CallableTarget, ModuleTarget
+from .plan import BucketPlan, Slice
+
+
+class Sink(Protocol):
+    buffered: bool
+    """Whether the target is written only at :meth:`finish` (every byte in first)."""
+
+    def land(self, g: int, s: Slice) -> torch.Tensor | None:
+        """Where slice ``s`` of bucket ``g`` may be received straight away (``None``: into
+        the bucket's payload)."""
+        ...
+
+    def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
+        """Slice ``s`` of bucket ``g`` arrived: ``data`` its bytes in the payload (``None``:
+        left out as unchanged), or ``landed`` where :meth:`land` put it."""
+        ...
+
+    def bucket_done(self, g: int) -> None:
+        """Every slice of bucket ``g`` was taken."""
+        ...
+
+    def finish(self) -> None:
+        """Every bucket of the round was taken."""
+        ...
+
+
+class TargetSink:
+    """Applies each slice to ``target`` as its bucket lands."""
+
+    buffered = False
+
+    def __init__(self, plan: BucketPlan, target: ModuleTarget | CallableTarget) -> None:
+        self.plan = plan
+        self.target = target
+        self.dirty: set[int] = set()
+        self._whole: dict[int, torch.Tensor] = {}
+
+    def land(self, g: int, s: Slice) -> torch.Tensor | None:
+        return self.target.direct_view(s)
+
+    def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
+        plan, target = self.plan, self.target
+        spec = plan.specs[s.tensor]
+        if data is not None:
+            self.dirty.add(s.tensor)
+            if landed:
+                target.landed(s)
+            else:
+                target.write(s, data)
+            if isinstance(target, CallableTarget):
+                if s.nbytes == spec.nbytes:
+                    self._whole[s.tensor] = data
+                else:
+                    buf = target.assembly(s.tensor, spec)
+                    copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
+        if s.tensor in self.dirty and plan.last_bucket[s.tensor] == g:
+            if isinstance(target, CallableTarget) and s.tensor not in self._whole:
+                target.assembly(s.tensor, spec)
+            target.tensor_done(s.tensor, spec, self._whole.get(s.tensor))
+
+    def bucket_done(self, g: int) -> None:
+        self.target.flush()
+        self._whole = {}
+
+    def finish(self) -> None:
+        return None
+
+
+class StreamSink:
+    """Gathers the round in a host buffer laid out as the plan's stream; applies it to
+    ``target`` at :meth:`finish`."""
+
+    buffered = True
+
+    def __init__(
+        self, plan: BucketPlan, target: ModuleTarget | CallableTarget, pool: StagingPool
+    ) -> None:
+        self.plan = plan
+        self.target = target
+        self.stream = pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
+        pool.release("sync-atomic")
+        self.dirty: set[int] = set()
+        self.slices: list[tuple[int, Slice]] = []
+
+    def _bytes(self, g: int, s: Slice) -> torch.Tensor:
+        start = g * self.plan.bucket_bytes + s.bucket_offset
+        return self.stream[start : start + s.nbytes]
+
+    def land(self, g: int, s: Slice) -> torch.Tensor | None:
+        return self._bytes(g, s)
+
+    def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
+        if data is None:
+            return
+        self.dirty.add(s.tensor)
+        if not landed:
+            copy_in_slices(self._bytes(g, s), data)
+        self.slices.append((g, s))
+
+    def bucket_done(self, g: int) -> None:
+        return None
+
+    def finish(self) -> None:
+        """Apply what the round gathered: every slice, then every tensor with new bytes."""
+        plan, target, stream = self.plan, self.target, self.stream
+        for g, s in self.slices:
+            target.write(s, self._bytes(g, s))
+        for i in sorted(self.dirty):
+            start = plan.stream_offset[i]
+            target.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
+        target.flush()
+
+
+class DrainSink:
+    """Receives and discards."""
+
+    buffered = False
+
+    def land(self, g: int, s: Slice) -> torch.Tensor | None:
+        return None
+
+    def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
+        return None
+
+    def bucket_done(self, g: int) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None

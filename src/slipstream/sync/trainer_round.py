@@ -1,0 +1,261 @@
+"""The trainer's side of a publish round: :class:`TrainerRound`.
+
+A round (see :mod:`.protocol`): the lead trainer (``trainer_ranks[0]``) gathers the requests
+of the rollouts that take part, leaving out any found dead, and starts the round (version,
+plan, epoch, members); every trainer reads it, builds the epoch's transport when the
+members changed (:mod:`.negotiation`), sends its buckets (the publisher's part) and waits
+for every member's acknowledgement. A round that breaks is given up for everyone: the
+epoch's transport is dropped (freeing every member blocked on it), the abort names the
+culprit (:mod:`.culprits`), and the next round starts a new epoch.
+
+Invariant: a round starts only once every rollout not found dead asked for it, and each
+rank's transport belongs to exactly one epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..core import tracing
+from ..core.control_plane import died_error
+from ..errors import MissingRanksError, PeerDiedError, SyncError
+from .culprits import post_abort, who_broke
+from .group import SyncGroup
+from .negotiation import build_sender, epoch_tag
+from .plan import BucketPlan
+from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
+from .transport import Sender, let_go
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerRound:
+    """The round state of one trainer rank: the epoch, its members and transport, and the
+    round being run (shared by the caller's thread and the publisher's worker, which never
+    run a round at the same time)."""
+
+    def __init__(
+        self,
+        group: SyncGroup,
+        trainer_ranks: Sequence[int],
+        rollout_ranks: Sequence[int],
+        offer: TransportOffer,
+        timeout: float,
+        rollout_versions: dict[int, int | None],
+    ) -> None:
+        self.group = group
+        self.rank = group.rank
+        self.leader = trainer_ranks[0]
+        self.rollout_ranks = list(rollout_ranks)
+        self._offer = offer
+        self.timeout = timeout
+        self.rollout_versions = rollout_versions
+        self.sender: Sender | None = None
+        self._sent_by_old_senders = 0
+        self._epoch = -1
+        self._members: list[int] = []
+        self._lives: dict[str, int] = {}
+        self._broken = False
+        self._live_round = -1
+        self._acked_whole: set[int] = set()
+        """Members whose acknowledgement of the live round said their transfer was whole."""
+
+    def start(
+        self,
+        k: int,
+        version: int,
+        plan: BucketPlan,
+        idle: Callable[[], None] | None = None,
+    ) -> tuple[RoundStart, dict[int, Request]]:
+        """Agree on round ``k``: its members (the lead trainer waits for every rollout not
+        found dead to ask; the others read the lead's decision), and the epoch, whose
+        transport this rank builds when it is new. Returns the round and each member's
+        request (what it holds). ``idle`` runs while the lead waits."""
+        self._live_round = k
+        self._acked_whole = set()
+        requests: dict[int, Request] = {}
+        if self.rank == self.leader:
+            start, requests = self._gather(k, version, plan, idle)
+        else:
+            what = f"lead trainer rank {self.leader} to start round {k}"
+            start = decode(
+                RoundStart, self.group.get_text(Keys.round(k), self.leader, what, self.timeout)
+            )
+            if start.cancelled:
+                raise SyncError(f"round {k} was cancelled by the lead trainer: {start.cancelled}")
+            if (start.version, start.plan) != (version, plan.plan_id):
+                raise SyncError(
+                    f"trainer rank {self.rank} publishes version {version} (plan "
+                    f"{plan.plan_id}) but lead trainer rank {self.leader} publishes version "
+                    f"{start.version} (plan {start.plan}) in round {k}: ranks disagree on the "
+                    "version or on the tensors' names/shapes/dtypes"
+                )
+        for r in start.absent:
+            self.rollout_versions[int(r)] = None
+        if not requests:  # the lead read them while gathering the round
+            requests = {
+                r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
+                for r in start.members
+            }
+        if start.epoch != self._epoch:
+            self.guarded(k, start, lambda: self._enter_epoch(start))
+        return start, requests
+
+    def _gather(
+        self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
+    ) -> tuple[RoundStart, dict[int, Request]]:
+        """The lead's side of :meth:`start`: wait for the requests, post the round;
+        returns it with the members' requests."""
+        self.group.post(Keys.NEXT_ROUND, str(k))
+        try:
+            absent = self.group.wait_keys(
+                {r: Keys.request(r, k) for r in self.rollout_ranks},
+                f"rollouts to ask for version {version} (round {k})",
+                self.timeout,
+                idle=idle,
+                drop_dead=True,
+            )
+        except MissingRanksError as exc:
+            cancelled = RoundStart(version, plan.plan_id, self._epoch, [], cancelled=str(exc))
+            self.group.post(Keys.round(k), encode(cancelled))
+            raise
+        lives = {}
+        asked_by: dict[int, Request] = {}
+        for r in self.rollout_ranks:
+            if r in absent:
+                continue
+            asked = decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
+            now = self.group.member(r).incarnation
+            if asked.incarnation != now:  # asked by a process that was replaced since
+                absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
+            else:
+                lives[str(r)] = now
+                asked_by[r] = asked
+        absent.update(self.group.dead([int(r) for r in lives]))
+        members = [r for r in self.rollout_ranks if r not in absent]
+        lives = {str(r): lives[str(r)] for r in members}
+        epoch = self._epoch
+        if lives != self._lives or self._broken or self._epoch < 0:
+            epoch = self._epoch + 1
+        if absent:
+            logger.warning(
+                "trainer rank %d: version %d goes to rollout rank(s) %s only; left out: %s",
+                self.rank,
+                version,
+                members,
+                absent,
+            )
+        start = RoundStart(
+            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
+        )
+        self.group.post(Keys.round(k), encode(start))
+        self.group.post(Keys.NEXT_ROUND, str(k + 1))
+        return start, {r: asked_by[r] for r in members}
+
+    def _enter_epoch(self, start: RoundStart) -> None:
+        """Drop the last epoch's transport and build this rank's sender for ``start``'s."""
+        self.drop_sender()
+        if start.members:
+            self.sender = build_sender(
+                self.group, self._offer, start.epoch, start.members, self.timeout, self._watch
+            )
+        self._epoch, self._members, self._broken = start.epoch, list(start.members), False
+        self._lives = dict(start.lives)
+
+    def drop_sender(self) -> None:
+        """Let the current epoch's transport go: its process group's connections close."""
+        sender = self.sender
+        if sender is None:
+            return
+        self.sender = None
+        self._sent_by_old_senders += sender.bytes_sent
+        sender.close()
+        self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch))
+
+    def _watch(self) -> None:
+        """Raise when the current round was given up by another trainer, or a member's
+        transfer broke (a ring wait runs this: such a member frees no slot again)."""
+        k = self._live_round
+        if k < 0:
+            return
+        if self.group.has(Keys.abort(k)):
+            abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
+            raise abort.as_error(k)
+        for r in self._members:
+            if r not in self._acked_whole and self.group.has(Keys.ack(r, k)):
+                ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
+                if ack.broken:
+                    raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
+                self._acked_whole.add(r)
+
+    def guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
+        """Run one step of round ``k``; when it fails, give the round up for everyone."""
+        try:
+            return step()
+        except BaseException as exc:
+            raise self._give_up(k, start, exc) from exc
+
+    def _give_up(self, k: int, start: RoundStart, exc: BaseException) -> BaseException:
+        """Give round ``k`` up: drop the epoch's transport (freeing every member blocked on
+        it), post the abort naming the members found dead, and return the error to raise:
+        the dead rank as its subject when one is found, else the members' own refusals."""
+        self._broken = True
+        self.drop_sender()
+        let_go(exc)
+        dead: dict[int, str] = {}
+        refused: list[str] = []
+        if isinstance(exc, PeerDiedError):
+            dead = {r: str(exc) for r in exc.ranks}
+        else:
+            try:
+                breach = who_broke(self.group, k, self.leader, start.members, start.members, exc)
+                dead, refused = breach.dead, breach.refused
+                if breach.abort is not None:
+                    dead = {r: "found dead by another rank" for r in breach.abort.dead}
+            except (RuntimeError, SyncError):
+                pass  # the store's host is gone: every member finds that out by itself
+        try:  # the first to see the round break names the culprit; later ones agree
+            posted = post_abort(self.group, k, list(dead), str(exc))
+            if posted.dead:
+                dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
+        except (RuntimeError, SyncError):
+            pass
+        what = f"version {start.version} (round {k})"
+        if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
+            return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
+        if refused and not dead:
+            return SyncError(f"{what} was not applied everywhere: " + "; ".join(refused))
+        return exc
+
+    def finish(self, k: int, start: RoundStart) -> int:
+        """Wait until every send left and every member acknowledged round ``k``."""
+        self.guarded(k, start, lambda: self._await_acks(k, start))
+        errors = []
+        for r in start.members:
+            ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
+            self.rollout_versions[r] = ack.holds
+            if ack.error:
+                errors.append(f"rollout rank {r}: {ack.error}")
+        if errors:
+            self._broken = True
+            raise SyncError(
+                f"version {start.version} was not applied everywhere: " + "; ".join(errors)
+            )
+        return start.version
+
+    @tracing.spanned("slipstream.sync.publish.await_acks")
+    def _await_acks(self, k: int, start: RoundStart) -> None:
+        if self.sender is not None:
+            self.sender.flush()
+        self.group.wait_keys(
+            {r: Keys.ack(r, k) for r in start.members},
+            f"rollouts to acknowledge version {start.version}",
+            self.timeout,
+            idle=self._watch,
+        )
+
+    def sent_bytes(self) -> int:
+        current = self.sender.bytes_sent if self.sender is not None else 0
+        return self._sent_by_old_senders + current
