@@ -388,8 +388,9 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode, lo
         assert channels == ["verl-0", "verl-0", "verl-1", "verl-2", "verl-2"]
 
         if mode == "cached":
-            # get_weights: the version in the trainers' caches, without a publish; the
-            # trainers have trained on since, so it is update 4's weights, not theirs now
+            # get_weights: the last version published, from the trainers' caches (or the
+            # rollout's local cache), without a publish; the trainers have trained on since,
+            # so it is update 4's weights, not theirs now
             cluster.call({t: ("train", (99,)) for t in ("trainer0", "trainer1")})
             now = cluster.call({t: ("weights", ()) for t in ("trainer0", "trainer1")})
             got = cluster.call({"rolloutA": ("get_weights", ())})["rolloutA"]
