@@ -69,3 +69,17 @@ def test_torchtitan_config_switches_its_checkpointer_to_slipstream():
     out = _run("torchtitan_slipstream.py")
     assert "torchtitan checkpoints through slipstream.dcp: True" in out
     assert "checkpoint: enable=True async_mode=async interval=10" in out
+
+
+def test_verl_backend_example_syncs_ray_actors_and_a_restarted_rollout_rejoins():
+    import json
+
+    out = _run("verl_backend.py", "--updates", "4", "--kill-after", "2")
+    summary = json.loads(out.strip().splitlines()[-1])
+    updates = [e for e in summary["events"] if "channel" in e]
+    assert [e["versions"] for e in updates] == [[u, u] for u in range(4)]
+    # the restarted rollout's new engine took its old rank: same channel, rejoined in place
+    assert all(e["ranks"] == [1, 2] and e["channel"] == "verl-0" for e in updates)
+    kills = [e for e in summary["events"] if "killed" in e]
+    assert len(kills) == 1 and kills[0]["new_pid"] != kills[0]["old_pid"]
+    assert summary["exact"] == [True, True]
