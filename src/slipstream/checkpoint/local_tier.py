@@ -35,12 +35,14 @@ import socket
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ..core.handles import fail_unfinished
 from ..core.peer_link import PeerServer
+from ..core.threads import lower_thread_priority
 from ..core.waits import Deadline
 from ..errors import CheckpointError, PeerDiedError, SlipstreamError
 from . import loader
@@ -49,6 +51,7 @@ from .generations import files_of, index_file
 from .nodes import NodeMap
 from .options import SaveOptions
 from .peer_storage import PeerStepStorage
+from .recycle import SPARE_DIR
 from .replication import PeerDirectory, TierFiles
 from .safe_types import Trusted
 from .save_job import AsyncSaveResponse
@@ -151,13 +154,23 @@ class LocalTierSaver:
         self.peers = self.nodes.replica_ranks(self.rank, tier.replicas)
         root = tier.root if tier.root is not None else default_root(durable_url)
         self.storage: Storage = (
-            root if isinstance(root, Storage) else LocalStorage(root, direct_io=False)
+            root
+            if isinstance(root, Storage)
+            else LocalStorage(root, spare_dir=Path(root) / SPARE_DIR, direct_io=False)
         )
         self.storage.prepare()
         self._files = TierFiles(self.storage)
-        self._server = PeerServer(tier.host or _default_host(), self._files, self.timeout)
+        priority = (self.options.thread_nice, self.options.idle_threads)
+        self._server = PeerServer(
+            tier.host or _default_host(),
+            self._files,
+            self.timeout,
+            thread_start=lambda: lower_thread_priority(*priority),
+        )
         self._peers = PeerDirectory(self.channel, self._server.address, self.timeout)
-        self._thread = ThreadPoolExecutor(1, "slipstream-replicate")
+        self._thread = ThreadPoolExecutor(
+            1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
+        )
         self._last: Future[None] | None = None
         self._rounds = 0
         self._committed_steps: list[int] = []
@@ -258,7 +271,10 @@ class LocalTierSaver:
                 self.before_replication(step)
             report = {"files": self._send_own(location, step_name, written)}
         except BaseException as exc:
-            report = {"error": f"rank {self.rank}: {type(exc).__name__}: {exc}"}
+            report = {
+                "error": f"rank {self.rank}: {type(exc).__name__}: {exc}",
+                "dead": exc.ranks if isinstance(exc, PeerDiedError) else [],
+            }
         self.channel.post(f"tier/replicated/{step}", report)
         if self.rank == 0:
             self._decide(step, deadline)
@@ -277,6 +293,7 @@ class LocalTierSaver:
             location.put_atomic(MARKER_FILE, json.dumps(marker).encode())
             self._retain()
         self._committed_steps.append(step)
+        self._files.forget(step_name)  # no file handle keeps a retired step's files
 
     def _send_own(
         self, location: Storage, step_name: str, written: AsyncSaveResponse
@@ -308,12 +325,15 @@ class LocalTierSaver:
         try:
             reports = self.channel.gather(topic, deadline, f"replicate local step {step}")
             errors = [m["error"] for m in reports if m.get("error")]
+            outcome: dict[str, Any]
             if errors:
-                raise CheckpointError("; ".join(errors))
-            files: dict[str, int] = {}
-            for m in reports:
-                files.update(m["files"])
-            outcome: dict[str, Any] = {"files": files}
+                dead = sorted({int(r) for m in reports for r in m.get("dead", [])})
+                outcome = {"error": "; ".join(errors), "dead": dead}
+            else:
+                files: dict[str, int] = {}
+                for m in reports:
+                    files.update(m["files"])
+                outcome = {"files": files}
         except BaseException as exc:
             dead = exc.ranks if isinstance(exc, PeerDiedError) else []
             outcome = {"error": str(exc), "dead": dead}
@@ -463,6 +483,8 @@ class LocalTierSaver:
             self._server.close()
             self._peers.close()
             self._files.close()
+            if self.is_leader:
+                self.storage.discard_spares()
 
 
 def _as_error(exc: BaseException, step: int) -> SlipstreamError:

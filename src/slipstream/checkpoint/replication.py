@@ -14,6 +14,8 @@ and a step is listed only once a marker written after every acknowledgement name
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 import threading
 from collections.abc import Callable
@@ -21,7 +23,8 @@ from collections.abc import Callable
 from ..core.peer_link import CHUNK_BYTES, PeerClient
 from ..core.waits import Deadline
 from .channel import RankChannel
-from .storage import Storage
+from .recycle import claim
+from .storage import LocalStorage, Storage
 
 _NAME = re.compile(r"^(step_\d+)/([^/]+)$")
 
@@ -60,6 +63,9 @@ class TierFiles:
         step_name, file = split_name(name)
         location = self.step(step_name)
         location.prepare()
+        if isinstance(location, LocalStorage):
+            _receive_mapped(location, file, length, chunks)
+            return
         buf = memoryview(bytearray(min(CHUNK_BYTES, max(length, 1))))
         with location.open_writer(file, memoryview(b"")) as out:
             try:
@@ -86,6 +92,40 @@ class TierFiles:
             steps, self._steps = list(self._steps.values()), {}
         for location in steps:
             location.close()
+
+
+def _receive_mapped(
+    location: LocalStorage, file: str, length: int, chunks: Callable[[memoryview], int]
+) -> None:
+    """Receive straight into the file's pages (one copy, off the socket): its space is
+    allocated first, so a full filesystem is an ``OSError`` here, never a fault on a
+    mapped page; a spare of the same name is written over where there is one."""
+    path = os.path.join(location.path, file)
+    if location.spare_dir is not None:
+        claim(location.spare_dir, file, path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, length)
+        if length:
+            os.posix_fallocate(fd, 0, length)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            with mmap.mmap(fd, length, flags=flags) as mapped:
+                view = memoryview(mapped)
+                try:
+                    done = 0
+                    while done < length:
+                        done += chunks(view[done : min(length, done + CHUNK_BYTES)])
+                finally:
+                    view.release()
+        os.fsync(fd)
+    except BaseException:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(fd)
 
 
 class PeerDirectory:
@@ -118,9 +158,13 @@ class PeerDirectory:
         """Copy ``file`` of ``location`` to ``rank``'s node as ``step_name/file``; returns
         its size once the peer has stored it whole."""
         size = location.size(file)
-        self.client(rank).put(
-            f"{step_name}/{file}", size, lambda offset, buf: location.read_into(file, offset, buf)
-        )
+        name = f"{step_name}/{file}"
+        if isinstance(location, LocalStorage):
+            self.client(rank).put_file(name, os.path.join(location.path, file), size)
+        else:
+            self.client(rank).put(
+                name, size, lambda offset, buf: location.read_into(file, offset, buf)
+            )
         return size
 
     def close(self) -> None:

@@ -87,9 +87,18 @@ def _recv_frame(sock: socket.socket) -> dict[str, Any] | None:
 class PeerServer:
     """Serves ``handler`` on ``host`` (port chosen by the system) until :meth:`close`."""
 
-    def __init__(self, host: str, handler: PeerHandler, timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        handler: PeerHandler,
+        timeout: float,
+        thread_start: Callable[[], None] | None = None,
+    ) -> None:
+        """``thread_start`` runs first on each thread serving a connection (to lower its
+        priority, say)."""
         self.handler = handler
         self.timeout = timeout
+        self._thread_start = thread_start
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(_ACCEPT_POLL_SECONDS)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
@@ -122,6 +131,8 @@ class PeerServer:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self._thread_start is not None:
+            self._thread_start()
         try:
             while not self._stop.is_set():
                 readable, _, _ = select.select([conn], [], [], _ACCEPT_POLL_SECONDS)
@@ -277,6 +288,21 @@ class PeerClient:
                 fill(done, part)
                 sock.sendall(part)
                 done += len(part)
+            return _recv_frame(sock)
+
+        self._check(self._call(what, exchange), what)
+
+    def put_file(self, name: str, path: str, length: int) -> None:
+        """:meth:`put` of the first ``length`` bytes of the file at ``path``, sent by the
+        kernel from the page cache (``sendfile``) without a copy through this process."""
+        what = f"a put of {name} ({length} bytes)"
+
+        def exchange(sock: socket.socket) -> dict[str, Any] | None:
+            _send_frame(sock, {"op": "put", "name": name, "length": length})
+            with open(path, "rb") as source:
+                sent = sock.sendfile(source, 0, length) if length else 0
+            if sent != length:
+                raise ConnectionError(f"sent {sent} of the {length} bytes of {path}")
             return _recv_frame(sock)
 
         self._check(self._call(what, exchange), what)
