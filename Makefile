@@ -44,6 +44,7 @@ bench: setup
 	$(BIN)/python benchmarks/sync.py --realistic --out benchmarks/results/sync_realistic.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
+	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
 	$(MAKE) report
 
 report: setup
@@ -51,6 +52,7 @@ report: setup
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/fsdp.json \
 		benchmarks/results/hf.json benchmarks/results/gpu.json \
+		benchmarks/results/two_tier.json \
 		--out BENCHMARKS.md
 
 clean:
