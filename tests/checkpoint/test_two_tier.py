@@ -21,6 +21,7 @@ from dist_utils import run_workers
 from fault_storage import FaultStorage
 
 import slipstream as ss
+from slipstream.checkpoint.inspect import read_all
 from slipstream.checkpoint.storage import LocalStorage
 
 WORLD = 4
@@ -142,6 +143,15 @@ def test_a_lost_node_resumes_from_peer_replicas_bit_for_bit_without_the_durable_
     base = str(tmp_path)
     run_workers(_run_until_node_lost, WORLD, base, timeout=90, killed=(2, 3))
     assert not os.path.exists(node_dir(base, 2))
+    # one format in both tiers: node 0's step 8 (its files and node 1's replicas) is a
+    # checkpoint the ordinary reader takes as it is
+    flat = read_all(os.path.join(base, "node0", f"step_{KILL_AFTER}"))
+    assert flat["step"] == KILL_AFTER
+    for rank in range(WORLD):
+        want = reference(rank, KILL_AFTER)
+        assert torch.equal(flat["shared"], want["shared"])
+        for name, tensor in want[f"rank{rank}"].items():
+            assert torch.equal(flat[f"rank{rank}.{name}"], tensor), (rank, name)
     run_workers(_resume, WORLD, base, timeout=60)
     for rank in range(WORLD):
         got = torch.load(os.path.join(base, f"final{rank}.pt"), weights_only=True)
