@@ -16,6 +16,8 @@ class DictHandler:
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
+        self.files: dict[str, str] = {}
+        """Objects also kept as a file, read back through ``sendfile``."""
         self.full = False
 
     def receive(self, name, length, chunks) -> None:
@@ -29,6 +31,9 @@ class DictHandler:
 
     def size(self, name) -> int:
         return len(self.objects[name])
+
+    def file_of(self, name) -> str | None:
+        return self.files.get(name)
 
     def read_into(self, name, offset, out) -> None:
         data = self.objects[name][offset : offset + len(out)]
@@ -63,6 +68,12 @@ def test_put_then_ranged_reads_return_the_same_bytes(served, tmp_path):
     out = bytearray(2**20 + 5)
     client.read_into("a", 12345, memoryview(out))
     assert bytes(out) == data[12345 : 12345 + len(out)]
+    handler.files["b"] = str(path)
+    out = bytearray(900)
+    client.read_into("b", 101, memoryview(out))
+    assert bytes(out) == data[101:1001]
+    with pytest.raises(PeerLinkError, match=r"b: \[101, 1101\) is past its end \(1001 bytes\)"):
+        client.read_into("b", 101, memoryview(bytearray(1000)))
 
 
 def test_a_refused_put_and_a_failed_read_name_the_peer_and_leave_the_link_usable(served):

@@ -87,6 +87,13 @@ class TierFiles:
         step_name, file = split_name(name)
         self.step(step_name).read_into(file, offset, out)
 
+    def file_of(self, name: str) -> str | None:
+        step_name, file = split_name(name)
+        location = self.step(step_name)
+        if not isinstance(location, LocalStorage):
+            return None
+        return os.path.join(location.path, file)
+
     def close(self) -> None:
         with self._lock:
             steps, self._steps = list(self._steps.values()), {}
