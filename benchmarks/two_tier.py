@@ -318,8 +318,9 @@ def report(opts: Options, got: dict[str, Any]) -> Result:
     shm_mib = got["shm_bytes"] / MIB
     result.notes.append(
         f"Local tier memory: each node held {shm_mib:.0f} MiB in {opts.shm} at the end of the "
-        f"loop rounds for a {opts.size_mib} MiB state per rank: keep_last (2) x (its own file "
-        "+ the replica it holds) x the state, plus the small .metadata and index."
+        f"loop rounds for a {opts.size_mib} MiB state per rank: (keep_last (2) + the one "
+        "step's files kept aside for the next save to write over) x (its own file + the "
+        "replica it holds) x the state, plus the small .metadata and index."
     )
     result.notes.append(
         f"Recovery, local disk: {fmt(loads[RECOVER_DISK] / loads[RECOVER_LOCAL])}x the peer-"
