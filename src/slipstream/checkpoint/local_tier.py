@@ -292,6 +292,8 @@ class LocalTierSaver:
             marker = {"step": step, "world_size": self.nodes.world_size, "files": outcome["files"]}
             location.put_atomic(MARKER_FILE, json.dumps(marker).encode())
             self._retain()
+            # every rank of the node read it before its part of the save that just committed
+            self.channel.forget(f"tier/clear/{step}", [self.rank])
         self._committed_steps.append(step)
         self._files.forget(step_name)  # no file handle keeps a retired step's files
 
