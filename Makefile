@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
 	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
+	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
 	$(MAKE) report
 
 report: setup
@@ -52,7 +53,8 @@ report: setup
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/fsdp.json \
 		benchmarks/results/hf.json benchmarks/results/gpu.json \
-		benchmarks/results/lightning.json --out BENCHMARKS.md
+		benchmarks/results/lightning.json benchmarks/results/two_tier.json \
+		--out BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) demo_out
