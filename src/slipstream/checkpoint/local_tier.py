@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -48,6 +47,7 @@ from ..errors import CheckpointError, PeerDiedError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE
 from .generations import files_of, index_file
+from .messages import Topics
 from .nodes import NodeMap
 from .options import SaveOptions
 from .peer_storage import PeerStepStorage
@@ -57,6 +57,16 @@ from .safe_types import Trusted
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
 from .storage import LocalStorage, Storage
+from .tier_messages import (
+    HeldStep,
+    HostAnnouncement,
+    LoadReport,
+    LocalCommitMarker,
+    NodeCleared,
+    ReplicationReport,
+    StepInventory,
+    TierCommitOutcome,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +156,12 @@ class LocalTierSaver:
         if tier.ranks_per_node is not None:
             self.nodes = NodeMap.from_ranks_per_node(world, tier.ranks_per_node)
         else:
-            self.channel.post("tier/host", {"host": socket.gethostname()})
-            hosts = self.channel.gather("tier/host", Deadline(self.timeout), "name their host")
-            self.nodes = NodeMap.from_hosts([str(m["host"]) for m in hosts])
+            topic = Topics.tier_host()
+            self.channel.post(topic, HostAnnouncement(socket.gethostname()))
+            hosts = self.channel.gather(
+                topic, HostAnnouncement.from_json, Deadline(self.timeout), "name their host"
+            )
+            self.nodes = NodeMap.from_hosts([m.host for m in hosts])
         self.node = self.nodes.node_of[self.rank]
         self.is_leader = self.nodes.leader(self.node) == self.rank
         self.peers = self.nodes.replica_ranks(self.rank, tier.replicas)
@@ -229,7 +242,7 @@ class LocalTierSaver:
         """The node's lowest rank removes what a save of ``step`` would collide with (an
         older attempt at it, uncommitted steps), then tells its node's other ranks, which
         wait for that before writing (so that every node starts the step from nothing)."""
-        topic = f"tier/clear/{step}"
+        topic = Topics.tier_clear(step)
         leader = self.nodes.leader(self.node)
         if self.is_leader:
             try:
@@ -240,10 +253,14 @@ class LocalTierSaver:
                         location.delete_all()
             except (OSError, SlipstreamError) as exc:
                 logger.warning("could not clear %s before step %d: %s", self.storage.url, step, exc)
-            self.channel.post(topic, {})
+            self.channel.post(topic, NodeCleared(step))
         else:
             self.channel.receive(
-                topic, leader, Deadline(self.timeout), f"clear its node's local step {step}"
+                topic,
+                NodeCleared.from_json,
+                leader,
+                Deadline(self.timeout),
+                f"clear its node's local step {step}",
             )
 
     def _replicate(
@@ -265,35 +282,38 @@ class LocalTierSaver:
         step_name = f"step_{step}"
         location = self._files.step(step_name)
         deadline = Deadline(self.timeout)
-        report: dict[str, Any]
         try:
             if self.before_replication is not None:
                 self.before_replication(step)
-            report = {"files": self._send_own(location, step_name, written)}
+            report = ReplicationReport(self._send_own(location, step_name, written))
         except BaseException as exc:
-            report = {
-                "error": f"rank {self.rank}: {type(exc).__name__}: {exc}",
-                "dead": exc.ranks if isinstance(exc, PeerDiedError) else [],
-            }
-        self.channel.post(f"tier/replicated/{step}", report)
+            report = ReplicationReport(
+                error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
+                dead=list(exc.ranks) if isinstance(exc, PeerDiedError) else [],
+            )
+        self.channel.post(Topics.tier_replicated(step), report)
         if self.rank == 0:
             self._decide(step, deadline)
         outcome = self.channel.receive(
-            f"tier/commit/{step}", 0, deadline, f"commit local step {step}"
+            Topics.tier_commit(step),
+            TierCommitOutcome.from_json,
+            0,
+            deadline,
+            f"commit local step {step}",
         )
-        if outcome.get("error"):
-            message = f"local step {step} was not committed: {outcome['error']}"
-            dead = [int(r) for r in outcome.get("dead", [])]
+        if outcome.error is not None:
+            message = f"local step {step} was not committed: {outcome.error}"
+            dead = outcome.dead
             if dead:
                 self._dead.update(dict.fromkeys(dead, message))
                 raise PeerDiedError(message, dead, f"local step {step}")
             raise CheckpointError(message)
         if self.is_leader:
-            marker = {"step": step, "world_size": self.nodes.world_size, "files": outcome["files"]}
-            location.put_atomic(MARKER_FILE, json.dumps(marker).encode())
+            marker = LocalCommitMarker(step, self.nodes.world_size, outcome.files)
+            location.put_atomic(MARKER_FILE, marker.to_json())
             self._retain()
             # every rank of the node read it before its part of the save that just committed
-            self.channel.forget(f"tier/clear/{step}", [self.rank])
+            self.channel.forget(Topics.tier_clear(step), [self.rank])
         self._committed_steps.append(step)
         self._files.forget(step_name)  # no file handle keeps a retired step's files
 
@@ -323,27 +343,28 @@ class LocalTierSaver:
         return sizes
 
     def _decide(self, step: int, deadline: Deadline) -> None:
-        topic = f"tier/replicated/{step}"
+        topic = Topics.tier_replicated(step)
         try:
-            reports = self.channel.gather(topic, deadline, f"replicate local step {step}")
-            errors = [m["error"] for m in reports if m.get("error")]
-            outcome: dict[str, Any]
+            reports = self.channel.gather(
+                topic, ReplicationReport.from_json, deadline, f"replicate local step {step}"
+            )
+            errors = [m.error for m in reports if m.error is not None]
             if errors:
-                dead = sorted({int(r) for m in reports for r in m.get("dead", [])})
-                outcome = {"error": "; ".join(errors), "dead": dead}
+                dead = sorted({r for m in reports for r in m.dead})
+                outcome = TierCommitOutcome(error="; ".join(errors), dead=dead)
             else:
                 files: dict[str, int] = {}
                 for m in reports:
-                    files.update(m["files"])
-                outcome = {"files": files}
+                    files.update(m.files)
+                outcome = TierCommitOutcome(files)
         except BaseException as exc:
-            dead = exc.ranks if isinstance(exc, PeerDiedError) else []
-            outcome = {"error": str(exc), "dead": dead}
-        self.channel.post(f"tier/commit/{step}", outcome)
+            dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
+            outcome = TierCommitOutcome(error=str(exc), dead=dead)
+        self.channel.post(Topics.tier_commit(step), outcome)
         self.channel.forget(topic)
         if self._committed_steps:
             previous = self._committed_steps[-1]
-            self.channel.forget(f"tier/commit/{previous}", [0])
+            self.channel.forget(Topics.tier_commit(previous), [0])
 
     def _step_names(self) -> dict[int, str]:
         found = {}
@@ -373,43 +394,44 @@ class LocalTierSaver:
 
     # -- recovery ---------------------------------------------------------------------
 
-    def _inventory(self) -> dict[str, Any]:
+    def _inventory(self) -> StepInventory:
         """This node's committed steps: each one's manifest and the files held whole."""
-        steps: dict[str, Any] = {}
+        steps: dict[int, HeldStep] = {}
         for step, name in self._step_names().items():
             location = self.storage.child(name)
             try:
                 data = location.get(MARKER_FILE)
                 if data is None:
                     continue
-                manifest = {str(f): int(n) for f, n in json.loads(data)["files"].items()}
+                manifest = LocalCommitMarker.from_json(data, f"{location.url}/{MARKER_FILE}").files
                 held = [
                     f for f, n in manifest.items() if location.exists(f) and location.size(f) == n
                 ]
-            except (OSError, ValueError, KeyError, SlipstreamError) as exc:
+            except (OSError, SlipstreamError) as exc:
                 logger.warning("skipped local step %s: %s", location.url, exc)
                 continue
             finally:
                 location.close()
-            steps[str(step)] = {"files": manifest, "held": held}
-        return steps
+            steps[step] = HeldStep(manifest, held)
+        return StepInventory(steps)
 
     def rebuildable(self) -> dict[int, Rebuildable]:
         """The local steps the job can load, by step (every rank calls this together and
         gets the same answer)."""
         number = self._rounds
         self._rounds += 1
-        topic = f"tier/inventory/{number}"
+        topic = Topics.tier_inventory(number)
         self.channel.post(topic, self._inventory())
-        found = self.channel.gather(topic, Deadline(self.timeout), "list their local steps")
+        found = self.channel.gather(
+            topic, StepInventory.from_json, Deadline(self.timeout), "list their local steps"
+        )
         self._forget_round(number - 2)
         manifests: dict[int, dict[str, int]] = {}
         holders: dict[int, dict[str, list[int]]] = {}
-        for rank, steps in enumerate(found):
-            for key, entry in steps.items():
-                step = int(key)
-                manifests.setdefault(step, entry["files"])
-                for file in entry["held"]:
+        for rank, inventory in enumerate(found):
+            for step, entry in inventory.steps.items():
+                manifests.setdefault(step, entry.files)
+                for file in entry.held:
                     holders.setdefault(step, {}).setdefault(file, []).append(rank)
         return {
             step: Rebuildable(step, manifest, holders.get(step, {}))
@@ -442,13 +464,13 @@ class LocalTierSaver:
             storage.close()
         number = self._rounds
         self._rounds += 1
-        topic = f"tier/loaded/{number}"
-        self.channel.post(topic, {"error": error})
+        topic = Topics.tier_loaded(number)
+        self.channel.post(topic, LoadReport(error))
         reports = self.channel.gather(
-            topic, Deadline(self.timeout), f"load local step {found.step}"
+            topic, LoadReport.from_json, Deadline(self.timeout), f"load local step {found.step}"
         )
         self._forget_round(number - 2)
-        errors = [m["error"] for m in reports if m.get("error")]
+        errors = [m.error for m in reports if m.error is not None]
         if errors:
             raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
         return len(storage.remote)
@@ -457,8 +479,8 @@ class LocalTierSaver:
         """Drop this rank's messages of round ``number``: every rank has read them once
         it has posted to a later round, which this rank has seen all do."""
         if number >= 0:
-            for kind in ("inventory", "loaded"):
-                self.channel.forget(f"tier/{kind}/{number}", [self.rank])
+            for topic in (Topics.tier_inventory(number), Topics.tier_loaded(number)):
+                self.channel.forget(topic, [self.rank])
 
     def discard_newer(self, step: int) -> None:
         """After the job resumed from ``step``: the node's lowest rank deletes its local

@@ -61,6 +61,36 @@ class Topics:
     def skip(step: int) -> str:
         return store_key("skip", step)
 
+    # the local tier's (their messages: :mod:`.tier_messages`)
+
+    @staticmethod
+    def tier_host() -> str:
+        return store_key("tier", "host")
+
+    @staticmethod
+    def tier_address() -> str:
+        return store_key("tier", "address")
+
+    @staticmethod
+    def tier_clear(step: int) -> str:
+        return store_key("tier", "clear", step)
+
+    @staticmethod
+    def tier_replicated(step: int) -> str:
+        return store_key("tier", "replicated", step)
+
+    @staticmethod
+    def tier_commit(step: int) -> str:
+        return store_key("tier", "commit", step)
+
+    @staticmethod
+    def tier_inventory(round_: int) -> str:
+        return store_key("tier", "inventory", round_)
+
+    @staticmethod
+    def tier_loaded(round_: int) -> str:
+        return store_key("tier", "loaded", round_)
+
 
 class _Fields:
     """Typed reads of one JSON object's fields; a missing or mistyped field raises

@@ -23,8 +23,10 @@ from collections.abc import Callable
 from ..core.peer_link import CHUNK_BYTES, PeerClient
 from ..core.waits import Deadline
 from .channel import RankChannel
+from .messages import Topics
 from .recycle import claim
 from .storage import LocalStorage, Storage
+from .tier_messages import PeerAddress
 
 _NAME = re.compile(r"^(step_\d+)/([^/]+)$")
 
@@ -139,14 +141,12 @@ class PeerDirectory:
     """Every rank's peer link address, posted once to the channel and read when first
     needed; one pooled client per peer."""
 
-    TOPIC = "tier/address"
-
     def __init__(self, channel: RankChannel, address: tuple[str, int], timeout: float) -> None:
         self.channel = channel
         self.timeout = timeout
         self._clients: dict[int, PeerClient] = {}
         self._lock = threading.Lock()
-        channel.post(self.TOPIC, {"host": address[0], "port": address[1]})
+        channel.post(Topics.tier_address(), PeerAddress(address[0], address[1]))
 
     def client(self, rank: int) -> PeerClient:
         with self._lock:
@@ -154,9 +154,13 @@ class PeerDirectory:
         if client is not None:
             return client
         posted = self.channel.receive(
-            self.TOPIC, rank, Deadline(self.timeout), "publish its local-tier address"
+            Topics.tier_address(),
+            PeerAddress.from_json,
+            rank,
+            Deadline(self.timeout),
+            "publish its local-tier address",
         )
-        address = (str(posted["host"]), int(posted["port"]))
+        address = (posted.host, posted.port)
         client = PeerClient(address, f"rank {rank} ({address[0]}:{address[1]})", rank, self.timeout)
         with self._lock:
             return self._clients.setdefault(rank, client)
