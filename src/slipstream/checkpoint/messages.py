@@ -15,6 +15,9 @@ save, round by round (``seq`` counts saves identically on every rank):
 A rank that fails before its turn posts the same message with ``error`` set, so no rank
 waits for it until the timeout.
 
+The local tier's messages (topics ``tier/...``, also built here) are in
+:mod:`.tier_messages`.
+
 Invariant: each message is written by ``to_json`` and read by ``from_json`` of its own
 class, nowhere else; a malformed one raises an error naming the message and the field
 (``CheckpointError`` for the ranks' messages, ``CorruptCheckpointError`` for the index,
