@@ -47,6 +47,7 @@ bench: setup
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
 	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
 	$(BIN)/python benchmarks/hf_trainer_checkpoint.py --out benchmarks/results/hf_trainer.json
+	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
 	$(MAKE) report
 
 report: setup
@@ -55,6 +56,7 @@ report: setup
 		benchmarks/results/sync_realistic.json benchmarks/results/sync_streaming.json \
 		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
+		benchmarks/results/two_tier.json \
 		--out BENCHMARKS.md
 
 clean:

@@ -28,6 +28,17 @@ from slipstream.checkpoint.messages import (
     ValueEntry,
     WriteReport,
 )
+from slipstream.checkpoint.tier_messages import (
+    HeldStep,
+    HostAnnouncement,
+    LoadReport,
+    LocalCommitMarker,
+    NodeCleared,
+    PeerAddress,
+    ReplicationReport,
+    StepInventory,
+    TierCommitOutcome,
+)
 from slipstream.core.flatten import ContainerRecord
 from slipstream.errors import CheckpointError, CorruptCheckpointError
 
@@ -233,3 +244,63 @@ def test_a_malformed_rank_message_fails_naming_the_message_and_field(cls, text, 
         cls.from_json(text, what)
     assert what in str(caught.value) and names in str(caught.value), str(caught.value)
     assert not isinstance(caught.value, CorruptCheckpointError)
+
+
+# -- the local tier's messages ----------------------------------------------------------------
+
+
+def test_every_local_tier_message_reads_back_what_it_wrote():
+    messages = [
+        HostAnnouncement("node-3"),
+        PeerAddress("10.0.0.2", 40123),
+        NodeCleared(7),
+        ReplicationReport({"__1_0.distcp": 4096, ".metadata": 120}),
+        ReplicationReport(error="rank 1: PeerDiedError: gone", dead=[3]),
+        TierCommitOutcome({"__0_0.distcp": 10, "__1_0.distcp": 12}),
+        TierCommitOutcome(error="rank 2 timed out", dead=[]),
+        StepInventory({4: HeldStep({"__0_0.distcp": 10, ".metadata": 3}, ["__0_0.distcp"])}),
+        LoadReport(),
+        LoadReport("rank 1: CorruptCheckpointError: block 3"),
+    ]
+    for message in messages:
+        assert type(message).from_json(message.to_json(), "m") == message
+    marker = LocalCommitMarker(9, 4, {"__0_0.distcp": 10})
+    assert LocalCommitMarker.from_json(marker.to_json(), "m") == marker
+    # the marker keeps the shape it had on disk before it had a class
+    assert json.loads(marker.to_json()) == {
+        "step": 9,
+        "world_size": 4,
+        "files": {"__0_0.distcp": 10},
+    }
+
+
+@pytest.mark.parametrize(
+    "cls, text, names",
+    [
+        (HostAnnouncement, '{"host": 3}', "field 'host' should be str"),
+        (PeerAddress, '{"host": "h"}', "field 'port' is missing"),
+        (PeerAddress, '{"host": "h", "port": 70000}', "field 'port' is not a TCP port"),
+        (NodeCleared, "{}", "field 'step' is missing"),
+        (ReplicationReport, '{"files": {"a": -1}, "error": null}', "field 'files' entry 'a'"),
+        (ReplicationReport, '{"error": "x", "dead": ["r1"]}', "field 'dead'"),
+        (TierCommitOutcome, '{"error": null}', "field 'files' is missing"),
+        (StepInventory, '{"steps": {"x": {}}}', "field 'steps' key 'x' is not a step number"),
+        (
+            StepInventory,
+            '{"steps": {"4": {"files": {"a": 1}, "held": ["b"]}}}',
+            "steps['4']: field 'held' names 'b'",
+        ),
+        (LoadReport, '{"error": 5}', "field 'error' should be str"),
+        (TierCommitOutcome, "{truncated", "not valid JSON"),
+    ],
+)
+def test_a_malformed_local_tier_message_fails_naming_the_message_and_field(cls, text, names):
+    what = "rank 1's tier/commit/3 message"
+    with pytest.raises(CheckpointError) as caught:
+        cls.from_json(text, what)
+    assert what in str(caught.value) and names in str(caught.value), str(caught.value)
+
+
+def test_a_malformed_local_commit_marker_is_corrupt_naming_the_field():
+    with pytest.raises(CorruptCheckpointError, match=r"step_4/.local_commit: field 'world_size'"):
+        LocalCommitMarker.from_json('{"step": 4, "files": {}}', "step_4/.local_commit")

@@ -5,6 +5,7 @@ from .checkpointer import Checkpointer
 from .health import CheckpointHealth
 from .hf_export import HfExport, export_hf
 from .hf_import import load_hf
+from .local_tier import LocalTier
 from .options import SaveOptions
 from .safe_types import AllowedTypes, allow_types
 from .save_job import AsyncSaveResponse, SaveTimings
@@ -18,6 +19,7 @@ __all__ = [
     "AsyncSaveResponse",
     "CheckpointHealth",
     "HfExport",
+    "LocalTier",
     "CheckpointSaver",
     "Checkpointer",
     "DataWriter",

@@ -23,12 +23,13 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..core.handles import completed_future
+from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE, uncommit
 from .health import CheckpointHealth, HealthTracker
+from .local_tier import LocalTier, LocalTierSaver
 from .messages import SkipDecision, Topics
 from .options import SaveOptions
 from .recycle import SPARE_DIR
@@ -56,6 +57,8 @@ class Checkpointer:
         on_error: Literal["log", "raise"] = "log",
         when_busy: Literal["wait", "skip"] = "wait",
         max_lag_steps: int | None = None,
+        local_tier: LocalTier | None = None,
+        durable_every: int = 1,
     ) -> None:
         """``root`` is a directory, an object store URL (``s3://bucket/run``, ``memory://``)
         or a :class:`~slipstream.checkpoint.storage.Storage`; ``storage_options`` configure
@@ -78,7 +81,16 @@ class Checkpointer:
         ``"wait"`` for it, or ``"skip"`` this step (logged, counted in :meth:`health`);
         with ``max_lag_steps``, a save that would leave durability more than that many
         steps behind waits instead of skipping. Rank 0 decides, so every rank skips the
-        same steps."""
+        same steps.
+
+        ``local_tier`` adds a second, fast tier (see docs/checkpoint.md, "Two tiers"):
+        every ``local_tier.every``-th step is saved into node-local storage and replicated
+        to peer ranks on other nodes, while only every ``durable_every``-th step also goes
+        to ``root``; :meth:`latest` and :meth:`load` then take the newest step either tier
+        can serve, all ranks calling them together. ``keep_last`` is the durable tier's
+        retention, ``local_tier.keep_last`` the local tier's."""
+        if durable_every < 1:
+            raise ValueError(f"durable_every must be >= 1, got {durable_every}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if on_error not in ("log", "raise"):
@@ -108,6 +120,12 @@ class Checkpointer:
         self._health = HealthTracker(self.root)
         self._skip_topics: list[tuple[int, str]] = []
         self._saved_step: int | None = None
+        self.durable_every = durable_every
+        self.local_tier: LocalTierSaver | None = None
+        if local_tier is not None:
+            self.local_tier = LocalTierSaver(local_tier, self.root, process_group, opts)
+        self.last_load_tier: Literal["local", "durable"] | None = None
+        """Which tier served the last :meth:`load`."""
 
     def path(self, step: int) -> str:
         """Where ``step`` is saved (a path or URL)."""
@@ -133,15 +151,64 @@ class Checkpointer:
         )
 
     def latest(self) -> int | None:
+        """The newest step the job can load: committed in the durable tier, or (with a
+        local tier, every rank calling together) rebuildable from the nodes' local tiers."""
         steps = self.steps()
-        return steps[-1] if steps else None
+        durable = steps[-1] if steps else None
+        if self.local_tier is None:
+            return durable
+        local = max(self.local_tier.rebuildable(), default=None)
+        return max((s for s in (durable, local) if s is not None), default=None)
 
     def save(self, step: int, state_dict: Mapping[str, Any] | Stateful) -> AsyncSaveResponse:
         """Start saving ``state_dict`` as ``step``; see :func:`slipstream.async_save`.
         ``state_dict`` may be a bare ``Stateful`` (its ``state_dict()`` is saved).
 
         Returns the save's response; a skipped save's (``when_busy="skip"``) has
-        ``skipped`` set and resolved futures."""
+        ``skipped`` set and resolved futures. With a local tier, the step goes to each
+        tier whose interval it falls on, and the response covers them all (a step neither
+        tier takes is a skipped save)."""
+        state = state_dict if isinstance(state_dict, Mapping) else state_dict.state_dict()
+        responses = []
+        if step % self.durable_every == 0:
+            responses.append(self._save_durable(step, state))
+        if self.local_tier is not None and step % self.local_tier.tier.every == 0:
+            responses.append(self._save_local(step, state))
+        if not responses:
+            return AsyncSaveResponse(completed_future(), completed_future(), skipped=True)
+        if len(responses) == 1:
+            return responses[0]
+        both = AsyncSaveResponse(
+            all_of([r.staging_completion for r in responses]),
+            all_of([r.upload_completion for r in responses]),
+            skipped=all(r.skipped for r in responses),
+        )
+        both.timings = responses[-1].timings
+        return both
+
+    def _save_local(self, step: int, state: Mapping[str, Any]) -> AsyncSaveResponse:
+        """Start the local tier's save of ``step``; failures follow ``on_error`` as the
+        durable tier's do, and are logged."""
+        assert self.local_tier is not None
+        try:
+            response = self.local_tier.save(step, state)
+        except SlipstreamError as exc:
+            if self.on_error == "raise":
+                raise
+            logger.warning("local save of step %d failed to start: %s", step, exc)
+            failed: Future[None] = Future()
+            failed.set_exception(exc)
+            return AsyncSaveResponse(failed, failed)
+
+        def log_failure(done: Future[None]) -> None:
+            error = done.exception()
+            if error is not None:
+                logger.warning("local save of step %d failed: %s", step, error)
+
+        response.upload_completion.add_done_callback(log_failure)
+        return response
+
+    def _save_durable(self, step: int, state: Mapping[str, Any]) -> AsyncSaveResponse:
         if self.on_error == "raise" and self._last is not None:
             previous, self._last = self._last, None
             self._saver.wait_previous()
@@ -158,7 +225,6 @@ class Checkpointer:
             if self._saver.rank == 0:
                 self._remove_uncommitted(except_step=step)
             retain = self._retain if self._saver.rank == 0 else None
-            state = state_dict if isinstance(state_dict, Mapping) else state_dict.state_dict()
             response = self._saver.save(state, self._step(step), after_commit=retain)
         except SlipstreamError as exc:
             self._health.failed_to_start(step, exc)
@@ -251,28 +317,64 @@ class Checkpointer:
         """Load ``step`` (default: the latest committed one) into ``state_dict``; return it.
 
         ``state_dict`` may be a bare ``Stateful``: its ``state_dict()`` is loaded in place,
-        then given to its ``load_state_dict``. ``trusted``: see :func:`slipstream.load`."""
+        then given to its ``load_state_dict``. ``trusted``: see :func:`slipstream.load`.
+
+        With a local tier (every rank calling together), a step the local tiers can
+        rebuild is read from them, each rank's missing files from peer replicas; otherwise,
+        or where that load fails on any rank, from the durable tier. The tier that served
+        it is logged and kept in :attr:`last_load_tier`."""
+        target = state_dict if isinstance(state_dict, dict) else state_dict.state_dict()
+        local = self.local_tier.rebuildable() if self.local_tier is not None else {}
         if step is None:
-            step = self.latest()
+            durable = self.steps()
+            step = max([*local, *durable[-1:]], default=None)
             if step is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
-        if isinstance(state_dict, dict):
-            loader.load(state_dict, self._step(step), strict=strict, trusted=trusted)
-        else:
-            loaded = state_dict.state_dict()
-            loader.load(loaded, self._step(step), strict=strict, trusted=trusted)
-            state_dict.load_state_dict(loaded)
+        found = local.get(step)
+        tier: Literal["local", "durable"] = "durable"
+        if found is not None:
+            assert self.local_tier is not None
+            try:
+                remote = self.local_tier.load(target, found, strict, trusted)
+                tier = "local"
+                logger.info(
+                    "rank %d loaded step %d from the local tier (%d file(s) from peer replicas)",
+                    self._saver.rank,
+                    step,
+                    remote,
+                )
+            except CheckpointError as exc:
+                if step not in self.steps():
+                    raise
+                logger.warning(
+                    "the local tier could not serve step %d, loading it from %s: %s",
+                    step,
+                    self.root,
+                    exc,
+                )
+        if tier == "durable":
+            loader.load(target, self._step(step), strict=strict, trusted=trusted)
+            logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
+        if not isinstance(state_dict, dict):
+            state_dict.load_state_dict(target)
+        if self.local_tier is not None:
+            self.local_tier.discard_newer(step)
+        self.last_load_tier = tier
         return step
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the last save is committed; raise its error if it failed."""
+        """Block until the last save (of each tier) is committed; raise its error if it failed."""
         if self._last is not None:
             self._last.upload_completion.result(timeout)
+        if self.local_tier is not None:
+            self.local_tier.wait(timeout)
 
     def close(self) -> None:
         """Wait for the save in flight and join the threads; errors were already reported.
         Rank 0 of a Checkpointer that saved then deletes the spare data files (one that
         only read, such as a reader in another process, never deletes the writer's)."""
+        if self.local_tier is not None:
+            self.local_tier.close()
         self._saver.close()
         if self._saver.rank == 0 and self._saved:
             self.storage.discard_spares()

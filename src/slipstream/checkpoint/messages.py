@@ -15,6 +15,9 @@ save, round by round (``seq`` counts saves identically on every rank):
 A rank that fails before its turn posts the same message with ``error`` set, so no rank
 waits for it until the timeout.
 
+The local tier's messages (topics ``tier/...``, also built here) are in
+:mod:`.tier_messages`.
+
 Invariant: each message is written by ``to_json`` and read by ``from_json`` of its own
 class, nowhere else; a malformed one raises an error naming the message and the field
 (``CheckpointError`` for the ranks' messages, ``CorruptCheckpointError`` for the index,
@@ -60,6 +63,36 @@ class Topics:
     @staticmethod
     def skip(step: int) -> str:
         return store_key("skip", step)
+
+    # the local tier's (their messages: :mod:`.tier_messages`)
+
+    @staticmethod
+    def tier_host() -> str:
+        return store_key("tier", "host")
+
+    @staticmethod
+    def tier_address() -> str:
+        return store_key("tier", "address")
+
+    @staticmethod
+    def tier_clear(step: int) -> str:
+        return store_key("tier", "clear", step)
+
+    @staticmethod
+    def tier_replicated(step: int) -> str:
+        return store_key("tier", "replicated", step)
+
+    @staticmethod
+    def tier_commit(step: int) -> str:
+        return store_key("tier", "commit", step)
+
+    @staticmethod
+    def tier_inventory(round_: int) -> str:
+        return store_key("tier", "inventory", round_)
+
+    @staticmethod
+    def tier_loaded(round_: int) -> str:
+        return store_key("tier", "loaded", round_)
 
 
 class _Fields:

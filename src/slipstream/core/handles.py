@@ -31,6 +31,31 @@ def completed_future() -> Future[None]:
     return fut
 
 
+def all_of(futures: list[Future[None]]) -> Future[None]:
+    """A future that resolves once every one of ``futures`` has, failing with the first
+    failure among them in list order (a save to several tiers, as one handle)."""
+    combined: Future[None] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            combined.set_exception(errors[0])
+        else:
+            combined.set_result(None)
+
+    if not futures:
+        combined.set_result(None)
+    for fut in futures:
+        fut.add_done_callback(one_done)
+    return combined
+
+
 class Watermark:
     """A byte count that only grows, with waits for it to pass a mark (producer/consumer).
 
