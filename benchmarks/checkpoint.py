@@ -255,14 +255,17 @@ def spin_turns(seconds: float, during: Callable[[float], Any] | None) -> tuple[i
 
 def direct_writes_until(path: Path, deadline: float) -> int:
     """Write 64 MiB pieces of random bytes with ``O_DIRECT`` (as slipstream's writers do),
-    cycling over the first GiB of ``path``, until ``deadline``; fsync; return bytes written."""
+    cycling over the first GiB of ``path``, until ``deadline`` (at least one piece, so a
+    short window still measures something); fsync; return bytes written."""
     piece = mmap.mmap(-1, 64 * MIB)
     piece.write(os.urandom(len(piece)))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     written = 0
     try:
-        while time.perf_counter() < deadline:
+        while True:
             written += os.pwrite(fd, piece, written % GIB)
+            if time.perf_counter() >= deadline:
+                break
         os.fsync(fd)
     finally:
         os.close(fd)
