@@ -1159,14 +1159,14 @@ def run(opts: BenchOptions) -> Result:
             "checkpoints on object storage: slipstream vs DCP (s3fs, fsspec memory), "
             "torchsnapshot and raw boto3 on a local S3 (moto), and memory://",
         )
-    result.setup["load average at start"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result.note_load("start")
     if "local" in opts.sections:
         run_local(result, opts)
     if "object_store" in opts.sections:
         import object_store
 
         object_store.run_section(result, opts)
-    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result.note_load("end")
     clear(workdir)
     return result
 

@@ -18,6 +18,7 @@ every result file into BENCHMARKS.md. The JSON schema (one file per benchmark)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -25,10 +26,11 @@ import os
 import platform
 import random
 import resource
+import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,19 @@ def drop_page_cache(paths: Sequence[str | os.PathLike]) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def scratch(path: str | os.PathLike) -> Iterator[Path]:
+    """An empty directory at ``path`` for the benchmark's files, removed (with whatever a
+    run left there) on the way out, however the run ends."""
+    root = Path(path)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -164,6 +179,12 @@ class Result:
 
     def floor(self, claim: str, measured: float, floor: str, passed: bool) -> None:
         self.floors.append(Floor(claim, round(float(measured), 4), floor, bool(passed)))
+
+    def note_load(self, when: str) -> None:
+        """Record the host's 1, 5 and 15 minute load averages ``at {when}`` in the setup:
+        how busy the shared machine was around the measurements."""
+        loads = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        self.setup[f"load average at {when}"] = loads
 
     def write(self, path: str | os.PathLike) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

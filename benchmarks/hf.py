@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import socket
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Result, Table, median  # noqa: E402
+from common import Result, Table, median, scratch  # noqa: E402
 
 SS = "ss.load"
 DCP = "dcp.load + HuggingFaceStorageReader"
@@ -205,11 +204,8 @@ def main() -> None:
         "Hugging Face import: ss.load vs DCP's HuggingFaceStorageReader, safetensors, "
         "and a bare slice + copy, into DTensor shards",
     )
-    result.setup["load average at start"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    directory = Path(args.dir)
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    try:
+    result.note_load("start")
+    with scratch(args.dir) as directory:
         nbytes = write_model(directory, args.quick)
         cfg = llama_config(args.quick)
         result.setup["model"] = (
@@ -226,9 +222,7 @@ def main() -> None:
             times = run_ranks(world, directory, rounds, timeout=1800)
             medians[world] = {name: median(times[name]) for name in LOADERS}
             print(world, {k: round(v, 4) for k, v in medians[world].items()}, flush=True)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result.note_load("end")
 
     for world, med in medians.items():
         rows = [[name, med[name], med[name] / med[SS]] for name in LOADERS]

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Result, Table, interleave, median  # noqa: E402
+from common import Result, Table, interleave, median, scratch  # noqa: E402
 
 NONE = "no save"
 TRAINER = "Trainer._save_checkpoint"
@@ -219,12 +219,9 @@ def main() -> None:
         "Hugging Face Trainer and accelerate: the training-loop time a checkpoint costs, "
         "their own saves against slipstream's",
     )
-    result.setup["load average at start"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    result.note_load("start")
     names = [NONE, TRAINER, SS_TRAINER, ACCEL, SS_ACCEL, SS_OVERLAP]
-    try:
+    with scratch(args.dir) as root:
         bench = Bench(root, params_m, args.steps)
         params = sum(p.numel() for p in bench.model.parameters())
         result.setup["model"] = (
@@ -241,9 +238,7 @@ def main() -> None:
             repeats=rounds,
             shuffle_seed=SHUFFLE_SEED,
         )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result.note_load("end")
 
     med = {name: median(kept[name]["seconds"]) for name in names}
     waited = {name: median(kept[name]["waited"]) for name in names}

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Result, Table, fmt, median  # noqa: E402
+from common import Result, Table, fmt, median, scratch  # noqa: E402
 
 NONE = "none (no checkpoints)"
 TORCH = "TorchCheckpointIO (default)"
@@ -162,20 +162,17 @@ def main() -> None:
     args.batch, args.steps, args.every = 4, 23, 4
     torch.set_num_threads(os.cpu_count() or 1)
 
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
     result = Result(
         "lightning",
         "Lightning: training-loop time each checkpoint costs, SlipstreamCheckpointIO vs "
         "TorchCheckpointIO and AsyncCheckpointIO",
     )
-    result.setup["load average at start"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result.note_load("start")
     nbytes: list[int] = []
     kept: dict[str, dict[str, list[float]]] = {p: {} for p in PEERS}
     rng = random.Random(SHUFFLE_SEED)
     order = list(PEERS)
-    try:
+    with scratch(args.dir) as root:
         for rnd in range(1 + rounds):
             rng.shuffle(order)
             measured = {peer: run_once(peer, args, root, nbytes) for peer in order}
@@ -192,9 +189,7 @@ def main() -> None:
                 m["held"] = m["save_step"] - m["plain_step"]
                 for metric, value in m.items():
                     kept[peer].setdefault(metric, []).append(value)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    result.setup["load average at end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result.note_load("end")
     params = args.depth * (args.width * args.width + args.width)
     result.setup["model"] = (
         f"MLP of {args.depth} Linear({args.width}, {args.width}) layers, {params / 1e6:.1f} M "

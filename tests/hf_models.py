@@ -18,10 +18,11 @@ transformers.logging.disable_progress_bar()
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 
 
-def config(name: str) -> transformers.PretrainedConfig:
-    """``gpt2`` (tied), ``llama``/``qwen2`` untied, ``llama-tied``/``qwen2-tied``."""
+def config(name: str, **overrides: object) -> transformers.PretrainedConfig:
+    """``gpt2`` (tied), ``llama``/``qwen2`` untied, ``llama-tied``/``qwen2-tied``;
+    ``overrides`` replace any of the config's constructor arguments (sizes, token ids)."""
     if name == "gpt2":
-        cfg = transformers.GPT2Config(
+        fields: dict[str, object] = dict(
             n_layer=2,
             n_embd=64,
             n_head=4,
@@ -30,33 +31,43 @@ def config(name: str) -> transformers.PretrainedConfig:
             bos_token_id=0,
             eos_token_id=0,
         )
+        cfg = transformers.GPT2Config(**{**fields, **overrides})
         cfg.architectures = ["GPT2LMHeadModel"]
         return cfg
     family, _, tied = name.partition("-")
+    fields = dict(
+        **SMALL,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=bool(tied),
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     if family == "llama":
-        cfg = transformers.LlamaConfig(
-            **SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=bool(tied)
-        )
+        cfg = transformers.LlamaConfig(**{**fields, **overrides})
         cfg.architectures = ["LlamaForCausalLM"]
     else:
-        cfg = transformers.Qwen2Config(
-            **SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=bool(tied)
-        )
+        cfg = transformers.Qwen2Config(**{**fields, **overrides})
         cfg.architectures = ["Qwen2ForCausalLM"]
-    cfg.pad_token_id = cfg.bos_token_id = cfg.eos_token_id = 0
     return cfg
+
+
+def model(name: str, seed: int, **overrides: object) -> transformers.PreTrainedModel:
+    """A freshly initialised model of ``config(name, **overrides)``, the same for each ``seed``."""
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config(name, **overrides))
 
 
 def trained(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model of ``config(name)`` after one AdamW step, in eval mode, and its optimizer."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config(name))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    net = model(name, seed)
+    optim = torch.optim.AdamW(net.parameters(), lr=1e-2)
     tokens = torch.arange(12).reshape(1, 12) % 96
-    model(tokens, labels=tokens).loss.backward()
+    net(tokens, labels=tokens).loss.backward()
     optim.step()
-    model.eval()
-    return model, optim
+    net.eval()
+    return net, optim
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:

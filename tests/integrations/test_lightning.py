@@ -8,6 +8,7 @@ import enum
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,21 @@ def check_scenario(results, root):
     assert isinstance(hparams["layers"], ListConfig) and list(hparams["layers"]) == [16, 32]
 
 
+def run_script(script: str, root: Path) -> dict:
+    """Runs ``script --root root`` in a child process (where it may start processes of its
+    own) and returns the results it saved with ``torch.save``."""
+    out = root / "results.pt"
+    done = subprocess.run(
+        [sys.executable, script, "--root", str(root), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
 @pytest.mark.timeout(120)
 def test_single_process_resume_is_exact_and_top_k_matches_torch_io(tmp_path):
     torch.manual_seed(0)
@@ -79,16 +95,7 @@ def test_single_process_resume_is_exact_and_top_k_matches_torch_io(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_ddp_two_processes_resume_is_exact_and_top_k_matches_torch_io(tmp_path):
-    out = tmp_path / "results.pt"
-    done = subprocess.run(
-        [sys.executable, SCENARIO, "--root", str(tmp_path), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = torch.load(out, weights_only=False)
+    results = run_script(SCENARIO, tmp_path)
     check_scenario(results, str(tmp_path))
 
 
@@ -185,17 +192,8 @@ def test_hyper_parameter_types_round_trip_once_allowed(tmp_path):
 def test_model_parallel_strategy_checkpoints_through_slipstream_dcp(tmp_path):
     # Lightning's FSDPStrategy refuses a CPU accelerator; ModelParallelStrategy (FSDP2)
     # runs on CPU and calls DCP the same way, by name.
-    out = tmp_path / "results.pt"
     script = os.path.join(os.path.dirname(SCENARIO), "lightning_model_parallel.py")
-    done = subprocess.run(
-        [sys.executable, script, "--root", str(tmp_path), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = torch.load(out, weights_only=False)
+    results = run_script(script, tmp_path)
     # slipstream wrote the sharded checkpoint (its index beside DCP's metadata; last.ckpt
     # was saved over, so in a later generation), one data file per rank, and Lightning
     # wrote its own meta.pt.

@@ -9,13 +9,9 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from hf_models import config
+from trainer_runs import StopAt, assert_same_training_state, assert_same_weights, cpu_arguments
+from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from slipstream.integrations.transformers import (
@@ -32,19 +28,11 @@ VOCAB = 64
 
 def tiny_model() -> GPT2LMHeadModel:
     torch.manual_seed(1234)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.1,  # dropout draws from the RNG a resume must restore
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
+    # Dropout draws from the RNG a resume must restore.
+    dropout = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return GPT2LMHeadModel(
+        config("gpt2", vocab_size=VOCAB, n_positions=16, n_embd=32, n_head=2, **dropout)
     )
-    return GPT2LMHeadModel(config)
 
 
 def dataset(rows: int = 48, length: int = 12) -> Dataset:
@@ -54,51 +42,14 @@ def dataset(rows: int = 48, length: int = 12) -> Dataset:
 
 
 def arguments(out: str, **overrides: object) -> TrainingArguments:
-    base: dict[str, object] = dict(
-        output_dir=out,
+    fields: dict[str, object] = dict(
         max_steps=8,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
         lr_scheduler_type="linear",
         warmup_steps=2,
-        save_strategy="steps",
         save_steps=3,
-        logging_steps=100,
-        report_to=[],
-        use_cpu=True,
         seed=11,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
-    base.update(overrides)
-    return TrainingArguments(**base)  # type: ignore[arg-type]
-
-
-class StopAt(TrainerCallback):
-    """Stops training after ``step`` (the Trainer still saves that step's checkpoint)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if state.global_step == self.step:
-            control.should_training_stop = True
-        return control
-
-
-def assert_same_training_state(a: Trainer, b: Trainer) -> None:
-    for (name, x), y in zip(
-        a.model.state_dict().items(), b.model.state_dict().values(), strict=True
-    ):
-        assert torch.equal(x, y), name
-    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
-    assert sa["param_groups"] == sb["param_groups"]
-    assert sa["state"].keys() == sb["state"].keys()
-    for idx, state in sa["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, sb["state"][idx][key]), (idx, key)
-    assert a.lr_scheduler.state_dict() == b.lr_scheduler.state_dict()
-    assert a.state.global_step == b.state.global_step
+    return cpu_arguments(TrainingArguments, out, **{**fields, **overrides})
 
 
 def reference(tmp_path) -> Trainer:
@@ -144,10 +95,7 @@ def test_interrupted_and_resumed_run_is_bit_exact(tmp_path):
     last = get_last_checkpoint(out)
     assert last == os.path.join(out, "checkpoint-8")
     loaded = GPT2LMHeadModel.from_pretrained(last)
-    for (name, x), y in zip(
-        ref.model.state_dict().items(), loaded.state_dict().values(), strict=True
-    ):
-        assert torch.equal(x, y), name
+    assert_same_weights(ref.model, loaded)
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
 
 
@@ -254,6 +202,4 @@ def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path):
     kept = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
     assert kept == [os.path.basename(best)]  # the Trainer keeps only the best at the end
     loaded = GPT2LMHeadModel.from_pretrained(best)
-    pairs = zip(trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True)
-    for (name, x), y in pairs:
-        assert torch.equal(x, y), name
+    assert_same_weights(trainer.model, loaded)

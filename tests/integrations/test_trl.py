@@ -9,8 +9,10 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from hf_models import config as model_config
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback
+from trainer_runs import StopAt, assert_same_training_state, assert_same_weights, cpu_arguments
+from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 from slipstream.integrations.transformers import SlipstreamTrainerMixin, state_dir
@@ -33,17 +35,18 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_model() -> GPT2LMHeadModel:
     torch.manual_seed(99)
-    config = GPT2Config(
-        vocab_size=WORDS + 3,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=WORDS + 2,
-        eos_token_id=WORDS + 2,
-        pad_token_id=WORDS + 1,
+    eos, pad = WORDS + 2, WORDS + 1
+    return GPT2LMHeadModel(
+        model_config(
+            "gpt2",
+            vocab_size=WORDS + 3,
+            n_embd=32,
+            n_head=2,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
     )
-    return GPT2LMHeadModel(config)
 
 
 def texts() -> Dataset:
@@ -56,37 +59,12 @@ def texts() -> Dataset:
 
 
 def config(out: str, **overrides: object) -> SFTConfig:
-    base: dict[str, object] = dict(
-        output_dir=out,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        save_strategy="steps",
-        save_steps=2,
-        logging_steps=100,
-        report_to=[],
-        use_cpu=True,
-        seed=5,
-        disable_tqdm=True,
-        max_length=16,
-        dataloader_num_workers=0,
-    )
-    base.update(overrides)
-    return SFTConfig(**base)  # type: ignore[arg-type]
+    fields: dict[str, object] = dict(max_steps=6, save_steps=2, seed=5, max_length=16)
+    return cpu_arguments(SFTConfig, out, **{**fields, **overrides})
 
 
 class SlipstreamSFTTrainer(SlipstreamTrainerMixin, SFTTrainer):
     pass
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if state.global_step == self.step:
-            control.should_training_stop = True
-        return control
 
 
 def test_sft_trainer_resumes_bit_exact(tmp_path):
@@ -116,17 +94,7 @@ def test_sft_trainer_resumes_bit_exact(tmp_path):
         model=tiny_model(), args=config(out), train_dataset=texts(), processing_class=tokenizer()
     )
     resumed.train(resume_from_checkpoint=checkpoint)
-    for (name, x), y in zip(
-        ref.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
-    ):
-        assert torch.equal(x, y), name
-    ref_opt, opt = ref.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
-    for idx, state in ref_opt.items():
-        for key, value in state.items():
-            assert torch.equal(value, opt[idx][key]), (idx, key)
+    assert_same_training_state(ref, resumed)
 
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "checkpoint-6"))
-    for (name, x), y in zip(
-        ref.model.state_dict().items(), loaded.state_dict().values(), strict=True
-    ):
-        assert torch.equal(x, y), name
+    assert_same_weights(ref.model, loaded)

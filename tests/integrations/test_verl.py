@@ -32,21 +32,9 @@ BUCKET = 4096
 
 
 def _model(seed: int):
-    import torch
-    import transformers
+    from hf_models import model
 
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg)
+    return model("llama-tied", seed, hidden_size=32, intermediate_size=64)
 
 
 def _engine(engine_kwargs: dict, **built_with):
