@@ -268,3 +268,47 @@ def _full_shm(rank: int, world: int, base: str) -> None:
 
 def test_a_full_local_tier_fails_the_step_clearly_and_training_goes_on(tmp_path):
     run_workers(_full_shm, WORLD, str(tmp_path), timeout=60)
+
+
+# -- pipelining: the next step is written while the previous one replicates ---------------
+
+
+def _next_step_while_replicating(rank: int, world: int, base: str) -> None:
+    state = initial_state(rank)
+    released = threading.Event()
+
+    def hold(step: int) -> None:
+        if step == 2 and not released.wait(TIMEOUT):
+            raise RuntimeError("step 3's save never started while step 2 replicated")
+
+    with checkpointer(base, rank) as ck:
+        assert ck.local_tier is not None
+        ck.local_tier.before_replication = hold
+        for step in (1, 2):
+            train_step(state, rank, step)
+            last = ck.save(step, state)
+            last.staging_completion.result(TIMEOUT)
+        train_step(state, rank, 3)
+        third = ck.save(3, state)  # returns while step 2 is held mid-replication
+        third.staging_completion.result(TIMEOUT)
+        assert not last.upload_completion.done()
+        released.set()
+        last.result(TIMEOUT)  # the clear before step 3 spared step 2
+        third.result(TIMEOUT)
+        loaded = initial_state(rank)
+        assert ck.load(loaded, strict=False) == 3 and ck.last_load_tier == "local"
+        assert_same(loaded, reference(rank, 3))
+
+
+def test_the_next_step_saves_while_the_previous_one_replicates_and_both_commit(tmp_path):
+    base = str(tmp_path)
+    run_workers(_next_step_while_replicating, WORLD, base, timeout=60)
+    for node in (0, 1):
+        assert sorted(os.listdir(os.path.join(base, f"node{node}"))) == ["step_2", "step_3"]
+    # node 0 alone holds all of step 2 (its files and node 1's replicas), as the reader sees it
+    flat = read_all(os.path.join(base, "node0", "step_2"))
+    for rank in range(WORLD):
+        want = reference(rank, 2)
+        assert flat["step"] == 2 and torch.equal(flat["shared"], want["shared"])
+        for name, tensor in want[f"rank{rank}"].items():
+            assert torch.equal(flat[f"rank{rank}.{name}"], tensor), (rank, name)

@@ -21,6 +21,9 @@ Invariants:
 - A local save that fails (a peer died, a full ``/dev/shm``) fails its own futures only:
   the previous committed step stays on every node, and retention deletes a committed step
   only after a newer one has committed.
+- At most two local saves are in flight: step N+1 stages and writes while step N
+  replicates (replication and commits run in save order, on one thread), and the clear
+  before a save spares the steps still in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import logging
 import os
 import re
 import socket
+import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -184,7 +189,11 @@ class LocalTierSaver:
         self._thread = ThreadPoolExecutor(
             1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
         )
-        self._last: Future[None] | None = None
+        self._in_flight: deque[tuple[int, Future[None]]] = deque()
+        """The local saves started and not yet seen finished, oldest first: their steps and
+        their commit futures."""
+        self._dir_lock = threading.Lock()
+        """Held by whoever deletes step directories (the clear, retention)."""
         self._rounds = 0
         self._committed_steps: list[int] = []
         self._dead: dict[int, str] = {}
@@ -199,8 +208,11 @@ class LocalTierSaver:
 
     def save(self, step: int, state: Mapping[str, Any]) -> AsyncSaveResponse:
         """Start the local save of ``step``: its ``upload_completion`` resolves once the
-        step is committed in the local tier (written, replicated, marked)."""
-        self.wait_previous()
+        step is committed in the local tier (written, replicated, marked). Waits first
+        until at most one earlier local save is in flight (none where that one is of this
+        same step)."""
+        step = int(step)
+        self._wait_in_flight(0 if any(s == step for s, _ in self._in_flight) else 1)
         dead = {**self._dead, **self.channel.known_dead()}
         if dead:
             rank, why = min(dead.items())
@@ -209,48 +221,61 @@ class LocalTierSaver:
                 sorted(dead),
                 f"local save of step {step}",
             )
-        step_name = f"step_{int(step)}"
-        self._clear(int(step), step_name)
+        step_name = f"step_{step}"
+        self._clear(step, step_name, {s for s, f in self._in_flight if not f.done()})
         self._files.forget(step_name)
         written = self._saver.save(state, self.storage.child(step_name))
         response = AsyncSaveResponse(written.staging_completion, Future())
         response.timings = written.timings
-        self._last = response.upload_completion
+        self._in_flight.append((step, response.upload_completion))
         written.upload_completion.add_done_callback(
-            lambda _: self._thread.submit(self._replicate, int(step), written, response)
+            lambda _: self._thread.submit(self._replicate, step, written, response)
         )
         return response
 
-    def wait_previous(self) -> None:
-        """Block until the previous local save has committed or failed."""
-        if self._last is not None:
+    def _wait_in_flight(self, keep: int) -> None:
+        """Block until at most ``keep`` local saves are in flight (their errors are their
+        futures': only a save that outlives its bound raises here, naming its step)."""
+        while len(self._in_flight) > keep:
+            step, done = self._in_flight[0]
             try:
-                self._last.result(self.timeout + self.options.timeout)
+                done.result(self.timeout + self.options.timeout)
             except SlipstreamError:
                 pass
             except TimeoutError as exc:
                 raise CheckpointError(
-                    f"the previous local save did not finish within {self.timeout} s"
+                    f"the local save of step {step} did not finish within "
+                    f"{self.timeout + self.options.timeout} s"
                 ) from exc
+            self._in_flight.popleft()
+
+    def wait_previous(self) -> None:
+        """Block until every local save started has committed or failed."""
+        self._wait_in_flight(0)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the last local save is committed; raise its error if it failed."""
-        if self._last is not None:
-            self._last.result(timeout)
+        """Block until the last local save is committed; raise its error if it failed
+        (saves commit in order, so every earlier one has finished too)."""
+        if self._in_flight:
+            self._in_flight[-1][1].result(timeout)
 
-    def _clear(self, step: int, step_name: str) -> None:
+    def _clear(self, step: int, step_name: str, in_flight: set[int]) -> None:
         """The node's lowest rank removes what a save of ``step`` would collide with (an
-        older attempt at it, uncommitted steps), then tells its node's other ranks, which
-        wait for that before writing (so that every node starts the step from nothing)."""
+        older attempt at it, uncommitted steps other than those ``in_flight``, which this
+        process is still replicating), then tells its node's other ranks, which wait for
+        that before writing (so that every node starts the step from nothing)."""
         topic = Topics.tier_clear(step)
         leader = self.nodes.leader(self.node)
         if self.is_leader:
             try:
-                for found, name in self._step_names().items():
-                    location = self.storage.child(name)
-                    if found == step or not location.exists(MARKER_FILE):
-                        self._files.forget(name)
-                        location.delete_all()
+                with self._dir_lock:
+                    for found, name in self._step_names().items():
+                        location = self.storage.child(name)
+                        if found == step or (
+                            found not in in_flight and not location.exists(MARKER_FILE)
+                        ):
+                            self._files.forget(name)
+                            location.delete_all()
             except (OSError, SlipstreamError) as exc:
                 logger.warning("could not clear %s before step %d: %s", self.storage.url, step, exc)
             self.channel.post(topic, NodeCleared(step))
@@ -378,17 +403,18 @@ class LocalTierSaver:
         """Delete this node's committed steps older than the last ``keep_last`` (the marker
         first, so a deletion cut short leaves a step no one lists)."""
         try:
-            committed = sorted(
-                s
-                for s, name in self._step_names().items()
-                if self.storage.child(name).exists(MARKER_FILE)
-            )
-            for old in committed[: -self.tier.keep_last]:
-                name = f"step_{old}"
-                self._files.forget(name)
-                location = self.storage.child(name)
-                location.delete(MARKER_FILE)
-                location.delete_all()
+            with self._dir_lock:
+                committed = sorted(
+                    s
+                    for s, name in self._step_names().items()
+                    if self.storage.child(name).exists(MARKER_FILE)
+                )
+                for old in committed[: -self.tier.keep_last]:
+                    name = f"step_{old}"
+                    self._files.forget(name)
+                    location = self.storage.child(name)
+                    location.delete(MARKER_FILE)
+                    location.delete_all()
         except (OSError, SlipstreamError) as exc:
             logger.warning("local-tier retention under %s failed: %s", self.storage.url, exc)
 
