@@ -5,13 +5,13 @@ from .checkpointer import Checkpointer
 from .health import CheckpointHealth
 from .hf_export import HfExport, export_hf
 from .hf_import import load_hf
-from .local_tier import LocalTier
 from .options import SaveOptions
 from .safe_types import AllowedTypes, allow_types
 from .save_job import AsyncSaveResponse, SaveTimings
 from .saver import CheckpointSaver
 from .snapshot import StagedState, stage
 from .storage import DataWriter, Storage, register_storage
+from .tier_options import LocalTier
 from .whole import load_all
 
 __all__ = [

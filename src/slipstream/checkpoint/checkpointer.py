@@ -29,7 +29,7 @@ from ..errors import CheckpointError, SlipstreamError
 from . import loader
 from .commit import METADATA_FILE, uncommit
 from .health import CheckpointHealth, HealthTracker
-from .local_tier import LocalTier, LocalTierSaver
+from .local_tier import LocalTierSaver
 from .messages import SkipDecision, Topics
 from .options import SaveOptions
 from .recycle import SPARE_DIR
@@ -37,6 +37,7 @@ from .safe_types import Trusted
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
 from .storage import Location, Storage, resolve_storage
+from .tier_options import LocalTier
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")

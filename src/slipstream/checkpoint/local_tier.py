@@ -29,9 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import os
 import re
 import socket
 import threading
@@ -72,61 +70,12 @@ from .tier_messages import (
     StepInventory,
     TierCommitOutcome,
 )
+from .tier_options import LocalTier, default_host, default_root
 
 logger = logging.getLogger(__name__)
 
 MARKER_FILE = ".local_commit"
-DEFAULT_SHM = "/dev/shm/slipstream"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-@dataclass
-class LocalTier:
-    """Options of a :class:`~slipstream.Checkpointer`'s local tier (docs/checkpoint.md,
-    "Two tiers")."""
-
-    root: str | os.PathLike[str] | Storage | None = None
-    """This node's directory (or a :class:`Storage`); ``None``: a directory under
-    ``/dev/shm/slipstream`` named after the durable root, so that a restarted job finds it."""
-    every: int = 1
-    """Save every ``every``-th step to the local tier."""
-    keep_last: int = 2
-    """Committed local steps each node keeps (its own files and the replicas it holds)."""
-    replicas: int = 1
-    """Peer ranks on other nodes holding a copy of each rank's file: the job survives the
-    loss of that many nodes. Needs more nodes than ``replicas``."""
-    ranks_per_node: int | None = None
-    """Ranks per node, consecutive (torchrun's layout); ``None``: ranks on one host name
-    are one node. Set it to stand several nodes in on one machine."""
-    host: str | None = None
-    """The address peers reach this rank at; ``None``: the address this host routes to
-    ``MASTER_ADDR`` from, else this host's name."""
-    timeout: float | None = None
-    """Seconds a peer may take to answer; ``None``: the saves' timeout."""
-
-    def __post_init__(self) -> None:
-        for name in ("every", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"LocalTier.{name} must be >= 1, got {getattr(self, name)}")
-        if self.replicas < 0:
-            raise ValueError(f"LocalTier.replicas must be >= 0, got {self.replicas}")
-
-
-def default_root(durable_url: str) -> str:
-    """The node directory a job with durable root ``durable_url`` uses by default."""
-    return os.path.join(DEFAULT_SHM, hashlib.sha1(durable_url.encode()).hexdigest()[:16])
-
-
-def _default_host() -> str:
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((master, 9))
-                return str(probe.getsockname()[0])
-        except OSError:
-            pass
-    return socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -180,7 +129,7 @@ class LocalTierSaver:
         self._files = TierFiles(self.storage)
         priority = (self.options.thread_nice, self.options.idle_threads)
         self._server = PeerServer(
-            tier.host or _default_host(),
+            tier.host or default_host(),
             self._files,
             self.timeout,
             thread_start=lambda: lower_thread_priority(*priority),
