@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from .messages import _decode, _Fields, _int_list
@@ -92,9 +92,9 @@ class NodeCleared:
 
 
 @dataclass(frozen=True)
-class ReplicationReport:
-    """A rank's files of a local step are on their replica ranks (``files``: each one's
-    size), or why not (``error``, and the ranks found ``dead``)."""
+class _FilesOrError:
+    """Files and their sizes (``files``), or why there are none (``error``, and the ranks
+    found ``dead``): a message reads back as one or the other, never both."""
 
     files: dict[str, int] = field(default_factory=dict)
     error: str | None = None
@@ -104,35 +104,28 @@ class ReplicationReport:
         return json.dumps({"files": self.files, "error": self.error, "dead": self.dead})
 
     @classmethod
-    def from_json(cls, text: str | bytes, what: str) -> ReplicationReport:
+    def from_json(cls: type[_F], text: str | bytes, what: str) -> _F:
         f = _message(text, what)
         error = f.get("error", str, optional=True)
         if error is not None:
             dead = _int_list(f.get("dead", list), f"{what}: field 'dead'", CheckpointError)
             return cls(error=error, dead=dead)
         return cls(_sizes(f, "files"))
+
+
+_F = TypeVar("_F", bound=_FilesOrError)
 
 
 @dataclass(frozen=True)
-class TierCommitOutcome:
+class ReplicationReport(_FilesOrError):
+    """A rank's files of a local step are on their replica ranks (``files``: each one's
+    size), or why not (``error``, and the ranks found ``dead``)."""
+
+
+@dataclass(frozen=True)
+class TierCommitOutcome(_FilesOrError):
     """Rank 0's decision on a local step: committed, with its manifest (``files``: every
     file of the step and its size), or failed (``error``, and the ranks found ``dead``)."""
-
-    files: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-    dead: list[int] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps({"files": self.files, "error": self.error, "dead": self.dead})
-
-    @classmethod
-    def from_json(cls, text: str | bytes, what: str) -> TierCommitOutcome:
-        f = _message(text, what)
-        error = f.get("error", str, optional=True)
-        if error is not None:
-            dead = _int_list(f.get("dead", list), f"{what}: field 'dead'", CheckpointError)
-            return cls(error=error, dead=dead)
-        return cls(_sizes(f, "files"))
 
 
 @dataclass(frozen=True)
