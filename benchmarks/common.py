@@ -19,6 +19,7 @@ every result file into BENCHMARKS.md. The JSON schema (one file per benchmark)::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as _dt
 import gc
 import json
@@ -30,6 +31,7 @@ import shutil
 import statistics
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +53,41 @@ def current_rss_mib() -> float:
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Live:
+    """Bytes of tensors handed to :meth:`track` whose memory is still alive (held by the
+    tensor or any view of it), and their peak: weak references to their storages, nothing
+    kept."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.peak = 0
+
+    def _gone(self, n: int) -> None:
+        self.bytes -= n
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        self.bytes += n
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(t.untyped_storage(), self._gone, n)  # its memory, views included
+        return t
+
+
+def status_bytes(field: str) -> int:
+    """A size field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_high_water() -> None:
+    """Give freed heap pages back to the kernel (so the resident size counts only live
+    memory), then reset the resident high-water mark (``VmHWM``) to it."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def drop_page_cache(paths: Sequence[str | os.PathLike]) -> None:

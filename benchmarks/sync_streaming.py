@@ -24,18 +24,24 @@ python benchmarks/sync_streaming.py --out benchmarks/results/sync_streaming.json
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
-import weakref
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import Result, Table, interleave, median  # noqa: E402
+from common import (  # noqa: E402
+    Live,
+    Result,
+    Table,
+    interleave,
+    median,
+    reset_high_water,
+    status_bytes,
+)
 
 import slipstream as ss  # noqa: E402
 
@@ -43,42 +49,9 @@ MiB = 2**20
 PEERS = ["mapping", "stream", "mapping, fresh", "stream, fresh"]
 
 
-class Live:
-    """Bytes of yielded tensors whose memory is still alive (held by the tensor or any view
-    of it), and their peak: weak references to their storages, nothing kept."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.peak = 0
-
-    def _gone(self, n: int) -> None:
-        self.bytes -= n
-
-    def track(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        self.bytes += n
-        self.peak = max(self.peak, self.bytes)
-        weakref.finalize(t.untyped_storage(), self._gone, n)  # its memory, views included
-        return t
-
-
 def fresh(numel: int, tensors: int, run: int, live: Live):
     for i in range(tensors):
         yield f"w{i}", live.track(torch.full((numel,), float(run * 10_000 + i)))
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_high_water() -> None:
-    """Give freed heap pages back to the kernel (so the resident size counts only live
-    memory), then reset the resident high-water mark to it."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def trainer(group, args: argparse.Namespace, numel: int) -> dict:
@@ -90,14 +63,14 @@ def trainer(group, args: argparse.Namespace, numel: int) -> dict:
     def timed(publish, live: Live | None) -> dict[str, float]:
         nonlocal runs
         group.set_json(f"bench/run/{runs}", True)
-        _reset_high_water()
-        before = _status("VmRSS")
+        reset_high_water()
+        before = status_bytes("VmRSS")
         start = time.perf_counter()
         handle = publish()
         handle.delivered.result(timeout=600)
         seconds = time.perf_counter() - start
         runs += 1
-        out = {"seconds": seconds, "hwm_extra_mib": (_status("VmHWM") - before) / MiB}
+        out = {"seconds": seconds, "hwm_extra_mib": (status_bytes("VmHWM") - before) / MiB}
         if live is not None:
             out["live_peak_mib"] = live.peak / MiB
         return out

@@ -16,8 +16,8 @@ starts), and the next publish reaches the rollout whole.
 
 from __future__ import annotations
 
-import ctypes
-import weakref
+import os
+import sys
 
 import pytest
 import torch
@@ -26,6 +26,9 @@ from torch import nn
 
 import slipstream as ss
 from slipstream.sync.stream import LayoutMismatch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from common import Live, reset_high_water, status_bytes  # noqa: E402
 
 MiB = 2**20
 TENSORS = 512
@@ -38,42 +41,9 @@ def value(version: int, i: int) -> torch.Tensor:
     return torch.full((NUMEL,), float(version * 1000 + i))
 
 
-class Live:
-    """Bytes of yielded tensors whose memory is still alive (held by the tensor or any view
-    of it): weak references to their storages, nothing kept."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.peak = 0
-
-    def _gone(self, n: int) -> None:
-        self.bytes -= n
-
-    def track(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        self.bytes += n
-        self.peak = max(self.peak, self.bytes)
-        weakref.finalize(t.untyped_storage(), self._gone, n)  # its memory, views included
-        return t
-
-
 def model(version: int, live: Live):
     for i in range(TENSORS):
         yield f"w{i}", live.track(value(version, i))
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-
-def _reset_high_water() -> None:
-    """Give freed heap pages back to the kernel (so the resident size counts only live
-    memory), then reset the resident high-water mark to it."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _bounded(rank, port):
@@ -84,16 +54,16 @@ def _bounded(rank, port):
         warm = Live()
         assert pub.publish(model(1, warm)).delivered.result(timeout=60) == 0
         live = Live()
-        _reset_high_water()
-        before = _status("VmRSS")
+        reset_high_water()
+        before = status_bytes("VmRSS")
         handle = pub.publish(model(2, live))
         assert handle.delivered.result(timeout=60) == 1
-        rss_extra = _status("VmHWM") - before
+        rss_extra = status_bytes("VmHWM") - before
         listed = Live()
-        _reset_high_water()
-        before = _status("VmRSS")
+        reset_high_water()
+        before = status_bytes("VmRSS")
         assert pub.publish(list(model(3, listed))).delivered.result(timeout=60) == 2
-        listed_rss_extra = _status("VmHWM") - before
+        listed_rss_extra = status_bytes("VmHWM") - before
         out = {
             "warm": warm.peak,
             "live": live.peak,
