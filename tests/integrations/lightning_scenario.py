@@ -128,13 +128,24 @@ def _state(trainer: Trainer, model: Regression) -> dict[str, Any]:
     }
 
 
+def _is_rank_zero() -> bool:
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def _listing(dirpath: str) -> list[str]:
+    """The checkpoint directory's files, as rank 0 sees them (its results are the ones kept).
+    Other ranks do not look: rank 0 moves the directory aside as soon as its run ends, and
+    nothing orders that after another rank's look."""
+    return sorted(os.listdir(dirpath)) if _is_rank_zero() else []
+
+
 def _run_with_checkpoints(
     root: str, plugins: list[Any], devices: int, strategy: str, weights_only: bool | None
 ) -> dict[str, Any]:
     dirpath = os.path.join(root, "ckpts")
     _, _, first = _fit(dirpath, 2, plugins, devices, strategy)
     assert first is not None
-    after_two = sorted(os.listdir(dirpath))
+    after_two = _listing(dirpath)
     trainer, model, resumed = _fit(
         dirpath,
         3,
@@ -148,7 +159,7 @@ def _run_with_checkpoints(
     return {
         "state": _state(trainer, model),
         "files_after_two": after_two,
-        "files": sorted(os.listdir(dirpath)),
+        "files": _listing(dirpath),
         "best_k": {os.path.basename(k): v.item() for k, v in resumed.best_k_models.items()},
         "best": os.path.basename(resumed.best_model_path),
         "last": os.path.basename(resumed.last_model_path),
@@ -159,8 +170,7 @@ def scenario(root: str, devices: int = 1, strategy: str = "auto") -> dict[str, A
     """The three runs described in the module docstring; returns what each left."""
     # torch.load refuses the hyper-parameters' dataclass unless told to trust the file.
     torch_run = _run_with_checkpoints(root, [], devices, strategy, weights_only=False)
-    rank0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    if rank0:
+    if _is_rank_zero():
         os.rename(os.path.join(root, "ckpts"), os.path.join(root, "torch_ckpts"))
     ss_run = _run_with_checkpoints(
         root, [SlipstreamCheckpointIO(timeout=60, trusted=[Widths, Act])], devices, strategy, None
@@ -178,7 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = scenario(args.root, args.devices, args.strategy)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if _is_rank_zero():
         torch.save(results, args.out)
 
 

@@ -82,7 +82,12 @@ def run_script(script: str, root: Path) -> dict:
         timeout=200,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    other_ranks = [
+        ln
+        for ln in done.stderr.splitlines()
+        if ln.startswith("[rank") and not ln.startswith("[rank0]")
+    ]
+    assert done.returncode == 0, "\n".join(other_ranks[-40:]) + "\n" + done.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
 
