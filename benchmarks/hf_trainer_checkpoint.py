@@ -25,10 +25,12 @@ whose training leaves host cores idle). Each is reported and has its floors.
 
 Two costs of a save to the training loop: the time the training thread waited (the save
 call; for slipstream also the staging wait before the next optimizer step), and the round
-cost, the round's time minus the round's ``no save`` time: the wait plus what the
+cost, the round's time minus the same round's ``no save`` time: the wait plus what the
 background work slowed the steps that ran beside it (on few busy cores, most of it).
 slipstream's background write (and its weights export) is then waited for outside the
-timed region, so it never overlaps another peer. Medians over the rounds.
+timed region, so it never overlaps another peer. A third figure is the work a save adds:
+the process's CPU seconds (every thread) over the same round's ``no save`` run, counted
+until the background work is done. Medians over the rounds.
 
     python benchmarks/hf_trainer_checkpoint.py --out benchmarks/results/hf_trainer.json
     python benchmarks/hf_trainer_checkpoint.py --quick     # a small model, 2 rounds
@@ -40,6 +42,7 @@ import argparse
 import logging
 import os
 import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -50,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Result, Table, interleave, median, scratch  # noqa: E402
+from common import Result, Table, fmt, interleave, median, scratch  # noqa: E402
 
 from slipstream.core.threads import usable_cores  # noqa: E402
 
@@ -178,6 +181,7 @@ class Bench:
 
             return before_optimizer_step
 
+        cpu_start = process_cpu()
         start = time.perf_counter()
         if name == NONE:
             self.steps_after(lambda: None)
@@ -222,7 +226,25 @@ class Bench:
             "seconds": elapsed,
             "waited": waited,
             "background": time.perf_counter() - background,
+            "cpu": process_cpu() - cpu_start,
         }
+
+
+def process_cpu() -> float:
+    """CPU seconds this process has used (every thread, user and system)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def paired(kept: dict[str, dict[str, list[float]]], name: str, metric: str) -> list[float]:
+    """Per round: ``name``'s ``metric`` less the ``no save`` run's in the same round (rounds
+    drift on a shared host; a difference within a round cancels what they share)."""
+    return [ours - base for ours, base in zip(kept[name][metric], kept[NONE][metric], strict=True)]
+
+
+def quartiles(values: list[float]) -> str:
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values * 3)
+    return f"{fmt(q1)} to {fmt(q3)}"
 
 
 def report(result: Result, env: str, kept: dict[str, dict[str, list[float]]], steps: int) -> None:
@@ -230,20 +252,36 @@ def report(result: Result, env: str, kept: dict[str, dict[str, list[float]]], st
     names = list(kept)
     med = {name: median(kept[name]["seconds"]) for name in names}
     waited = {name: median(kept[name]["waited"]) for name in names}
-    cost = {name: med[name] - med[NONE] for name in names}
+    costs = {name: paired(kept, name, "seconds") for name in names}
+    cost = {name: median(costs[name]) for name in names}
+    cpu = {name: median(paired(kept, name, "cpu")) for name in names}
     background = {name: median(kept[name]["background"]) for name in names}
     print(
         env, {k: round(v, 3) for k, v in waited.items()}, {k: round(v, 3) for k, v in cost.items()}
     )
     result.tables.append(
         Table(
-            f"{env}: a save, then {steps} training steps (seconds, medians). waited: what the "
-            "training thread waited for (the save call, and for slipstream the staging wait "
-            f"before the next optimizer step); round cost: the round's time - '{NONE}' (the "
-            "wait plus what background work slowed the steps beside it); background: "
-            "slipstream's write still running after the steps",
-            ["peer", "seconds", "waited", "round cost", "background"],
-            [[n, med[n], waited[n], cost[n], background[n]] for n in names],
+            f"{env}: a save, then {steps} training steps (seconds, medians over rounds). "
+            "waited: what the training thread waited for (the save call, and for slipstream "
+            "the staging wait before the next optimizer step); round cost: the round's time "
+            f"less the '{NONE}' run's in the same round (the wait plus what background work "
+            "slowed the steps beside it), with its quartiles; CPU: the process's CPU seconds "
+            f"over the '{NONE}' run's in the same round, every thread, until the save's "
+            "background work is done; background: slipstream's write still running after "
+            "the steps",
+            [
+                "peer",
+                "seconds",
+                "waited",
+                "round cost",
+                "round cost quartiles",
+                "CPU s",
+                "background",
+            ],
+            [
+                [n, med[n], waited[n], cost[n], quartiles(costs[n]), cpu[n], background[n]]
+                for n in names
+            ],
         )
     )
     for ours, theirs in ((SS_TRAINER, TRAINER), (SS_ACCEL, ACCEL), (SS_OVERLAP, ACCEL)):
@@ -261,13 +299,13 @@ def report(result: Result, env: str, kept: dict[str, dict[str, list[float]]], st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (15; quick 2)")
     parser.add_argument("--params-m", type=float, default=None, help="millions (58; quick 3)")
     parser.add_argument("--steps", type=int, default=2, help="training steps after a save")
     parser.add_argument("--dir", default="/tmp/slipstream-bench/hf_trainer", help="scratch")
     parser.add_argument("--out", default=None, help="result JSON")
     args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 5)
+    rounds = args.rounds or (2 if args.quick else 15)
     params_m = args.params_m or (3.0 if args.quick else 58.0)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     logging.getLogger("accelerate").setLevel(logging.ERROR)
