@@ -28,7 +28,10 @@ call; for slipstream also the staging wait before the next optimizer step), and 
 cost, the round's time minus the same round's ``no save`` time: the wait plus what the
 background work slowed the steps that ran beside it (on few busy cores, most of it).
 slipstream's background write (and its weights export) is then waited for outside the
-timed region, so it never overlaps another peer. A third figure is the work a save adds:
+timed region, so it never overlaps another peer, and so is the kernel's writeback of what
+any peer left in the page cache (``os.sync``: the Trainer's and accelerate's saves return
+before their files are on disk), which would otherwise land in another peer's round. A
+third figure is the work a save adds:
 the process's CPU seconds (every thread) over the same round's ``no save`` run, counted
 until the background work is done. Medians over the rounds.
 
@@ -222,11 +225,18 @@ class Bench:
         self.ss_trainer.wait_for_checkpoints()
         self.ss_accelerator.wait_for_checkpoints()
         self.ss_overlap.wait_for_checkpoints()
+        background = time.perf_counter() - background
+        cpu = process_cpu() - cpu_start
+        # What the save left in the page cache is written back now, before the next peer:
+        # otherwise the kernel's writeback of one peer's files lands in another's round.
+        flush = time.perf_counter()
+        os.sync()
         return {
             "seconds": elapsed,
             "waited": waited,
-            "background": time.perf_counter() - background,
-            "cpu": process_cpu() - cpu_start,
+            "background": background,
+            "cpu": cpu,
+            "flush": time.perf_counter() - flush,
         }
 
 
@@ -256,6 +266,7 @@ def report(result: Result, env: str, kept: dict[str, dict[str, list[float]]], st
     cost = {name: median(costs[name]) for name in names}
     cpu = {name: median(paired(kept, name, "cpu")) for name in names}
     background = {name: median(kept[name]["background"]) for name in names}
+    flush = {name: median(kept[name]["flush"]) for name in names}
     print(
         env, {k: round(v, 3) for k, v in waited.items()}, {k: round(v, 3) for k, v in cost.items()}
     )
@@ -268,7 +279,9 @@ def report(result: Result, env: str, kept: dict[str, dict[str, list[float]]], st
             "slowed the steps beside it), with its quartiles; CPU: the process's CPU seconds "
             f"over the '{NONE}' run's in the same round, every thread, until the save's "
             "background work is done; background: slipstream's write still running after "
-            "the steps",
+            "the steps; left to flush: how long writing back what the save left in the page "
+            "cache took afterwards (os.sync, outside the round: the framework's own saves "
+            "return before their files are on disk, slipstream's before its commit)",
             [
                 "peer",
                 "seconds",
@@ -277,9 +290,19 @@ def report(result: Result, env: str, kept: dict[str, dict[str, list[float]]], st
                 "round cost quartiles",
                 "CPU s",
                 "background",
+                "left to flush s",
             ],
             [
-                [n, med[n], waited[n], cost[n], quartiles(costs[n]), cpu[n], background[n]]
+                [
+                    n,
+                    med[n],
+                    waited[n],
+                    cost[n],
+                    quartiles(costs[n]),
+                    cpu[n],
+                    background[n],
+                    flush[n],
+                ]
                 for n in names
             ],
         )
