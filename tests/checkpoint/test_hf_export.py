@@ -296,3 +296,33 @@ def test_a_config_that_builds_no_model_is_refused_by_name(tmp_path):
         ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "bare.json")
     with pytest.raises(ss.CheckpointError, match=r"cannot read the model config .*absent.json"):
         ss.export_hf(ckpt, tmp_path / "hf", config=tmp_path / "absent.json")
+
+
+def test_export_from_the_snapshot_a_checkpoint_was_saved_from_never_reads_its_data(tmp_path):
+    """With ``staged`` (the snapshot the checkpoint was written from), the weights come from
+    memory: the export is byte for byte the one read back from the checkpoint, and it still
+    succeeds once the checkpoint's data file is gone; only keys the snapshot lacks are read."""
+    model, optim = trained("llama")
+    snapshot = ss.stage({"model": model.state_dict(), "optim": optim.state_dict()})
+    ckpt = tmp_path / "ckpt"
+    ss.save(snapshot, ckpt)
+    ss.export_hf(ckpt, tmp_path / "read_back", prefix="model.")
+    staged = {f"model.{k}": v for k, v in snapshot["model"].items()}
+    for name in os.listdir(ckpt):
+        if name.endswith(".distcp"):
+            os.remove(ckpt / name)
+    ss.export_hf(ckpt, tmp_path / "from_memory", prefix="model.", staged=staged)
+    with open(tmp_path / "read_back" / "model.safetensors", "rb") as a:
+        with open(tmp_path / "from_memory" / "model.safetensors", "rb") as b:
+            assert a.read() == b.read()
+    del staged["model.lm_head.weight"]
+    with pytest.raises(ss.CheckpointError):  # that one key is read, from a missing file
+        ss.export_hf(ckpt, tmp_path / "partly", prefix="model.", staged=staged)
+
+
+def test_a_staged_tensor_unlike_the_checkpoints_is_refused_by_name(tmp_path):
+    model, ckpt, _ = _training_checkpoint(tmp_path, "llama")
+    staged = {"model.lm_head.weight": torch.zeros(3, 3)}
+    with pytest.raises(ss.CheckpointError, match="model.lm_head.weight"):
+        ss.export_hf(ckpt, tmp_path / "hf", prefix="model.", staged=staged)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()

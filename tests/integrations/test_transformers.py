@@ -5,12 +5,21 @@ directories the Trainer's resume and rotation see are only finished ones."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from datasets import Dataset
+from dist_utils import free_port
 from hf_models import config
-from trainer_runs import StopAt, assert_same_training_state, assert_same_weights, cpu_arguments
+from trainer_runs import (
+    StopAt,
+    assert_same_state,
+    assert_same_training_state,
+    assert_same_weights,
+    cpu_arguments,
+)
 from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -24,6 +33,7 @@ from slipstream.integrations.transformers import (
 pytestmark = pytest.mark.timeout(120)
 
 VOCAB = 64
+DDP_SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_ddp_scenario.py")
 
 
 def tiny_model() -> GPT2LMHeadModel:
@@ -203,3 +213,43 @@ def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path):
     assert kept == [os.path.basename(best)]  # the Trainer keeps only the best at the end
     loaded = GPT2LMHeadModel.from_pretrained(best)
     assert_same_weights(trainer.model, loaded)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_processes_resume_is_exact(tmp_path):
+    """Under DDP (2 CPU processes, gloo, launched as torchrun launches them): the run
+    stopped at step 5 and resumed from checkpoint-3 ends where an uninterrupted plain
+    Trainer run ends, tensor for tensor; the checkpoints are the ones the Trainer saves, and
+    the last one's exported weights are the trained ones."""
+    out = tmp_path / "results.pt"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            DDP_SCENARIO,
+            "--root",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    results = torch.load(out, weights_only=False)
+    assert results["world_size"] == 2
+    assert results["stopped_at"] == 5
+    assert results["after_first"] == [STAGING_DIR, "checkpoint-3"]
+    assert results["after_resume"] == [STAGING_DIR, "checkpoint-3", "checkpoint-6", "checkpoint-8"]
+    ref = results["reference"]
+    assert ref["global_step"] == 8
+    assert_same_state(ref, results["resumed"])
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "run" / "checkpoint-8")
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, ref["model"][name]), name

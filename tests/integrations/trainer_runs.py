@@ -4,7 +4,7 @@ check that two trainers hold the same training state, tensor for tensor."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -47,14 +47,32 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), name
 
 
-def assert_same_training_state(a: Trainer, b: Trainer) -> None:
-    """Weights, optimizer state and param groups, LR scheduler state and step are all equal."""
-    assert_same_weights(a.model, b.model)
-    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+def training_state(trainer: Trainer) -> dict[str, Any]:
+    """What a resume must restore, copied out of a finished run (a picklable dict)."""
+    assert trainer.optimizer is not None and trainer.lr_scheduler is not None
+    return {
+        "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.lr_scheduler.state_dict(),
+        "global_step": trainer.state.global_step,
+    }
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Two :func:`training_state` dicts are equal, tensor for tensor."""
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    sa, sb = a["optimizer"], b["optimizer"]
     assert sa["param_groups"] == sb["param_groups"]
     assert sa["state"].keys() == sb["state"].keys()
     for idx, state in sa["state"].items():
         for key, value in state.items():
             assert torch.equal(value, sb["state"][idx][key]), (idx, key)
-    assert a.lr_scheduler.state_dict() == b.lr_scheduler.state_dict()
-    assert a.state.global_step == b.state.global_step
+    assert a["scheduler"] == b["scheduler"]
+    assert a["global_step"] == b["global_step"]
+
+
+def assert_same_training_state(a: Trainer, b: Trainer) -> None:
+    """Weights, optimizer state and param groups, LR scheduler state and step are all equal."""
+    assert_same_state(training_state(a), training_state(b))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
@@ -103,7 +104,7 @@ class HandedOff:
 
 
 def begin_async_save(
-    state_dict: dict[str, Any],
+    state_dict: Mapping[str, Any],
     checkpoint_id: Location | None,
     process_group: dist.ProcessGroup | None,
     *,
@@ -134,7 +135,7 @@ def begin_async_save(
             arguments["async_checkpointer_type"] = async_checkpointer_type
         if async_stager is not None:
             arguments["async_stager"] = async_stager
-        return HandedOff(handoff.async_save(why, state_dict, **arguments))
+        return HandedOff(handoff.async_save(why, dict(state_dict), **arguments))
     assert isinstance(target, dcp_args.SaveTarget) and isinstance(staging, dcp_args.AsyncStaging)
     if staging.note is not None:
         handoff.log_once(staging.note)
@@ -161,7 +162,7 @@ def _response_of(result: Any) -> AsyncSaveResponse:
 
 
 def async_save(
-    state_dict: dict[str, Any],
+    state_dict: Mapping[str, Any],
     checkpoint_id: Location | None = None,
     process_group: dist.ProcessGroup | None = None,
     *,
@@ -209,7 +210,7 @@ def async_save(
 
 
 def save(
-    state_dict: dict[str, Any],
+    state_dict: Mapping[str, Any],
     checkpoint_id: Location | None = None,
     process_group: dist.ProcessGroup | None = None,
     *,
@@ -226,7 +227,7 @@ def save(
     if isinstance(target, dcp_args.HandOff):
         return handoff.save(  # type: ignore[no-any-return]
             target,
-            state_dict,
+            dict(state_dict),
             checkpoint_id=handoff.dcp_checkpoint_id(checkpoint_id, storage_options, target),
             storage_writer=storage_writer,
             planner=planner,

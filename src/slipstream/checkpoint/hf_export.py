@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +233,26 @@ def _shards(names: list[str], sizes: dict[str, int], max_bytes: int) -> list[lis
     return shards
 
 
+def _held_tensors(
+    staged: Mapping[str, torch.Tensor],
+    prefix: str,
+    names: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> dict[str, torch.Tensor]:
+    """The exported names that ``staged`` holds, each checked against the checkpoint."""
+    held: dict[str, torch.Tensor] = {}
+    for name, (dtype, shape) in names.items():
+        tensor = staged.get(prefix + name)
+        if tensor is None:
+            continue
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape) or tensor.is_cuda:
+            raise CheckpointError(
+                f"staged tensor {prefix + name!r} is {tensor.dtype}{list(tensor.shape)} on "
+                f"{tensor.device}; the checkpoint holds {dtype}{list(shape)} (host memory)"
+            )
+        held[name] = tensor
+    return held
+
+
 def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write ``tensors`` as one safetensors file, widest dtypes first (every tensor then
     starts aligned to its dtype), under a temporary name renamed into place."""
@@ -273,6 +293,7 @@ def export_hf(
     config: str | os.PathLike[str] | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    staged: Mapping[str, torch.Tensor] | None = None,
 ) -> HfExport:
     """Write the model weights of a checkpoint as a Hugging Face model directory.
 
@@ -281,6 +302,9 @@ def export_hf(
     ``dtype``: cast floating tensors (``"bf16"``, ``torch.float16``...). ``config``: a
     ``config.json`` copied beside the weights and, with transformers installed, checked
     against. ``progress(done, total)`` is called in bytes after each tensor.
+    ``staged``: host tensors, by checkpoint key, that hold what the checkpoint holds under
+    that key (the snapshot it was saved from, :func:`~.snapshot.stage`): they are written
+    as they are instead of read back; any key missing from it is read from the checkpoint.
     """
     max_bytes = parse_size(max_shard_size)
     if max_bytes <= 0:
@@ -330,10 +354,16 @@ def export_hf(
     total = sum(sizes.values())
     done = 0
     weight_map: dict[str, str] = {}
+    held = _held_tensors(staged or {}, prefix, names)
     for file, shard in zip(files, shards, strict=True):
-        target = {prefix + n: torch.empty(names[n][1], dtype=names[n][0]) for n in shard}
-        loader.load(target, checkpoint_id, strict=False, storage_options=storage_options)
-        tensors = {n: target[prefix + n].to(out_dtype(n)) for n in shard}
+        target = {
+            prefix + n: torch.empty(names[n][1], dtype=names[n][0]) for n in shard if n not in held
+        }
+        if target:
+            loader.load(target, checkpoint_id, strict=False, storage_options=storage_options)
+        tensors = {
+            n: (held[n] if n in held else target[prefix + n]).to(out_dtype(n)) for n in shard
+        }
         del target
         _write_file(out / file, tensors)
         for n in shard:

@@ -41,6 +41,7 @@ import logging
 import os
 import shutil
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import AsyncSaveResponse, CheckpointError, SaveOptions, async_save, export_hf, load
+from .. import (
+    AsyncSaveResponse,
+    CheckpointError,
+    SaveOptions,
+    StagedState,
+    async_save,
+    export_hf,
+    load,
+    stage,
+)
 from ..core.threads import lower_thread_priority
 from . import rng
 
@@ -113,26 +123,38 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 class _PendingCheckpoint:
-    """The tail of one save, on a thread the mixin owns and joins: wait until slipstream's
+    """The rest of one save, on a thread the mixin owns and joins: wait until slipstream's
     part is durable, export the weights, write ``trainer_state.json``, rename the staged
     directory into place, rotate. Only the rank that writes (``should_save``) does more than
-    wait; a failure leaves the staged directory where nothing reads it."""
+    wait; a failure leaves the staged directory where nothing reads it.
+
+    ``source`` is either a save already started on the training thread (its response:
+    several processes, whose save must start there, beside the job's collectives, or state
+    on an accelerator, which the saver stages on a stream of its own), and the export then
+    reads the weights back from the checkpoint; or, for one process whose state is all in
+    host memory, the captured state itself: this thread copies it into a snapshot
+    (``ss.stage``), saves the snapshot as it is and exports the weights straight from it,
+    so they are never read back. ``staged`` resolves once the state is copied either way.
+    """
 
     def __init__(
         self,
-        response: AsyncSaveResponse,
+        source: AsyncSaveResponse | dict[str, Any],
         staged: str,
         final: str,
         state: transformers.TrainerState,
         args: transformers.TrainingArguments,
         options: SlipstreamTrainerOptions,
     ) -> None:
-        self.response = response
-        self.staged = staged
+        self.source = source
+        self.staged_dir = staged
         self.final = final
         self.state = state
         self.args = args
         self.options = options
+        self.staged: Future[Any] = (
+            source.staging_completion if isinstance(source, AsyncSaveResponse) else Future()
+        )
         self.error: BaseException | None = None
         self.thread = threading.Thread(
             target=self._run, name=f"slipstream-{os.path.basename(final)}", daemon=True
@@ -140,30 +162,57 @@ class _PendingCheckpoint:
         self.thread.start()
 
     def _run(self) -> None:
-        # The export reads and writes the weights again: like slipstream's own writers,
-        # it gives way to the training thread.
+        # The copy and the export read and write the weights: like slipstream's own
+        # writers, this thread gives way to the training thread.
         lower_thread_priority(SaveOptions.thread_nice)
+        snapshot: StagedState | None = None
+        hold: int | None = None
         try:
-            self.response.result()
+            if isinstance(self.source, AsyncSaveResponse):
+                response = self.source
+            else:
+                snapshot = self._stage(self.source)
+                hold = snapshot.hold(f"weights export of {self.final}")
+                response = async_save(
+                    snapshot,
+                    os.path.join(self.staged_dir, STATE_DIR),
+                    no_dist=True,
+                    timeout=self.options.timeout,
+                )
+            response.result()
             if self.args.should_save:
-                self._publish()
+                self._publish(snapshot)
         except BaseException as error:  # noqa: BLE001 - re-raised by join on the owner's thread
             self.error = error
+        finally:
+            if snapshot is not None and hold is not None:
+                snapshot.release(hold)
 
-    def _publish(self) -> None:
+    def _stage(self, state: dict[str, Any]) -> StagedState:
+        timeout = SaveOptions.timeout if self.options.timeout is None else self.options.timeout
+        try:
+            snapshot = stage(state, timeout=timeout)
+        except BaseException as error:
+            self.staged.set_exception(error)
+            raise
+        self.staged.set_result(None)
+        return snapshot
+
+    def _publish(self, snapshot: StagedState | None) -> None:
         if self.options.export_hf:
-            config = os.path.join(self.staged, "config.json")
+            config = os.path.join(self.staged_dir, "config.json")
             export_hf(
-                os.path.join(self.staged, STATE_DIR),
-                self.staged,
+                os.path.join(self.staged_dir, STATE_DIR),
+                self.staged_dir,
                 prefix="model.",
                 dtype=self.options.export_dtype,
                 config=config if os.path.isfile(config) else None,
+                staged=_model_tensors(snapshot) if snapshot is not None else None,
             )
-        self.state.save_to_json(os.path.join(self.staged, TRAINER_STATE_NAME))
+        self.state.save_to_json(os.path.join(self.staged_dir, TRAINER_STATE_NAME))
         if os.path.exists(self.final):  # a save of the same step, after a resume
             shutil.rmtree(self.final)
-        os.replace(self.staged, self.final)
+        os.replace(self.staged_dir, self.final)
         rotate_checkpoints(
             output_dir=os.path.dirname(self.final),
             save_total_limit=self.args.save_total_limit,
@@ -176,12 +225,12 @@ class _PendingCheckpoint:
         if self.thread.is_alive():
             raise CheckpointError(
                 f"checkpoint {self.final} was not durable after {timeout} s; it is still "
-                f"being written to {self.staged}"
+                f"being written to {self.staged_dir}"
             )
         if self.error is not None:
             raise CheckpointError(
                 f"checkpoint {self.final} failed ({self.error}); nothing was renamed into "
-                f"place, the partial files are in {self.staged}"
+                f"place, the partial files are in {self.staged_dir}"
             ) from self.error
 
 
@@ -212,7 +261,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             )
         self.slipstream_options = slipstream_options or SlipstreamTrainerOptions()
         self._ss_capture: dict[str, Any] | None = None
-        self._ss_staging: AsyncSaveResponse | None = None
+        self._ss_staging: Future[Any] | None = None
         self._ss_wait_before_forward = False
         self._ss_pending: _PendingCheckpoint | None = None
         self._ss_fallback_logged = False
@@ -222,9 +271,9 @@ class SlipstreamTrainerMixin(_TrainerBase):
 
     def wait_for_staging(self) -> None:
         """Block until the last save has copied the state (safe to change it again)."""
-        response, self._ss_staging = self._ss_staging, None
-        if response is not None:
-            response.staging_completion.result(self.slipstream_options.timeout)
+        staged, self._ss_staging = self._ss_staging, None
+        if staged is not None:
+            staged.result(self.slipstream_options.timeout)
 
     def wait_for_checkpoints(self) -> None:
         """Block until every save started is complete and in place; raise its error."""
@@ -301,21 +350,23 @@ class SlipstreamTrainerMixin(_TrainerBase):
         finally:
             self._ss_capture = None
         self._point_best_at(run_dir, best_before)
-        response = async_save(
-            captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
-        )
-        self._ss_staging = response
+        source: AsyncSaveResponse | dict[str, Any] = captured
+        if self.args.world_size > 1 or not _all_in_host_memory(captured):
+            source = async_save(
+                captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
+            )
         self._ss_wait_before_forward = _has_saved_buffers(
             self._ss_model(), captured.get("model", {})
         )
         self._ss_pending = _PendingCheckpoint(
-            response,
+            source,
             staged,
             os.path.join(run_dir, name),
             copy.deepcopy(self.state),
             self.args,
             self.slipstream_options,
         )
+        self._ss_staging = self._ss_pending.staged
 
     def _point_best_at(self, run_dir: str, best_before: str | None) -> None:
         """The Trainer looked for the best checkpoint in the staging directory: look again
@@ -454,6 +505,21 @@ class SlipstreamTrainerMixin(_TrainerBase):
             super()._load_best_model()
             return
         self._load_from_checkpoint(str(best), self.model)
+
+
+def _all_in_host_memory(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return state.device.type == "cpu"
+    if isinstance(state, dict):
+        return all(_all_in_host_memory(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return all(_all_in_host_memory(v) for v in state)
+    return True
+
+
+def _model_tensors(snapshot: StagedState) -> dict[str, torch.Tensor]:
+    """The snapshot's model weights by checkpoint key (``model.<name>``)."""
+    return {f"model.{k}": v for k, v in snapshot["model"].items() if isinstance(v, torch.Tensor)}
 
 
 def _has_saved_buffers(model: torch.nn.Module, saved: dict[str, Any]) -> bool:
