@@ -137,6 +137,7 @@ def run_once(
     if peer != NONE and not nbytes:
         nbytes.append(sum(f.stat().st_size for f in dirpath.rglob("*") if f.is_file()))
     shutil.rmtree(dirpath, ignore_errors=True)
+    os.sync()  # what is left to write back does so now, not in the next peer's run
     steps = [b - a for a, b in zip(clock.step_starts, clock.step_starts[1:], strict=False)]
     save_steps = {args.every * k for k in range(1, args.steps // args.every + 1)}
     # The interval starting at step index s (0-based) holds the save made after step s+1.
