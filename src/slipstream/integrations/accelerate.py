@@ -16,7 +16,8 @@ Invariants:
 - One save is in flight at a time: ``save_state`` and ``load_state`` first wait for the
   previous save; so do ``wait_for_checkpoints()`` and ``end_training()``. With automatic
   checkpoint naming, ``total_limit`` rotation runs only after that wait, so it never
-  deletes a checkpoint still being written.
+  deletes a checkpoint still being written; a rotated-out directory leaves its name at once
+  and is deleted on a thread of its own (:mod:`.removal`), which those waits join.
 - A directory accelerate wrote itself (no ``.metadata``) still loads through accelerate.
 
 Why a subclass and not accelerate's save/load pre-hooks: those hooks only see the model
@@ -33,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from typing import Any
 
 try:
@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .. import AsyncSaveResponse, CheckpointError, async_save, load
 from . import rng
+from .removal import Remover, is_being_removed
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,12 @@ _OWN_CODE = (
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds a committed slipstream (or DCP) checkpoint."""
     return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _checkpoint_folders(root: str) -> list[str]:
+    """The checkpoint directories under ``root``, oldest first (none being deleted)."""
+    names = [f for f in os.listdir(root) if not is_being_removed(f)]
+    return sorted((os.path.join(root, f) for f in names), key=_iteration)
 
 
 def _iteration(folder: str) -> int:
@@ -105,6 +112,7 @@ class SlipstreamAccelerator(Accelerator):
         self._ss_pending: AsyncSaveResponse | None = None
         self._ss_pending_dir: str | None = None
         self._ss_fallback_logged = False
+        self._ss_remover = Remover()
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -120,6 +128,7 @@ class SlipstreamAccelerator(Accelerator):
     def wait_for_checkpoints(self) -> None:
         """Block until the last ``save_state`` is durable; raise its error."""
         self.wait_for_staging()
+        self._ss_remover.wait(self.slipstream_timeout)
         pending, self._ss_pending = self._ss_pending, None
         if pending is None:
             return
@@ -203,9 +212,9 @@ class SlipstreamAccelerator(Accelerator):
         os.makedirs(root, exist_ok=True)
         limit = self.project_configuration.total_limit
         if limit is not None and self.is_main_process:
-            folders = sorted((os.path.join(root, f) for f in os.listdir(root)), key=_iteration)
+            folders = _checkpoint_folders(root)
             for folder in folders[: max(0, len(folders) + 1 - limit)]:
-                shutil.rmtree(folder)
+                self._ss_remover.remove(folder)
         path = os.path.join(root, f"checkpoint_{self.save_iteration}")
         if os.path.exists(path):
             raise CheckpointError(
@@ -261,7 +270,7 @@ class SlipstreamAccelerator(Accelerator):
                 "load_state needs an input_dir when automatic checkpoint naming is off"
             )
         root = os.path.join(self.project_dir, "checkpoints")
-        folders = sorted((os.path.join(root, f) for f in os.listdir(root)), key=_iteration)
+        folders = _checkpoint_folders(root)
         if not folders:
             raise CheckpointError(f"load_state: no checkpoint in {root}")
         return folders[-1]

@@ -14,7 +14,9 @@ invariants:
 - A save over an existing checkpoint never leaves a half-written one: the old one stays
   committed until the new one replaces it atomically (see slipstream's generations).
 - ``remove_checkpoint``, ``load_checkpoint`` and a later save to a path wait for the save
-  in flight to that path first; ``teardown`` waits for every save. A save that failed in the
+  in flight to that path first; ``teardown`` waits for every save. On a local disk a
+  removed checkpoint's name is free when ``remove_checkpoint`` returns, and its files are
+  deleted on the plugin's own thread, which ``teardown`` joins. A save that failed in the
   background is raised, naming its path, by the next call that waits on it, the next
   ``save_checkpoint``, or ``teardown``.
 - ``load_checkpoint`` returns the dict Lightning saved, with its original types (int keys
@@ -42,6 +44,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 
 import slipstream as ss
 from slipstream.errors import CheckpointError
+
+from .removal import Remover
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         self.storage_options = storage_options
         self.trusted = trusted
         self._in_flight: dict[str, _Pending] = {}
+        self._remover = Remover()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -143,16 +148,25 @@ class SlipstreamCheckpointIO(CheckpointIO):
         return _map_tensors(checkpoint, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path``, after the save in flight to it, if any, is done."""
+        """Delete the checkpoint at ``path``, after the save in flight to it, if any, is done.
+        On a local disk the name is free at once and the files are deleted on a thread of
+        this plugin's (:class:`~slipstream.integrations.removal.Remover`)."""
         key = _key(path)
         self._wait_for(key)
+        if "://" not in key:
+            if os.path.lexists(key):
+                self._remover.remove(key)
+                logger.debug("removing checkpoint %s", key)
+            return
         fs = get_filesystem(key, **(self.storage_options or {}))
         if fs.exists(key):
             fs.rm(key, recursive=True)
             logger.debug("removed checkpoint %s", key)
 
     def teardown(self) -> None:
-        """Wait for every save in flight; raise the first failure, naming its path."""
+        """Wait for every save and removal in flight; raise the first failure, naming its
+        path."""
+        self._remover.wait(self.timeout)
         failures = []
         for key in list(self._in_flight):
             try:
