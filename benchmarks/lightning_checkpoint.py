@@ -94,6 +94,13 @@ class LoopClock:
         return _Clock()
 
 
+def _size(path: Path) -> int:
+    """Bytes of one checkpoint: a file, or a directory's files."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def run_once(
     peer: str, args: argparse.Namespace, root: Path, nbytes: list[int]
 ) -> dict[str, float]:
@@ -134,8 +141,8 @@ def run_once(
     )
     trainer.fit(model, data)
     teardown = time.perf_counter() - clock.end
-    if peer != NONE and not nbytes:
-        nbytes.append(sum(f.stat().st_size for f in dirpath.rglob("*") if f.is_file()))
+    if peer == TORCH and not nbytes:
+        nbytes.append(max(_size(entry) for entry in dirpath.iterdir()))
     shutil.rmtree(dirpath, ignore_errors=True)
     os.sync()  # what is left to write back does so now, not in the next peer's run
     steps = [b - a for a, b in zip(clock.step_starts, clock.step_starts[1:], strict=False)]
