@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -36,11 +35,11 @@ from .recycle import SPARE_DIR
 from .safe_types import Trusted
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
+from .step_dirs import step_dir, step_dirs
 from .storage import Location, Storage, resolve_storage
 from .tier_options import LocalTier
 
 logger = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class Checkpointer:
@@ -133,21 +132,13 @@ class Checkpointer:
         return self._step(step).url
 
     def _step(self, step: int) -> Storage:
-        return self.storage.child(f"step_{int(step)}")
-
-    def _step_names(self) -> dict[int, str]:
-        found = {}
-        for name in self.storage.list_children():
-            match = _STEP_DIR.match(name)
-            if match:
-                found[int(match.group(1))] = name
-        return found
+        return self.storage.child(step_dir(step))
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
         return sorted(
             s
-            for s, name in self._step_names().items()
+            for s, name in step_dirs(self.storage).items()
             if self.storage.child(name).exists(METADATA_FILE)
         )
 
@@ -278,11 +269,11 @@ class Checkpointer:
         (the save about to start). Cleaning up is best effort: a failure is logged, and the
         save goes on."""
         try:
-            for step, name in self._step_names().items():
+            for step, name in step_dirs(self.storage).items():
                 location = self.storage.child(name)
                 if step != except_step and not location.exists(METADATA_FILE):
                     location.delete_all()
-            self.storage.cleanup_incomplete(keep=f"step_{int(except_step)}")
+            self.storage.cleanup_incomplete(keep=step_dir(except_step))
         except (OSError, SlipstreamError) as exc:
             logger.warning("could not clean up uncommitted saves under %s: %s", self.root, exc)
 

@@ -290,7 +290,7 @@ def _load_into(
             values[fqn] = reader.read_value(fqn)
     nbytes = read_and_copy(reader, reads, copies, io_threads, progress)
     for fqn, value in values.items():
-        set_path(resolved, paths[fqn], value)
+        set_path(resolved, paths[fqn], value, match_typed_keys=True)
     for key, value in state_dict.items():
         if is_stateful(value):
             value.load_state_dict(resolved[key])

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import socket
 import threading
 from collections import deque
@@ -54,11 +53,13 @@ from .messages import Topics
 from .nodes import NodeMap
 from .options import SaveOptions
 from .peer_storage import PeerStepStorage
+from .plan import data_file_name
 from .recycle import SPARE_DIR
 from .replication import PeerDirectory, TierFiles
 from .safe_types import Trusted
 from .save_job import AsyncSaveResponse
 from .saver import CheckpointSaver
+from .step_dirs import step_dir, step_dirs
 from .storage import LocalStorage, Storage
 from .tier_messages import (
     HeldStep,
@@ -75,7 +76,6 @@ from .tier_options import LocalTier, default_host, default_root
 logger = logging.getLogger(__name__)
 
 MARKER_FILE = ".local_commit"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class LocalTierSaver:
                 sorted(dead),
                 f"local save of step {step}",
             )
-        step_name = f"step_{step}"
+        step_name = step_dir(step)
         self._clear(step, step_name, {s for s, f in self._in_flight if not f.done()})
         self._files.forget(step_name)
         written = self._saver.save(state, self.storage.child(step_name))
@@ -218,7 +218,7 @@ class LocalTierSaver:
         if self.is_leader:
             try:
                 with self._dir_lock:
-                    for found, name in self._step_names().items():
+                    for found, name in step_dirs(self.storage).items():
                         location = self.storage.child(name)
                         if found == step or (
                             found not in in_flight and not location.exists(MARKER_FILE)
@@ -253,7 +253,7 @@ class LocalTierSaver:
             response.upload_completion.set_result(None)
 
     def _replicate_committed(self, step: int, written: AsyncSaveResponse) -> None:
-        step_name = f"step_{step}"
+        step_name = step_dir(step)
         location = self._files.step(step_name)
         deadline = Deadline(self.timeout)
         try:
@@ -295,11 +295,11 @@ class LocalTierSaver:
         self, location: Storage, step_name: str, written: AsyncSaveResponse
     ) -> dict[str, int]:
         """Send this rank's files of the step to their replica ranks; return their sizes."""
-        own = [f"__{self.rank}_0.distcp"]
+        own = [data_file_name(self.rank)]
         targets = {own[0]: list(self.peers)}
         if self.rank == 0:
             metadata = written.metadata()
-            if files_of(metadata) != {f"__{r}_0.distcp" for r in range(self.nodes.world_size)}:
+            if files_of(metadata) != {data_file_name(r) for r in range(self.nodes.world_size)}:
                 raise CheckpointError(
                     f"{location.url}: the local save's files {sorted(files_of(metadata))} are "
                     "not one per rank of generation 0"
@@ -340,14 +340,6 @@ class LocalTierSaver:
             previous = self._committed_steps[-1]
             self.channel.forget(Topics.tier_commit(previous), [0])
 
-    def _step_names(self) -> dict[int, str]:
-        found = {}
-        for name in self.storage.list_children():
-            match = _STEP_DIR.match(name)
-            if match:
-                found[int(match.group(1))] = name
-        return found
-
     def _retain(self) -> None:
         """Delete this node's committed steps older than the last ``keep_last`` (the marker
         first, so a deletion cut short leaves a step no one lists)."""
@@ -355,11 +347,11 @@ class LocalTierSaver:
             with self._dir_lock:
                 committed = sorted(
                     s
-                    for s, name in self._step_names().items()
+                    for s, name in step_dirs(self.storage).items()
                     if self.storage.child(name).exists(MARKER_FILE)
                 )
                 for old in committed[: -self.tier.keep_last]:
-                    name = f"step_{old}"
+                    name = step_dir(old)
                     self._files.forget(name)
                     location = self.storage.child(name)
                     location.delete(MARKER_FILE)
@@ -372,7 +364,7 @@ class LocalTierSaver:
     def _inventory(self) -> StepInventory:
         """This node's committed steps: each one's manifest and the files held whole."""
         steps: dict[int, HeldStep] = {}
-        for step, name in self._step_names().items():
+        for step, name in step_dirs(self.storage).items():
             location = self.storage.child(name)
             try:
                 data = location.get(MARKER_FILE)
@@ -421,7 +413,7 @@ class LocalTierSaver:
         rank waits for every other before returning (so each keeps serving its files
         until all have read them), and all raise if any failed. Returns how many files
         this rank read from peers."""
-        step_name = f"step_{found.step}"
+        step_name = step_dir(found.step)
         storage = PeerStepStorage(
             self.storage.child(step_name),
             step_name,
@@ -463,7 +455,7 @@ class LocalTierSaver:
         if not self.is_leader:
             return
         try:
-            for found, name in self._step_names().items():
+            for found, name in step_dirs(self.storage).items():
                 if found > step:
                     self._files.forget(name)
                     location = self.storage.child(name)

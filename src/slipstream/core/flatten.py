@@ -140,9 +140,18 @@ def _existing_key(node: Any, key: str | int) -> Any:
     return next((k for k in node if type(k) is not str and str(k) == key), key)
 
 
-def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
-    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed;
-    an existing mapping key is found by its string (a path holds keys as strings)."""
+def _same_key(node: Any, key: str | int) -> Any:
+    return key
+
+
+def set_path(
+    root: dict[str, Any], path: Path, value: Any, *, match_typed_keys: bool = False
+) -> None:
+    """Set ``value`` at ``path`` in nested containers, creating dicts and lists as needed.
+    With ``match_typed_keys``, an existing non-string mapping key is found by its string (a
+    path holds keys as strings): for filling a caller's state dict, not for building a new
+    tree (the lookup scans the mapping's keys)."""
+    find = _existing_key if match_typed_keys else _same_key
     node: Any = root
     for here, nxt in zip(path[:-1], path[1:], strict=True):
         if isinstance(node, list):
@@ -153,7 +162,7 @@ def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
                 node[here] = [] if isinstance(nxt, int) else {}
             node = node[here]
         else:
-            key = _existing_key(node, here)
+            key = find(node, here)
             if key not in node:
                 node[key] = [] if isinstance(nxt, int) else {}
             node = node[key]
@@ -164,7 +173,7 @@ def set_path(root: dict[str, Any], path: Path, value: Any) -> None:
             node.append(None)
         node[last] = value
     else:
-        node[_existing_key(node, last)] = value
+        node[find(node, last)] = value
 
 
 def unflatten(flat: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, Any]:

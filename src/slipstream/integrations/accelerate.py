@@ -45,7 +45,6 @@ except ImportError as error:  # pragma: no cover - the message is the point
     ) from error
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -54,8 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .. import AsyncSaveResponse, CheckpointError, async_save, load
+from ..core.flatten import flatten
 from . import rng
 from .removal import Remover, is_being_removed
+from .training_state import has_saved_buffers, is_checkpoint, saved_keys, torch_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,6 @@ _OWN_CODE = (
     DistributedType.MEGATRON_LM,
     DistributedType.XLA,
 )
-
-
-def is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds a committed slipstream (or DCP) checkpoint."""
-    return os.path.isfile(os.path.join(path, ".metadata"))
 
 
 def _checkpoint_folders(root: str) -> list[str]:
@@ -171,20 +167,14 @@ class SlipstreamAccelerator(Accelerator):
             "slipstream names optimizer state by the model's parameter names"
         )
 
-    @staticmethod
-    def _ss_inner(optimizer: Any) -> torch.optim.Optimizer:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        assert isinstance(inner, torch.optim.Optimizer)
-        return inner
-
-    def _ss_state(self, *, template: bool) -> dict[str, Any]:
-        """Everything ``save_state`` saves, under stable keys; with ``template``, the same
-        keys as targets for ``ss.load`` (fresh optimizer state is made to load into)."""
+    def _ss_state(self) -> dict[str, Any]:
+        """Everything ``save_state`` saves, under stable keys: also the target that
+        ``load_state`` has ``ss.load`` fill."""
         state: dict[str, Any] = {}
         for i, module in enumerate(self._ss_modules()):
             state[f"models.{i}"] = get_model_state_dict(module)
         for i, wrapped in enumerate(self._optimizers):
-            optimizer = self._ss_inner(wrapped)
+            optimizer = torch_optimizer(wrapped)
             owner = self._ss_owner(optimizer, i)
             state[f"optimizers.{i}"] = get_optimizer_state_dict(owner, optimizer)
         for i, scheduler in enumerate(self._schedulers):
@@ -194,7 +184,7 @@ class SlipstreamAccelerator(Accelerator):
         for i, obj in enumerate(self._custom_objects):
             state[f"custom.{i}"] = obj.state_dict()
         state["step"] = self.step
-        state["rng"] = {f"rank{self.process_index}": rng.template() if template else rng.capture()}
+        state["rng"] = {f"rank{self.process_index}": rng.capture()}
         return state
 
     # -- save and load -----------------------------------------------------------------------
@@ -233,13 +223,13 @@ class SlipstreamAccelerator(Accelerator):
         self.wait_for_checkpoints()
         path = self._ss_output_dir(output_dir)
         os.makedirs(path, exist_ok=True)
-        state = self._ss_state(template=False)
+        state = self._ss_state()
         response = async_save(state, path, timeout=self.slipstream_timeout)
         self._ss_pending, self._ss_pending_dir = response, path
         self._ss_staging = response
         if self.overlap_staging and self._ss_only_optimizer_changes(state):
             self._ss_step_hooks = [
-                self._ss_inner(wrapped).register_step_pre_hook(self._ss_before_step)
+                torch_optimizer(wrapped).register_step_pre_hook(self._ss_before_step)
                 for wrapped in self._optimizers
             ]
         else:
@@ -254,10 +244,10 @@ class SlipstreamAccelerator(Accelerator):
         """No saved buffers and no registered tensors: until the next optimizer step,
         a training loop changes none of the saved tensors."""
         for i, module in enumerate(self._ss_modules()):
-            if any(name in state[f"models.{i}"] for name, _ in module.named_buffers()):
+            if has_saved_buffers(module, state[f"models.{i}"]):
                 return False
-        customs = [state[f"custom.{i}"] for i in range(len(self._custom_objects))]
-        return not any(_holds_tensors(value) for value in customs)
+        customs = {k: v for k, v in state.items() if k.startswith("custom.")}
+        return not any(isinstance(v, torch.Tensor) for v in flatten(customs)[0].values())
 
     def _ss_input_dir(self, input_dir: str | None) -> str:
         if input_dir is not None:
@@ -287,19 +277,20 @@ class SlipstreamAccelerator(Accelerator):
         if not is_checkpoint(path):
             super().load_state(path, load_kwargs, **kwargs)
             return
-        saved = {k.split(".", 1)[0] + "." + k.split(".", 2)[1] for k in _keys(path) if "." in k}
+        keys = saved_keys(path)
+        saved = {k.split(".", 1)[0] + "." + k.split(".", 2)[1] for k in keys if "." in k}
         customs = sorted(k for k in saved if k.startswith("custom."))
         if len(customs) != len(self._custom_objects):
             raise CheckpointError(
                 f"{path} holds {len(customs)} custom object(s) but {len(self._custom_objects)} "
                 "are registered with register_for_checkpointing"
             )
-        target = self._ss_state(template=True)
+        target = self._ss_state()
         rank = f"rank{self.process_index}"
         if f"rng.{rank}" not in saved:
             log.info("%s holds no random state for process %d", path, self.process_index)
             del target["rng"]
-        elif "cuda" in target["rng"][rank] and f"rng.{rank}.cuda" not in _keys(path):
+        elif "cuda" in target["rng"][rank] and f"rng.{rank}.cuda" not in keys:
             del target["rng"][rank]["cuda"]
         load(target, path, strict=False)
         self._ss_apply(target)
@@ -308,7 +299,7 @@ class SlipstreamAccelerator(Accelerator):
         for i, module in enumerate(self._ss_modules()):
             set_model_state_dict(module, loaded[f"models.{i}"])
         for i, wrapped in enumerate(self._optimizers):
-            optimizer = self._ss_inner(wrapped)
+            optimizer = torch_optimizer(wrapped)
             owner = self._ss_owner(optimizer, i)
             set_optimizer_state_dict(owner, optimizer, loaded[f"optimizers.{i}"])
         for i, scheduler in enumerate(self._schedulers):
@@ -320,17 +311,3 @@ class SlipstreamAccelerator(Accelerator):
         self.step = loaded["step"]
         if "rng" in loaded:
             rng.restore(loaded["rng"][f"rank{self.process_index}"])
-
-
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(v) for v in value)
-    return False
-
-
-def _keys(path: str) -> set[str]:
-    return set(FileSystemReader(path).read_metadata().state_dict_metadata)

@@ -49,8 +49,6 @@ from .removal import Remover
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT = 600.0
-
 
 @dataclass
 class _Pending:
@@ -74,7 +72,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
     def __init__(
         self,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float = ss.SaveOptions.timeout,
         storage_options: dict[str, Any] | None = None,
         trusted: Any = None,
     ) -> None:

@@ -26,11 +26,6 @@ def capture() -> dict[str, Any]:
     return state
 
 
-def template() -> dict[str, Any]:
-    """A state dict with :func:`capture`'s keys and shapes, for ``ss.load`` to fill in place."""
-    return capture()
-
-
 def restore(state: dict[str, Any]) -> None:
     """Set the generators to ``state`` (a :func:`capture`, possibly loaded back)."""
     random.setstate(state["python"])

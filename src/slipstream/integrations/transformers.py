@@ -61,7 +61,6 @@ except ImportError as error:  # pragma: no cover - the message is the point
     ) from error
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -79,8 +78,10 @@ from .. import (
     load,
     stage,
 )
+from ..core.flatten import flatten
 from ..core.threads import lower_thread_priority
 from . import rng
+from .training_state import has_saved_buffers, is_checkpoint, saved_keys, torch_optimizer
 
 STATE_DIR = "slipstream"
 """The subdirectory of ``checkpoint-N`` holding slipstream's checkpoint."""
@@ -109,17 +110,7 @@ class SlipstreamTrainerOptions:
 def state_dir(checkpoint: str | os.PathLike[str]) -> str | None:
     """The slipstream checkpoint inside a Trainer checkpoint directory, or ``None``."""
     path = os.path.join(checkpoint, STATE_DIR)
-    return path if os.path.isfile(os.path.join(path, ".metadata")) else None
-
-
-def _saved_keys(path: str) -> set[str]:
-    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
-
-
-def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer under accelerate's ``AcceleratedOptimizer`` wrapper, if any."""
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+    return path if is_checkpoint(path) else None
 
 
 class _PendingCheckpoint:
@@ -309,7 +300,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
     def _ss_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
             raise CheckpointError("the Trainer has no optimizer yet (create_optimizer was not run)")
-        return _torch_optimizer(self.optimizer)
+        return torch_optimizer(self.optimizer)
 
     def _slipstream_supported(self) -> bool:
         unsupported = (
@@ -355,7 +346,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             source = async_save(
                 captured, os.path.join(staged, STATE_DIR), timeout=self.slipstream_options.timeout
             )
-        self._ss_wait_before_forward = _has_saved_buffers(
+        self._ss_wait_before_forward = has_saved_buffers(
             self._ss_model(), captured.get("model", {})
         )
         self._ss_pending = _PendingCheckpoint(
@@ -452,7 +443,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         path = self._slipstream_state(checkpoint)
         if path is not None:
-            keys = _saved_keys(path)
+            keys = saved_keys(path)
             target: dict[str, Any] = {}
             model, optimizer, scheduler = self._ss_model(), self._ss_optimizer(), self.lr_scheduler
             if any(k.startswith("optimizer.") for k in keys):
@@ -482,7 +473,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             super()._load_rng_state(checkpoint)
             return
         rank = f"rank{self.args.process_index}"
-        keys = _saved_keys(path)
+        keys = saved_keys(path)
         if f"rng.{rank}.cpu" not in keys:
             log.info(
                 "%s holds no random generator state for process %d; resuming on another "
@@ -491,7 +482,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
                 self.args.process_index,
             )
             return
-        state = rng.template()
+        state = rng.capture()
         if f"rng.{rank}.cuda" not in keys:
             state.pop("cuda", None)
         target = {"rng": {rank: state}}
@@ -507,14 +498,10 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self._load_from_checkpoint(str(best), self.model)
 
 
-def _all_in_host_memory(state: Any) -> bool:
-    if isinstance(state, torch.Tensor):
-        return state.device.type == "cpu"
-    if isinstance(state, dict):
-        return all(_all_in_host_memory(v) for v in state.values())
-    if isinstance(state, list | tuple):
-        return all(_all_in_host_memory(v) for v in state)
-    return True
+def _all_in_host_memory(state: dict[str, Any]) -> bool:
+    """Whether every tensor the save stages is in host memory."""
+    leaves = flatten(state)[0].values()
+    return all(t.device.type == "cpu" for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _model_tensors(snapshot: StagedState) -> dict[str, torch.Tensor]:
@@ -522,14 +509,8 @@ def _model_tensors(snapshot: StagedState) -> dict[str, torch.Tensor]:
     return {f"model.{k}": v for k, v in snapshot["model"].items() if isinstance(v, torch.Tensor)}
 
 
-def _has_saved_buffers(model: torch.nn.Module, saved: dict[str, Any]) -> bool:
-    """Whether the checkpoint holds buffers (BatchNorm's running statistics...): a forward
-    pass may change those, where only the optimizer step changes parameters."""
-    return any(name in saved for name, _ in model.named_buffers())
-
-
 def _top_keys(path: str) -> set[str]:
-    return {k.split(".", 1)[0] for k in _saved_keys(path)}
+    return {k.split(".", 1)[0] for k in saved_keys(path)}
 
 
 class _WaitForStaging(transformers.TrainerCallback):
