@@ -223,8 +223,7 @@ class LocalTierSaver:
                         if found == step or (
                             found not in in_flight and not location.exists(MARKER_FILE)
                         ):
-                            self._files.forget(name)
-                            location.delete_all()
+                            self._delete_step(name)
             except (OSError, SlipstreamError) as exc:
                 logger.warning("could not clear %s before step %d: %s", self.storage.url, step, exc)
             self.channel.post(topic, NodeCleared(step))
@@ -341,8 +340,7 @@ class LocalTierSaver:
             self.channel.forget(Topics.tier_commit(previous), [0])
 
     def _retain(self) -> None:
-        """Delete this node's committed steps older than the last ``keep_last`` (the marker
-        first, so a deletion cut short leaves a step no one lists)."""
+        """Delete this node's committed steps older than the last ``keep_last``."""
         try:
             with self._dir_lock:
                 committed = sorted(
@@ -351,13 +349,17 @@ class LocalTierSaver:
                     if self.storage.child(name).exists(MARKER_FILE)
                 )
                 for old in committed[: -self.tier.keep_last]:
-                    name = step_dir(old)
-                    self._files.forget(name)
-                    location = self.storage.child(name)
-                    location.delete(MARKER_FILE)
-                    location.delete_all()
+                    self._delete_step(step_dir(old))
         except (OSError, SlipstreamError) as exc:
             logger.warning("local-tier retention under %s failed: %s", self.storage.url, exc)
+
+    def _delete_step(self, name: str) -> None:
+        """Delete step directory ``name`` of this node, its marker first (a deletion cut
+        short leaves a step no one lists); the caller holds ``_dir_lock``."""
+        self._files.forget(name)
+        location = self.storage.child(name)
+        location.delete(MARKER_FILE)
+        location.delete_all()
 
     # -- recovery ---------------------------------------------------------------------
 
@@ -455,12 +457,10 @@ class LocalTierSaver:
         if not self.is_leader:
             return
         try:
-            for found, name in step_dirs(self.storage).items():
-                if found > step:
-                    self._files.forget(name)
-                    location = self.storage.child(name)
-                    location.delete(MARKER_FILE)
-                    location.delete_all()
+            with self._dir_lock:
+                for found, name in step_dirs(self.storage).items():
+                    if found > step:
+                        self._delete_step(name)
         except (OSError, SlipstreamError) as exc:
             logger.warning("could not delete local steps after %d: %s", step, exc)
 

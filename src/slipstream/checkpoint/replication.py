@@ -81,10 +81,6 @@ class TierFiles:
                 out.abort()
                 raise
 
-    def size(self, name: str) -> int:
-        step_name, file = split_name(name)
-        return self.step(step_name).size(file)
-
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         step_name, file = split_name(name)
         self.step(step_name).read_into(file, offset, out)

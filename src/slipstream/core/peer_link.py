@@ -1,9 +1,9 @@
 """A small byte transport between processes: TCP, framed requests, owned threads.
 
 One :class:`PeerServer` per process listens on an address of its own (rendezvous is the
-caller's business, e.g. through the job's store) and answers three requests, each given
-to a :class:`PeerHandler`: ``put`` (a named object streamed in), ``read`` (a byte range of
-a named object streamed out) and ``size``. A :class:`PeerClient` talks to one server.
+caller's business, e.g. through the job's store) and answers two requests, each given
+to a :class:`PeerHandler`: ``put`` (a named object streamed in) and ``read`` (a byte range
+of a named object streamed out). A :class:`PeerClient` talks to one server.
 
 Frames: a 4-byte big-endian length, then that many bytes of JSON (the header); a ``put``
 request and a successful ``read`` reply carry ``length`` payload bytes after their header.
@@ -42,9 +42,6 @@ class PeerHandler(Protocol):
     def receive(self, name: str, length: int, chunks: Callable[[memoryview], int]) -> None:
         """Store object ``name`` of ``length`` bytes; ``chunks(buf)`` fills ``buf`` (or its
         head, returning how many bytes) with the next payload bytes. Raise to refuse it."""
-
-    def size(self, name: str) -> int:
-        """The size of object ``name``."""
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``name`` from ``offset``."""
@@ -159,11 +156,6 @@ class PeerServer:
         op, name = request.get("op"), str(request.get("name"))
         if op == "put":
             _send_frame(conn, self._receive(conn, name, int(request["length"])))
-        elif op == "size":
-            try:
-                _send_frame(conn, {"size": self.handler.size(name)})
-            except Exception as exc:
-                _send_frame(conn, {"error": f"{type(exc).__name__}: {exc}"})
         elif op == "read":
             self._send_range(conn, name, int(request["offset"]), int(request["length"]))
         else:
@@ -329,15 +321,6 @@ class PeerClient:
             return _recv_frame(sock)
 
         self._check(self._call(what, exchange), what)
-
-    def size(self, name: str) -> int:
-        what = f"the size of {name}"
-
-        def exchange(sock: socket.socket) -> dict[str, Any] | None:
-            _send_frame(sock, {"op": "size", "name": name})
-            return _recv_frame(sock)
-
-        return int(self._check(self._call(what, exchange), what)["size"])
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``name`` from ``offset``, straight off the socket."""

@@ -144,7 +144,7 @@ def host_copy(items: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
         *path, leaf = name.split(".")
         module = root
         for part in path:
-            child = dict(module.named_children()).get(part)
+            child = module._modules.get(part)
             if child is None:
                 child = nn.Module()
                 module.add_module(part, child)

@@ -293,7 +293,6 @@ class WeightPublisher:
                 f"version=None for the next one, {self.next_version}); nothing was sent"
             )
         streamed = self._plan is not None and not isinstance(named_tensors, (Mapping, Sequence))
-        items = [] if streamed else named_items(named_tensors)
         handle = PublishHandle(version)
         self._wait_previous_round()
         sent_before = self._rounds.sent_bytes()
@@ -303,10 +302,10 @@ class WeightPublisher:
             sources: Sources
             if streamed:
                 assert self._plan is not None
-                plan = self._plan_for(self._plan.specs)
+                plan = self._plan
                 sources = StreamSources(plan, iter(cast(Iterable[Any], named_tensors)), self.rank)
             else:
-                specs, tensors = unique_tensors(items)
+                specs, tensors = unique_tensors(named_items(named_tensors))
                 plan = self._plan_for(specs)
                 sources = BucketSources(plan, tensors, self.rank)
             self._last_version = version

@@ -43,7 +43,6 @@ class StreamSources:
     ) -> None:
         self.plan = plan
         self.items = items
-        self.rank = rank
         self._live: dict[int, torch.Tensor] = {}
         self._next = 0  # the next tensor (index into plan.specs) the iterator must yield
         self._alias_of = {a: i for i, spec in enumerate(plan.specs) for a in spec.aliases}
@@ -51,7 +50,6 @@ class StreamSources:
         for s in plan.slices:
             if plan.buckets[s.bucket].owner == rank:
                 self._owned[s.tensor] = True
-        self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
 
     def enter(self, g: int) -> None:

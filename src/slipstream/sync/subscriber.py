@@ -28,7 +28,6 @@ import time
 from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -547,7 +546,6 @@ class _Pipeline:
 
 
 _END = object()
-_T = TypeVar("_T")
 
 
 def _next_or_end(items: Iterator[tuple[str, torch.Tensor]]) -> object:

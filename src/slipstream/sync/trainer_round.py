@@ -206,6 +206,7 @@ class TrainerRound:
         let_go(exc)
         dead: dict[int, str] = {}
         refused: list[str] = []
+        breach_known = False  # another rank's abort was read: posting one would read it back
         if isinstance(exc, PeerDiedError):
             dead = {r: str(exc) for r in exc.ranks}
         else:
@@ -214,14 +215,16 @@ class TrainerRound:
                 dead, refused = breach.dead, breach.refused
                 if breach.abort is not None:
                     dead = {r: "found dead by another rank" for r in breach.abort.dead}
+                    breach_known = True
             except (RuntimeError, SyncError):
                 pass  # the store's host is gone: every member finds that out by itself
-        try:  # the first to see the round break names the culprit; later ones agree
-            posted = post_abort(self.group, k, list(dead), str(exc))
-            if posted.dead:
-                dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
-        except (RuntimeError, SyncError):
-            pass
+        if not breach_known:
+            try:  # the first to see the round break names the culprit; later ones agree
+                posted = post_abort(self.group, k, list(dead), str(exc))
+                if posted.dead:
+                    dead = {r: dead.get(r, "found dead by another rank") for r in posted.dead}
+            except (RuntimeError, SyncError):
+                pass
         what = f"version {start.version} (round {k})"
         if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
             return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
