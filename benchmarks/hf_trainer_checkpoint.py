@@ -304,6 +304,45 @@ class BareWriter:
             os.close(fd)
 
 
+def export_sources(result: Result, bench: Bench, root: Path, rounds: int) -> None:
+    """``model.safetensors`` written by ``ss.export_hf`` from a checkpoint just saved, read
+    back from it or taken from the snapshot it was saved from (``staged=``, what
+    ``SlipstreamTrainer`` does in one process): time and CPU seconds, alternating, medians."""
+    import slipstream as ss
+
+    kept: dict[str, dict[str, list[float]]] = {"read back": {}, "from the snapshot": {}}
+    for rep in range(1 + rounds):
+        with torch.no_grad():  # new bytes each time, as after training steps
+            for t in bench.tensors():
+                t.add_(1e-6)
+        snapshot = ss.stage(
+            {"model": bench.model.state_dict(), "optimizer": bench.optimizer.state_dict()}
+        )
+        checkpoint = root / "export" / "ckpt"
+        ss.save(snapshot, checkpoint)
+        staged = {f"model.{k}": v for k, v in snapshot["model"].items()}
+        order = list(kept) if rep % 2 else list(reversed(kept))
+        for how in order:
+            out = root / "export" / how.replace(" ", "_")
+            os.sync()
+            cpu, start = process_cpu(), time.perf_counter()
+            ss.export_hf(
+                checkpoint, out, prefix="model.", staged=staged if "snapshot" in how else None
+            )
+            if rep:
+                kept[how].setdefault("seconds", []).append(time.perf_counter() - start)
+                kept[how].setdefault("cpu", []).append(process_cpu() - cpu)
+    weights = sum(p.numel() * p.element_size() for p in bench.model.parameters())
+    result.tables.append(
+        Table(
+            f"model.safetensors ({weights / 1e6:.0f} MB) exported from a checkpoint just "
+            f"saved, {rounds} rounds after a warm-up, alternating: medians",
+            ["weights", "seconds", "CPU s"],
+            [[how, median(m["seconds"]), median(m["cpu"])] for how, m in kept.items()],
+        )
+    )
+
+
 def process_cpu() -> float:
     """CPU seconds this process has used (every thread, user and system)."""
     times = os.times()
@@ -444,6 +483,7 @@ def main() -> None:
             )
             for group, names in GROUPS.items()
         }
+        export_sources(result, bench, root, rounds)
     result.note_load("end")
     for group, names in GROUPS.items():
         for env in envs:
