@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..core.flatten import ContainerRecord, Containers, KeyTypes, Path
+from ..core.flatten import KEY_TYPES, ContainerRecord, Containers, KeyTypes, Path
 from ..errors import CorruptCheckpointError
 from . import containers as container_types
 from .loader import load_from
@@ -27,7 +27,8 @@ from .reader import CheckpointReader
 from .safe_types import Trust, Trusted
 from .storage import Location
 
-_KEY_TYPES: dict[str, type] = {"int": int, "float": float}
+_KEY_TYPES: dict[str, type] = {name: kind for kind, name in KEY_TYPES.items() if kind is not bool}
+"""The recorded key types parsed by calling the type (a bool's key is parsed apart)."""
 
 
 def _typed_key(key: str | int, kind: str | None, name: str) -> Any:
@@ -176,10 +177,6 @@ def load_all(
         raise
     load_from(reader, flat)  # closes the reader
     nested: dict[Any, Any] = {}
-    if not containers:
-        for key, value in flat.items():
-            _place(nested, tuple(paths.get(key, (key,))), key_types.get(key, []), value, key)
-        return nested
     _place_all(nested, flat, paths, key_types, containers)
     _rebuild(nested, containers)
     return nested

@@ -74,17 +74,27 @@ def who_broke(
     while True:
         breach = Breach()
         if group.has(Keys.abort(k)):
-            breach.abort = decode(RoundAbort, group.get_text(Keys.abort(k), leader, "abort"))
+            breach.abort = read_abort(group, k, leader)
             return breach
         breach.dead = group.dead(suspects)
         for r in members:
             if group.has(Keys.ack(r, k)):
-                ack = decode(Ack, group.get_text(Keys.ack(r, k), r, "an ack"))
+                ack = read_ack(group, r, k)
                 if ack.error:
                     breach.refused.append(f"rollout rank {r}: {ack.error}")
         if breach.dead or breach.refused or time.monotonic() >= deadline:
             return breach
         time.sleep(POLL)
+
+
+def read_abort(group: SyncGroup, k: int, leader: int) -> RoundAbort:
+    """Round ``k``'s posted abort (``leader`` hosts the round: named if it is gone)."""
+    return decode(RoundAbort, group.get_text(Keys.abort(k), leader, "abort"))
+
+
+def read_ack(group: SyncGroup, r: int, k: int) -> Ack:
+    """Rollout ``r``'s acknowledgement of round ``k``."""
+    return decode(Ack, group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
 
 
 def post_abort(group: SyncGroup, k: int, dead: Sequence[int], reason: str) -> RoundAbort:

@@ -89,6 +89,10 @@ class RoundStart:
     """Each member's incarnation: which process of that rank takes part."""
     cancelled: str | None = None
 
+    def absent_ranks(self) -> dict[int, str]:
+        """Rollout rank -> why it was left out of this round (JSON keys are strings)."""
+        return {int(r): why for r, why in self.absent.items()}
+
     def takes_part(self, rank: int, incarnation: int) -> bool:
         """Whether process ``incarnation`` of ``rank`` is a member of this round."""
         return self.cancelled is None and self.lives.get(str(rank)) == incarnation

@@ -315,7 +315,7 @@ class WeightPublisher:
                 k = self._round
                 self._round += 1
                 start, requests = self._rounds.start(k, version, plan)
-                handle.absent = {int(r): why for r, why in start.absent.items()}
+                handle.absent = start.absent_ranks()
                 self._rounds.guarded(
                     k,
                     start,
@@ -512,7 +512,7 @@ class WeightPublisher:
         deltas: dict[int, BucketDelta | None],
     ) -> int:
         start, requests = self._rounds.start(k, version, plan, idle=self._refetch.poll)
-        handle.absent = {int(r): why for r, why in start.absent.items()}
+        handle.absent = start.absent_ranks()
 
         @tracing.spanned("slipstream.sync.publish.send")
         def send() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..errors import SyncError
-from .culprits import in_transfer, post_abort, who_broke
+from .culprits import in_transfer, post_abort, read_abort, who_broke
 from .group import SyncGroup
 from .negotiation import build_receiver, epoch_tag
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
@@ -109,7 +109,7 @@ class RolloutRound:
             raise self._abort(k).as_error(k)
 
     def _abort(self, k: int) -> RoundAbort:
-        return decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
+        return read_abort(self.group, k, self.leader)
 
     def guarded(self, k: int, step: Callable[[], _T], forget: Callable[[], None]) -> _T:
         """Run one step of round ``k``'s transfer; when it breaks, drop the epoch's

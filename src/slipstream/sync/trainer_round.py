@@ -21,11 +21,11 @@ from typing import Any
 from ..core import tracing
 from ..core.control_plane import died_error
 from ..errors import MissingRanksError, PeerDiedError, SyncError
-from .culprits import post_abort, who_broke
+from .culprits import post_abort, read_abort, read_ack, who_broke
 from .group import SyncGroup
 from .negotiation import build_sender, epoch_tag
 from .plan import BucketPlan
-from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
+from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
 from .transport import Sender, let_go
 
 logger = logging.getLogger(__name__)
@@ -181,11 +181,11 @@ class TrainerRound:
         if k < 0:
             return
         if self.group.has(Keys.abort(k)):
-            abort = decode(RoundAbort, self.group.get_text(Keys.abort(k), self.leader, "abort"))
+            abort = read_abort(self.group, k, self.leader)
             raise abort.as_error(k)
         for r in self._members:
             if r not in self._acked_whole and self.group.has(Keys.ack(r, k)):
-                ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an ack"))
+                ack = read_ack(self.group, r, k)
                 if ack.broken:
                     raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
                 self._acked_whole.add(r)
@@ -237,7 +237,7 @@ class TrainerRound:
         self.guarded(k, start, lambda: self._await_acks(k, start))
         errors = []
         for r in start.members:
-            ack = decode(Ack, self.group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
+            ack = read_ack(self.group, r, k)
             self.rollout_versions[r] = ack.holds
             if ack.error:
                 errors.append(f"rollout rank {r}: {ack.error}")
