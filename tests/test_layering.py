@@ -1,6 +1,8 @@
 """The package's import graph: no module imports itself back through others, core/ sits
 below checkpoint/, sync/ and fsdp/ (it imports none of them), sync/ and fsdp/ never import
-checkpoint/, and checkpoint/ never imports sync/."""
+checkpoint/, and checkpoint/ never imports sync/. Inside checkpoint/, the folders keep their
+roles: format/ stands below the save and the load, load/ never imports save/, and storage/
+imports nothing of checkpoint/ but format/."""
 
 import ast
 from pathlib import Path
@@ -108,3 +110,52 @@ def test_the_layering_check_sees_an_import():
     graph = {"slipstream.sync.x": {"slipstream.checkpoint.snapshot"}}
     found = _importers(graph, ("slipstream.sync",), ("slipstream.checkpoint",))
     assert found == {"slipstream.sync.x": ["slipstream.checkpoint.snapshot"]}
+
+
+CHECKPOINT = "slipstream.checkpoint"
+CHECKPOINT_RULES = {
+    # folder: the checkpoint/ folders (besides itself) it may import
+    "format": (),
+    "load": ("format", "storage"),
+    "storage": ("format",),
+}
+
+
+def _checkpoint_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Module -> the checkpoint/ modules it imports against :data:`CHECKPOINT_RULES`."""
+    bad = {}
+    for folder, allowed in CHECKPOINT_RULES.items():
+        inside = f"{CHECKPOINT}.{folder}"
+        ok = tuple(f"{CHECKPOINT}.{a}" for a in (folder, *allowed))
+        for mod, deps in graph.items():
+            if mod != inside and not mod.startswith(inside + "."):
+                continue
+            found = sorted(
+                d
+                for d in deps
+                if d.startswith(CHECKPOINT + ".")
+                and not any(d == o or d.startswith(o + ".") for o in ok)
+            )
+            if found:
+                bad[mod] = found
+    return bad
+
+
+def test_checkpoint_folders_keep_their_roles():
+    bad = _checkpoint_violations(_imports(_modules()))
+    assert not bad, f"imports across checkpoint/'s folder rules {CHECKPOINT_RULES}: {bad}"
+
+
+def test_the_checkpoint_rules_see_a_violation():
+    graph = {
+        f"{CHECKPOINT}.load.loader": {f"{CHECKPOINT}.save.layout", f"{CHECKPOINT}.format.names"},
+        f"{CHECKPOINT}.format.index": {f"{CHECKPOINT}.load.reader"},
+        f"{CHECKPOINT}.storage.local": {f"{CHECKPOINT}.format.names", f"{CHECKPOINT}.api"},
+        f"{CHECKPOINT}.save.saver": {f"{CHECKPOINT}.load.loader"},
+    }
+    found = _checkpoint_violations(graph)
+    assert found == {
+        f"{CHECKPOINT}.load.loader": [f"{CHECKPOINT}.save.layout"],
+        f"{CHECKPOINT}.format.index": [f"{CHECKPOINT}.load.reader"],
+        f"{CHECKPOINT}.storage.local": [f"{CHECKPOINT}.api"],
+    }, f"the rules missed or invented a violation: {found}"

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import __version__
-from .checkpoint.inspect import read_all, summarize, tensor_bytes, verify
+from .checkpoint.load.contents import read_all, summarize, tensor_bytes, verify
 from .errors import SlipstreamError
 from .progress import Progress
 
@@ -153,7 +153,7 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .checkpoint.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_dtype, parse_size
+    from .checkpoint.hf.export import DEFAULT_MAX_SHARD_SIZE, export_hf, parse_dtype, parse_size
     from .errors import CheckpointError
 
     try:

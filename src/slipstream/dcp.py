@@ -60,9 +60,9 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 from .checkpoint import api as _api
-from .checkpoint.options import SaveOptions as _SaveOptions
-from .checkpoint.safe_types import Trusted
-from .checkpoint.save_job import AsyncSaveResponse as _SlipstreamResponse
+from .checkpoint.format.safe_types import Trusted
+from .checkpoint.save.job import AsyncSaveResponse as _SlipstreamResponse
+from .checkpoint.save.options import SaveOptions as _SaveOptions
 from .checkpoint.storage import Location
 
 __all__ = [

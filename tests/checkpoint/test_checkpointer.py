@@ -15,8 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import slipstream as ss
-from slipstream.checkpoint.commit import METADATA_FILE
-from slipstream.checkpoint.recycle import SPARE_DIR
+from slipstream.checkpoint.format.names import METADATA_FILE, SPARE_DIR
 from slipstream.checkpoint.storage import resolve_storage
 
 

@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 import slipstream as ss
-from slipstream.checkpoint.commit import METADATA_FILE
-from slipstream.checkpoint.inspect import verify
+from slipstream.checkpoint.format.names import METADATA_FILE
+from slipstream.checkpoint.load.contents import verify
 from slipstream.checkpoint.storage import Storage, resolve_storage
 from slipstream.errors import CorruptCheckpointError
 
@@ -243,7 +243,7 @@ def test_object_storage_refuses_an_object_the_index_does_not_cover(request, kind
 
 
 def test_outside_names_are_refused_and_inside_names_accepted():
-    from slipstream.checkpoint.containment import outside_reason
+    from slipstream.checkpoint.format.names import outside_reason
 
     for name in [*OUTSIDE_NAMES, "", ".", "a//b", "/abs", "\\\\host\\share", "a\\..\\..\\b"]:
         assert outside_reason(name) is not None, name

@@ -21,9 +21,9 @@ from dist_utils import run_workers, worker_context
 from fault_storage import FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint import saver as saver_module
-from slipstream.checkpoint.commit import METADATA_FILE
-from slipstream.checkpoint.inspect import read_all
+from slipstream.checkpoint.format.names import METADATA_FILE
+from slipstream.checkpoint.load.contents import read_all
+from slipstream.checkpoint.save import saver as saver_module
 from slipstream.checkpoint.storage import LocalStorage
 
 TRIALS = 8

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import slipstream as ss
-from slipstream.checkpoint.saver import CheckpointSaver
+from slipstream.checkpoint.save.saver import CheckpointSaver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -18,9 +18,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
-from slipstream.checkpoint.commit import METADATA_FILE
-from slipstream.checkpoint.recycle import SPARE_DIR
-from slipstream.checkpoint.safe_pickle import load_metadata
+from slipstream.checkpoint.format.names import METADATA_FILE, SPARE_DIR
+from slipstream.checkpoint.format.safe_pickle import load_metadata
 from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
 

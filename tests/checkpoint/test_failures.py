@@ -28,8 +28,7 @@ from fault_storage import Faults, FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
-from slipstream.checkpoint.commit import METADATA_FILE
-from slipstream.checkpoint.recycle import SPARE_DIR
+from slipstream.checkpoint.format.names import METADATA_FILE, SPARE_DIR
 from slipstream.checkpoint.storage import LocalStorage, MemoryStorage, Storage, resolve_storage
 
 OLD_FILES = [".metadata", ".slipstream.json", "__0_0.distcp"]

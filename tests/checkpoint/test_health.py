@@ -20,8 +20,7 @@ from dist_utils import run_workers
 from fault_storage import FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint.commit import METADATA_FILE
-from slipstream.checkpoint.recycle import SPARE_DIR
+from slipstream.checkpoint.format.names import METADATA_FILE, SPARE_DIR
 from slipstream.checkpoint.storage import resolve_storage
 
 MESSAGE = "simulated storage failure"

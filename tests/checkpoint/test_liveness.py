@@ -21,7 +21,7 @@ from fault_storage import FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
-from slipstream.checkpoint.recycle import SPARE_DIR
+from slipstream.checkpoint.format.names import SPARE_DIR
 from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
 NOTICE_BOUND_S = 12.0

@@ -17,18 +17,16 @@ import pytest
 import torch
 
 import slipstream as ss
-from slipstream.checkpoint.inspect import verify
-from slipstream.checkpoint.messages import (
-    CheckpointIndex,
+from slipstream.checkpoint.format.index import CheckpointIndex, IndexRecord, ValueEntry
+from slipstream.checkpoint.load.contents import verify
+from slipstream.checkpoint.save.messages import (
     CommitOutcome,
-    IndexRecord,
     LayoutDescription,
     LayoutReport,
     SkipDecision,
-    ValueEntry,
     WriteReport,
 )
-from slipstream.checkpoint.tier_messages import (
+from slipstream.checkpoint.tier.messages import (
     HeldStep,
     HostAnnouncement,
     LoadReport,

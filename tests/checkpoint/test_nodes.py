@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from slipstream.checkpoint.nodes import NodeMap
+from slipstream.checkpoint.tier.nodes import NodeMap
 
 
 @pytest.mark.parametrize(("world", "per_node", "replicas"), [(4, 2, 1), (8, 2, 2), (6, 3, 1)])

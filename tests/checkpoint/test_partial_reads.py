@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import slipstream as ss
-from slipstream.checkpoint.reader import CheckpointReader, ReadRequest, read_all
+from slipstream.checkpoint.load.reader import CheckpointReader, ReadRequest, read_all
 from slipstream.core.buffers import byte_view
 from slipstream.core.checksum import BLOCK_BYTES
 from slipstream.errors import CorruptCheckpointError

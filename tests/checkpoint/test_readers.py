@@ -18,7 +18,7 @@ from dist_utils import run_workers
 from fault_storage import FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint.recycle import SPARE_DIR
+from slipstream.checkpoint.format.names import SPARE_DIR
 from slipstream.checkpoint.storage import resolve_storage
 
 DELETED = "was deleted while it was being loaded"

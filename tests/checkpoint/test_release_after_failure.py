@@ -20,7 +20,7 @@ from fault_storage import FaultStorage
 
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver
-from slipstream.checkpoint.commit import METADATA_FILE
+from slipstream.checkpoint.format.names import METADATA_FILE
 from slipstream.checkpoint.storage import LocalStorage, Storage, resolve_storage
 
 ROUNDS = 12

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import slipstream as ss
-from slipstream.checkpoint.reader import CheckpointReader
+from slipstream.checkpoint.load.reader import CheckpointReader
 
 # name -> (shape, dtype, placement kind); shard sizes are uneven on purpose, and "tiny"
 # leaves rank 3 of 4 with an empty shard.

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 import slipstream as ss
-from slipstream.checkpoint.saver import CheckpointSaver
+from slipstream.checkpoint.save.saver import CheckpointSaver
 
 DTYPES = [
     torch.float32,

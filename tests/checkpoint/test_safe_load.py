@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import slipstream as ss
-from slipstream.checkpoint.safe_pickle import load_metadata
+from slipstream.checkpoint.format.safe_pickle import load_metadata
 
 
 class _TouchesFile:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from slipstream.checkpoint.safetensors_format import encode_header, header_length, parse_header
+from slipstream.checkpoint.hf.safetensors_format import encode_header, header_length, parse_header
 from slipstream.errors import CorruptCheckpointError
 
 TENSORS = {

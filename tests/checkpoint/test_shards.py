@@ -7,7 +7,7 @@ from dist_utils import run_workers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from slipstream.checkpoint.shards import local_chunks, shard_span
+from slipstream.checkpoint.format.shards import local_chunks, shard_span
 
 
 def test_shard_span_is_torch_chunks_rule_for_even_uneven_and_empty_pieces():

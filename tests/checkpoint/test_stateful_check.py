@@ -1,6 +1,6 @@
 import torch
 
-from slipstream.checkpoint.layout import is_stateful, resolve_stateful
+from slipstream.core.flatten import is_stateful, resolve_stateful
 
 
 class Counter:

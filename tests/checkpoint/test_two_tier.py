@@ -21,7 +21,7 @@ from dist_utils import run_workers
 from fault_storage import FaultStorage
 
 import slipstream as ss
-from slipstream.checkpoint.inspect import read_all
+from slipstream.checkpoint.load.contents import read_all
 from slipstream.checkpoint.storage import LocalStorage
 
 WORLD = 4

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from slipstream.checkpoint.layout import ValueSerializer
+from slipstream.checkpoint.save.layout import ValueSerializer
 
 
 def _load(data: bytes):

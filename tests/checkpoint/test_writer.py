@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from fault_storage import FaultStorage
 
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
-from slipstream.checkpoint.records import locate_tensor_data, tensor_frame
+from slipstream.checkpoint.format.records import locate_tensor_data, tensor_frame
 from slipstream.checkpoint.storage import LocalStorage
 
 

@@ -2,17 +2,17 @@
 
 from .api import async_save, load, save
 from .checkpointer import Checkpointer
+from .format.safe_types import AllowedTypes, allow_types
 from .health import CheckpointHealth
-from .hf_export import HfExport, export_hf
-from .hf_import import load_hf
-from .options import SaveOptions
-from .safe_types import AllowedTypes, allow_types
-from .save_job import AsyncSaveResponse, SaveTimings
-from .saver import CheckpointSaver
-from .snapshot import StagedState, stage
+from .hf.export import HfExport, export_hf
+from .hf.load import load_hf
+from .load.whole import load_all
+from .save.job import AsyncSaveResponse, SaveTimings
+from .save.options import SaveOptions
+from .save.saver import CheckpointSaver
+from .save.snapshot import StagedState, stage
 from .storage import DataWriter, Storage, register_storage
-from .tier_options import LocalTier
-from .whole import load_all
+from .tier.options import LocalTier
 
 __all__ = [
     "AllowedTypes",

@@ -1,8 +1,8 @@
-"""Drop-in functions with ``torch.distributed.checkpoint``'s arguments (see :mod:`.dcp_args`).
+"""Drop-in functions with ``torch.distributed.checkpoint``'s arguments (see :mod:`.dcp_compat`).
 
 ``async_save`` keeps one :class:`CheckpointSaver` per process group so that staging
 buffers and plans are reused across calls; they are closed at interpreter exit. What
-slipstream cannot serve goes to DCP itself (:mod:`.handoff`).
+slipstream cannot serve goes to DCP itself (:mod:`.dcp_compat`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 from ..errors import CheckpointError, UnsafeCheckpointError
-from . import dcp_args, handoff, hf_import, loader
-from .commit import METADATA_FILE
-from .options import SaveOptions
-from .safe_types import Trust, Trusted
-from .save_job import AsyncSaveResponse
-from .saver import CheckpointSaver
+from . import dcp_compat
+from .format.names import METADATA_FILE
+from .format.safe_types import Trust, Trusted
+from .hf import load as hf_load
+from .load import loader
+from .save.job import AsyncSaveResponse
+from .save.options import SaveOptions
+from .save.saver import CheckpointSaver
 from .storage import Location, resolve_storage
 
 _savers: dict[tuple[Any, ...], CheckpointSaver] = {}
@@ -98,7 +100,7 @@ class Started:
 
 @dataclass(frozen=True)
 class HandedOff:
-    """A save DCP ran (see :mod:`.handoff`): what ``dcp.async_save`` returned."""
+    """A save DCP ran (see :mod:`.dcp_compat`): what ``dcp.async_save`` returned."""
 
     result: Any
 
@@ -119,12 +121,12 @@ def begin_async_save(
 ) -> Started | HandedOff:
     """The one implementation behind :func:`async_save`, :func:`save` and
     ``slipstream.dcp.async_save``: serve the save, or hand it to DCP unchanged."""
-    staging = dcp_args.async_staging(async_checkpointer_type, async_stager)
-    target = dcp_args.save_target(checkpoint_id, storage_writer, planner, use_collectives)
-    why = target if isinstance(target, dcp_args.HandOff) else staging
-    if isinstance(why, dcp_args.HandOff):
+    staging = dcp_compat.async_staging(async_checkpointer_type, async_stager)
+    target = dcp_compat.save_target(checkpoint_id, storage_writer, planner, use_collectives)
+    why = target if isinstance(target, dcp_compat.HandOff) else staging
+    if isinstance(why, dcp_compat.HandOff):
         arguments: dict[str, Any] = {
-            "checkpoint_id": handoff.dcp_checkpoint_id(checkpoint_id, storage_options, why),
+            "checkpoint_id": dcp_compat.dcp_checkpoint_id(checkpoint_id, storage_options, why),
             "storage_writer": storage_writer,
             "planner": planner,
             "process_group": process_group,
@@ -135,10 +137,11 @@ def begin_async_save(
             arguments["async_checkpointer_type"] = async_checkpointer_type
         if async_stager is not None:
             arguments["async_stager"] = async_stager
-        return HandedOff(handoff.async_save(why, dict(state_dict), **arguments))
-    assert isinstance(target, dcp_args.SaveTarget) and isinstance(staging, dcp_args.AsyncStaging)
+        return HandedOff(dcp_compat.async_save(why, dict(state_dict), **arguments))
+    assert isinstance(target, dcp_compat.SaveTarget)
+    assert isinstance(staging, dcp_compat.AsyncStaging)
     if staging.note is not None:
-        handoff.log_once(staging.note)
+        dcp_compat.log_once(staging.note)
     if not target.overwrite:
         _refuse_overwrite(target.location, storage_options)
     response = _saver(process_group, timeout, no_dist).save(
@@ -189,7 +192,7 @@ def async_save(
     can; what it cannot serve (a planner or storage writer of your own, DCP's Hugging Face
     writer, an option slipstream has no equivalent of) is handed to
     ``torch.distributed.checkpoint.async_save`` unchanged, with one log line (see
-    :mod:`.dcp_args`). ``no_dist=True`` saves this process's state alone, as one rank.
+    :mod:`.dcp_compat`). ``no_dist=True`` saves this process's state alone, as one rank.
     """
     started = begin_async_save(
         state_dict,
@@ -223,12 +226,12 @@ def save(
 ) -> Metadata:
     """Save and return the committed checkpoint's ``Metadata`` once it is durable, as
     ``dcp.save`` does (see :func:`async_save` for the arguments)."""
-    target = dcp_args.save_target(checkpoint_id, storage_writer, planner, use_collectives)
-    if isinstance(target, dcp_args.HandOff):
-        return handoff.save(  # type: ignore[no-any-return]
+    target = dcp_compat.save_target(checkpoint_id, storage_writer, planner, use_collectives)
+    if isinstance(target, dcp_compat.HandOff):
+        return dcp_compat.save(  # type: ignore[no-any-return]
             target,
             dict(state_dict),
-            checkpoint_id=handoff.dcp_checkpoint_id(checkpoint_id, storage_options, target),
+            checkpoint_id=dcp_compat.dcp_checkpoint_id(checkpoint_id, storage_options, target),
             storage_writer=storage_writer,
             planner=planner,
             process_group=process_group,
@@ -264,21 +267,21 @@ def load_state(
 ) -> None:
     """The one implementation behind :func:`load` and ``slipstream.dcp.load``.
 
-    A load DCP must run (see :mod:`.dcp_args`) unpickles the checkpoint's values as DCP
+    A load DCP must run (see :mod:`.dcp_compat`) unpickles the checkpoint's values as DCP
     does, with no allow-list: it is handed off only with ``trusted=True`` or where the
     caller stands in for DCP itself (``untrusted_hand_off``)."""
-    location = dcp_args.load_target(checkpoint_id, storage_reader, planner)
-    if isinstance(location, dcp_args.HandOff):
+    location = dcp_compat.load_target(checkpoint_id, storage_reader, planner)
+    if isinstance(location, dcp_compat.HandOff):
         if not (untrusted_hand_off or Trust.of(trusted).everything):
             raise UnsafeCheckpointError(
                 f"{location.reason}: only torch.distributed.checkpoint.load can run this "
                 "load, and it unpickles the checkpoint's values without slipstream's "
                 "allow-list; pass trusted=True to let it"
             )
-        handoff.load(
+        dcp_compat.load(
             location,
             state_dict,
-            checkpoint_id=handoff.dcp_checkpoint_id(checkpoint_id, storage_options, location),
+            checkpoint_id=dcp_compat.dcp_checkpoint_id(checkpoint_id, storage_options, location),
             storage_reader=storage_reader,
             planner=planner,
             process_group=process_group,
@@ -286,8 +289,8 @@ def load_state(
         )
         return
     storage = resolve_storage(location, storage_options)
-    if hf_import.is_hf_directory(storage):
-        hf_import.load_hf(state_dict, storage, strict=strict)
+    if hf_load.is_hf_directory(storage):
+        hf_load.load_hf(state_dict, storage, strict=strict)
         return
     loader.load(state_dict, storage, strict=strict, trusted=trusted)
 
@@ -311,7 +314,7 @@ def load(
     compatibility; loading needs no communication. ``storage_reader`` and ``planner``
     take DCP's filesystem and fsspec readers and its default load planner; others (DCP's
     Hugging Face reader, a planner of your own) are handed to ``dcp.load`` when
-    ``trusted=True`` (see :mod:`.dcp_args`). A directory of Hugging Face safetensors (and
+    ``trusted=True`` (see :mod:`.dcp_compat`). A directory of Hugging Face safetensors (and
     no DCP checkpoint) is read by :func:`~slipstream.load_hf`, its name prefix found from
     the keys.
 

@@ -7,7 +7,7 @@ Invariants: a step is listed by :meth:`Checkpointer.steps` only once committed (
 old steps are deleted only after a newer one has committed; steps that never committed,
 and multipart uploads cut short, are removed by the next save (never while a save into
 them may be running). With ``reuse_files`` on the local disk the data files of a deleted
-step are kept aside, under invariants of their own (see :mod:`.recycle`), for the next
+step are kept aside, under invariants of their own (see :mod:`.storage.recycle`), for the next
 save to write over, and :meth:`Checkpointer.close` deletes what is left of them.
 """
 
@@ -25,19 +25,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
-from . import loader
-from .commit import METADATA_FILE, uncommit
+from .format.names import METADATA_FILE, SPARE_DIR, step_dir, step_dirs
+from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
-from .local_tier import LocalTierSaver
-from .messages import SkipDecision, Topics
-from .options import SaveOptions
-from .recycle import SPARE_DIR
-from .safe_types import Trusted
-from .save_job import AsyncSaveResponse
-from .saver import CheckpointSaver
-from .step_dirs import step_dir, step_dirs
+from .load import loader
+from .save.commit import uncommit
+from .save.job import AsyncSaveResponse
+from .save.messages import SkipDecision, Topics
+from .save.options import SaveOptions
+from .save.saver import CheckpointSaver
 from .storage import Location, Storage, resolve_storage
-from .tier_options import LocalTier
+from .tier.local_tier import LocalTierSaver
+from .tier.options import LocalTier
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class Checkpointer:
         """Committed steps, oldest first."""
         return sorted(
             s
-            for s, name in step_dirs(self.storage).items()
+            for s, name in step_dirs(self.storage.list_children()).items()
             if self.storage.child(name).exists(METADATA_FILE)
         )
 
@@ -269,7 +268,7 @@ class Checkpointer:
         (the save about to start). Cleaning up is best effort: a failure is logged, and the
         save goes on."""
         try:
-            for step, name in step_dirs(self.storage).items():
+            for step, name in step_dirs(self.storage.list_children()).items():
                 location = self.storage.child(name)
                 if step != except_step and not location.exists(METADATA_FILE):
                     location.delete_all()

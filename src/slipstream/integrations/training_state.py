@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..checkpoint.commit import METADATA_FILE
+from ..checkpoint.format.names import METADATA_FILE
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

@@ -3,7 +3,7 @@
 A location is a directory. Data files are written in place with ``pwrite`` from the
 staging image (see :class:`LocalDataWriter`); small objects are written to a temporary
 name, fsync'd and renamed, and the directory fsync'd after, so that they appear whole.
-Retired data files may be kept aside for later writes to reuse (see :mod:`..recycle`).
+Retired data files may be kept aside for later writes to reuse (see :mod:`.recycle`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from ...core.buffers import PAGE_BYTES
 from ...errors import CheckpointError, CorruptCheckpointError
-from ..files import pread_into, pwrite_all, write_atomic
-from ..recycle import claim, discard_spares, retire
 from .base import DataWriter, Storage
+from .files import pread_into, pwrite_all, write_atomic
+from .recycle import claim, discard_spares, retire
 
 
 class LocalStorage(Storage):

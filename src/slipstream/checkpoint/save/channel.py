@@ -1,0 +1,154 @@
+"""Messages between the ranks of a save, through the job's key-value store.
+
+Checkpoint coordination never runs a collective on the user's process group: ranks post
+small JSON messages (the dataclasses of :mod:`.messages`, under the topics it builds) to
+the store that ``init_process_group`` already created (under a prefix of their own) and
+wait for each other's through the control plane
+(:mod:`...core.control_plane`): polled with a deadline, so background threads may share the
+user's store client, and a missing rank is named in the timeout error instead of hanging.
+
+**Liveness.** Every channel of more than one rank beats: a thread it owns adds one to its
+rank's counter in the store every :data:`BEAT_SECONDS`. A rank waiting on others reads the
+counters of those it is waiting for; one that has not moved for :data:`SILENT_AFTER_SECONDS`
+(as seen on the waiting rank's own clock, so hosts' clocks need not agree) belongs to a
+process that died or stopped (SIGKILL, SIGSTOP, a lost host), and the wait fails at once
+naming it, instead of running on until its timeout. A rank that has never beaten (its saver
+not made yet) gets the whole timeout. The mechanism is the control plane's
+(:class:`~slipstream.core.control_plane.Heartbeat`,
+:class:`~slipstream.core.control_plane.LivenessWatch`); the beat runs at the caller's
+priority, not the saver's lowered one: a rank whose cores are all busy training still beats.
+
+Every channel of a group gets a namespace of its own (the group's ranks and the
+channel's number among that group's channels in this process), so two savers of one
+group (a ``Checkpointer`` beside ``ss.async_save``) never read each other's messages.
+Channels are numbered in creation order: every rank must create its savers in the same
+order, as SPMD code does; if they do not, saves time out naming the ranks, rather than
+mixing messages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import torch.distributed as dist
+
+from ...core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
+from ...core.waits import Deadline
+from ...errors import PeerDiedError
+
+BEAT_SECONDS = 1.0
+SILENT_AFTER_SECONDS = 6.0
+"""Silence that marks a rank dead: six missed beats, so a rank is noticed within
+:data:`SILENT_AFTER_SECONDS` plus one check (under ten seconds)."""
+
+_M = TypeVar("_M")
+Decoder = Callable[[bytes, str], _M]
+"""A message class's ``from_json``: the message in the bytes posted, or an error naming
+the message (the text given) and the field at fault."""
+
+
+class Message(Protocol):
+    """What :meth:`RankChannel.post` sends: one of the dataclasses of :mod:`.messages`."""
+
+    def to_json(self) -> str: ...
+
+
+LIVENESS_CHECK_SECONDS = 1.0
+"""How often a wait reads the heartbeats of the ranks it is still waiting for (a read per
+rank: rank 0 gathering from thousands of ranks must not flood the store)."""
+_channels_made: dict[tuple[int, ...], int] = {}
+_channels_lock = threading.Lock()
+
+
+class RankChannel:
+    """Post and gather per-rank messages for one process group."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.namespace = namespace
+        self.dead: dict[int, str] = {}
+        """Ranks found dead by their silence, with what was waiting for them."""
+        self._heartbeat: Heartbeat | None = None
+        self._liveness = LivenessWatch(store, lambda r: self._key("alive", r), SILENT_AFTER_SECONDS)
+        if world_size > 1:
+            self._heartbeat = Heartbeat(store, self._key("alive", rank), BEAT_SECONDS)
+
+    @classmethod
+    def local(cls) -> RankChannel:
+        """A channel of one rank, in this process only (no process group involved)."""
+        return cls(dist.HashStore(), 0, 1, "slipstream/local")
+
+    @classmethod
+    def for_group(cls, process_group: dist.ProcessGroup | None) -> RankChannel:
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls.local()
+        group = process_group or dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        store = dist.distributed_c10d._get_default_store()
+        with _channels_lock:
+            number = _channels_made.get(ranks, 0)
+            _channels_made[ranks] = number + 1
+        namespace = f"slipstream/{'-'.join(map(str, ranks))}/{number}"
+        return cls(store, dist.get_rank(group), dist.get_world_size(group), namespace)
+
+    def _key(self, topic: str, rank: int) -> str:
+        return store_key(self.namespace, topic, rank)
+
+    def post(self, topic: str, message: Message) -> None:
+        """Post this rank's ``message`` (one of :mod:`.messages`) under ``topic``."""
+        self.store.set(self._key(topic, self.rank), message.to_json())
+
+    def _wait(self, topic: str, ranks: list[int], deadline: Deadline, what: str) -> None:
+        """Poll until every rank of ``ranks`` has posted ``topic``; fail naming the ranks
+        that did not, at the deadline, or as soon as one of them stops beating."""
+        try:
+            wait_for_keys(
+                self.store,
+                {r: self._key(topic, r) for r in ranks},
+                f"them to {what}",
+                deadline,
+                f"rank {self.rank}",
+                self._liveness.dead,
+                look_every=LIVENESS_CHECK_SECONDS,
+            )
+        except PeerDiedError as exc:
+            self.dead.update(dict.fromkeys(exc.ranks, str(exc)))
+            raise
+
+    def known_dead(self) -> dict[int, str]:
+        """Ranks found dead that are still silent (a rank that beats again is forgiven)."""
+        if self.dead:
+            still = self._liveness.silent(list(self.dead))
+            self.dead = {r: m for r, m in self.dead.items() if r in still}
+        return dict(self.dead)
+
+    def close(self) -> None:
+        """Stop this rank's heartbeat."""
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+            self._heartbeat = None
+
+    def gather(self, topic: str, decode: Decoder[_M], deadline: Deadline, what: str) -> list[_M]:
+        """Every rank's message for ``topic`` (index = rank), read by ``decode`` (a
+        message class's ``from_json``)."""
+        ranks = list(range(self.world_size))
+        self._wait(topic, ranks, deadline, what)
+        return [self._read(topic, r, decode) for r in ranks]
+
+    def receive(
+        self, topic: str, decode: Decoder[_M], from_rank: int, deadline: Deadline, what: str
+    ) -> _M:
+        """``from_rank``'s message for ``topic``, read by ``decode``."""
+        self._wait(topic, [from_rank], deadline, what)
+        return self._read(topic, from_rank, decode)
+
+    def _read(self, topic: str, rank: int, decode: Decoder[_M]) -> _M:
+        return decode(self.store.get(self._key(topic, rank)), f"rank {rank}'s {topic} message")
+
+    def forget(self, topic: str, ranks: list[int] | None = None) -> None:
+        for r in range(self.world_size) if ranks is None else ranks:
+            self.store.delete_key(self._key(topic, r))

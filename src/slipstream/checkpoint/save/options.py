@@ -1,0 +1,49 @@
+"""The knobs of a checkpoint save, in one place: every default a save uses is here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...core.buffers import PAGE_BYTES
+
+
+@dataclass
+class SaveOptions:
+    """Knobs of :class:`CheckpointSaver`; the defaults suit most jobs."""
+
+    timeout: float = 600.0
+    """Seconds any wait on another rank may take before failing with the rank's name."""
+    io_threads: int = 4
+    """Parallel writes per rank."""
+    write_piece_bytes: int = 64 * 1024 * 1024
+    """Size of the pieces a data file is cut into for ``io_threads`` to write in parallel;
+    a positive multiple of the page (4096 bytes), so that ``O_DIRECT`` writes stay page-aligned."""
+    staging_budget_bytes: int | None = None
+    """Upper bound on host staging memory; ``None`` means the size of one save."""
+    pin_memory: bool | None = None
+    """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
+    direct_io: bool = True
+    """On the local disk, write data files with ``O_DIRECT`` where the filesystem allows it
+    (see :class:`~..storage.local.LocalDataWriter`)."""
+    split_copy: bool = False
+    """Experimental, off by default: stage CPU tensors with two threads, the staging thread
+    copying the first half of the bytes front to back (so writes start at once) while a
+    second thread copies the rest. Staging finishes sooner, but where every core trains the
+    second thread takes CPU from the training loop; docs/checkpoint.md has the measurements."""
+    thread_nice: int = 5
+    """Nice increment of the saver's own threads (Linux), so that on oversubscribed cores
+    staging and upload give way to the training thread; 0 keeps the caller's priority."""
+    idle_threads: bool = False
+    """Experimental, off by default: run the saver's threads under Linux's ``SCHED_IDLE``
+    policy instead (``thread_nice`` where it is refused): they use only time no other thread
+    wants, and a training thread that wakes takes its core back at once. Where the cores are
+    all busy, a save then makes progress only once the training loop waits for it, and a
+    saver that falls behind stalls the next save call; docs/checkpoint.md has the
+    measurements."""
+
+    def __post_init__(self) -> None:
+        if self.write_piece_bytes <= 0 or self.write_piece_bytes % PAGE_BYTES:
+            raise ValueError(
+                f"SaveOptions.write_piece_bytes={self.write_piece_bytes}: must be a positive "
+                f"multiple of {PAGE_BYTES}"
+            )

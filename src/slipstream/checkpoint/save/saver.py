@@ -1,0 +1,527 @@
+"""The saver: the conductor of a save's stages, for one process group.
+
+One save, stage by stage (each on a thread this object owns and joins in ``close``):
+
+1. caller's thread (here): flatten the state dict, serialize plain values (so later
+   mutation cannot change them, and a bad value fails here, naming its key; a value equal
+   to the previous save's reuses its bytes), look up the plan for this layout (planning,
+   through the store, only on a layout's first save), record an event on the
+   accelerator's current stream; return.
+2. staging thread (:mod:`.staging`): copy every tensor chunk this rank writes into its
+   staging buffer, the head of the rank's data file; then ``staging_completion``
+   resolves: the caller may mutate the state.
+3. upload thread: pick file names no committed checkpoint here uses (:mod:`..format.names`:
+   an older checkpoint stays loadable until this one commits); write the image as it is
+   staged, checksums and plain values (:mod:`.writer`, through the storage backend of
+   :mod:`..storage`); post the result; rank 0 gathers every rank's result and commits
+   (:mod:`.commit`: metadata last, atomically); every rank waits for that commit (its
+   peers' liveness watched, :mod:`.channel`), then ``upload_completion`` resolves; the
+   older checkpoint's files are deleted after the commit. A save that fails removes what
+   it wrote at once (a rank's aborted write, its file once the commit fails).
+
+Backpressure: one save in flight; a new save first waits for the previous one to finish
+(its staging buffer is about to be reused). Host memory: one staging buffer, for the
+layout being saved (a layout change frees the old one). Nothing here touches the user's
+process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ...core import streams, tracing
+from ...core.handles import fail_unfinished
+from ...core.threads import lower_thread_priority
+from ...core.waits import Deadline
+from ...errors import CheckpointError, PeerDiedError, PeerTimeoutError, SlipstreamError
+from ..format.names import (
+    METADATA_FILE,
+    data_file_name,
+    files_of,
+    free_generation,
+    generation_of,
+    index_file,
+)
+from ..format.safe_pickle import load_metadata
+from ..storage import Location, Storage, resolve_storage
+from .channel import RankChannel
+from .commit import CommitTemplate, build_index, build_metadata, publish
+from .job import AsyncSaveResponse, SaveJob
+from .layout import LayoutSignature, LocalLayout, ValueSerializer, local_layout
+from .messages import CommitOutcome, LayoutDescription, LayoutReport, Topics, WriteReport
+from .options import SaveOptions
+from .plan import SavePlan, make_save_plan
+from .snapshot import StagedState
+from .staging import Stager
+from .writer import RankWriter
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_PLANS = 8
+
+
+class CheckpointSaver:
+    """Owns the threads, staging buffers and cached plans of saves for one process group."""
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        options: SaveOptions | None = None,
+        *,
+        no_dist: bool = False,
+    ) -> None:
+        """``no_dist``: save as a job of one rank, whatever process group exists (DCP's
+        ``no_dist``); each process then writes a whole checkpoint of its own."""
+        self.options = options or SaveOptions()
+        self.channel = RankChannel.local() if no_dist else RankChannel.for_group(process_group)
+        priority = (self.options.thread_nice, self.options.idle_threads)
+        self._stage_thread = ThreadPoolExecutor(
+            1, "slipstream-stage", initializer=lower_thread_priority, initargs=priority
+        )
+        self._upload_thread = ThreadPoolExecutor(
+            1, "slipstream-upload", initializer=lower_thread_priority, initargs=priority
+        )
+        self._stager = Stager(self.channel.rank, self.options, priority)
+        self._writer = RankWriter(self.options, priority)
+        self._plans: dict[LayoutSignature, tuple[SavePlan, dict[int, CommitTemplate]]] = {}
+        self._serialize_values = ValueSerializer()
+        self._seq = 0
+        self._last: AsyncSaveResponse | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self.plans_made = 0
+        self.before_staging: Callable[[], None] | None = None
+        """Called on the staging thread as each save's staging begins, before any tensor
+        byte is copied (instrumentation, and tests that hold staging to order events). It
+        may block, which holds that save's staging (and its writes) until it returns; an
+        exception it raises fails the save."""
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    @property
+    def staging_allocations(self) -> int:
+        """Staging buffers allocated so far: a save of a layout already staged reuses its
+        buffer, so only a new layout allocates."""
+        return self._stager.pool.allocations
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging buffers this saver holds (none for the saves of a
+        snapshot written as it is, see :func:`~.snapshot.stage`)."""
+        return self._stager.pool.live_bytes
+
+    @property
+    def staging_pinned(self) -> bool | None:
+        """Whether the staging buffers this saver holds are pinned (``None`` before any)."""
+        return self._stager.pool.all_pinned
+
+    def save(
+        self,
+        state_dict: Mapping[str, Any],
+        checkpoint_id: Location,
+        after_commit: Callable[[], None] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> AsyncSaveResponse:
+        """Start a save; returns once the work is queued (see the module docstring).
+
+        ``after_commit`` runs on rank 0's upload thread once the save has committed and
+        before the commit is announced, so no rank's ``upload_completion`` resolves before
+        it has run (used for retention: every rank then sees the same steps).
+        ``checkpoint_id`` is a path, a URL or a :class:`Storage` (see :mod:`..storage`);
+        ``storage_options`` configure an object store's client.
+        """
+        if self._closed:
+            raise CheckpointError("this saver is closed")
+        started = time.perf_counter()
+        with tracing.span("slipstream.save.wait_previous"):
+            self.wait_previous()
+        dead = self.channel.known_dead()
+        if dead:
+            rank, why = min(dead.items())
+            raise PeerDiedError(
+                f"rank {rank} is dead ({why}); saves fail at once until the job rebuilds its "
+                "process group"
+            )
+        # Every rank numbers this save before anything can fail on its own thread, so a
+        # save that fails on one rank only leaves the ranks' sequence numbers in step.
+        seq = self._seq
+        self._seq += 1
+        try:
+            storage = resolve_storage(
+                checkpoint_id, storage_options, direct_io=self.options.direct_io
+            )
+            with tracing.span("slipstream.save.prepare", url=storage.url):
+                layout, values, plan, templates = self._prepare(state_dict, seq, storage)
+            snapshot = state_dict if isinstance(state_dict, StagedState) else None
+            hold = snapshot.hold(f"save to {storage.url}") if snapshot is not None else None
+        except BaseException as exc:
+            self._announce_failure(seq, exc)
+            raise
+        fingerprint = plan.fingerprints[plan.rank]
+        device = _accelerator_of(layout)
+        ready = streams.record_event(streams.current_stream(device)) if device else None
+        response = AsyncSaveResponse(Future(), Future())
+        job = SaveJob(
+            plan=plan,
+            templates=templates,
+            layout=layout,
+            values=values,
+            storage=storage,
+            seq=seq,
+            fingerprint=fingerprint,
+            ready_event=ready,
+            device=device,
+            response=response,
+            after_commit=after_commit,
+            started=started,
+            snapshot=snapshot,
+            snapshot_hold=hold,
+        )
+        response.timings.nbytes = plan.data_bytes
+        if snapshot is not None and snapshot.image_matches(plan):
+            job.holders = 1  # nothing to copy: staged before save returns
+            self._stager.stage_snapshot(job)
+            job.staging_ended.set()
+        else:
+            self._stage_thread.submit(self._stage, job)
+        self._upload_thread.submit(self._upload, job)
+        self._last = response
+        response.timings.blocked = job.elapsed()
+        return response
+
+    def _prepare(
+        self, state_dict: Mapping[str, Any], seq: int, storage: Storage
+    ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, dict[int, CommitTemplate]]:
+        """The caller's-thread part of save ``seq``: layout, serialized values, and the plan
+        (made only for a new layout) with its commit templates. No storage request runs
+        here: the location is prepared on the upload thread."""
+        if isinstance(state_dict, StagedState) and not state_dict.path:
+            layout = state_dict.layout
+        else:
+            layout = local_layout(state_dict)
+        values = self._serialize_values(layout.values)
+        signature = layout.signature
+        cached = self._plans.get(signature)
+        if cached is None:
+            plan = self._make_plan(layout, seq, storage.url, Deadline(self.options.timeout))
+            cached = (plan, {})
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[signature] = cached
+        plan, templates = cached
+        return layout, values, plan, templates
+
+    def _announce_failure(self, seq: int, exc: BaseException) -> None:
+        """Tell the other ranks that this rank's part of save ``seq`` failed before it was
+        queued, so that they fail at once naming this rank instead of waiting for it until
+        their timeout: ranks planning read it as this rank's layout, rank 0 as its write
+        report, and when this is rank 0, every rank as the commit's outcome."""
+        error = f"{type(exc).__name__}: {exc}"
+        self.channel.post(Topics.layout(seq), LayoutReport(error=error))
+        self.channel.post(Topics.written(seq), WriteReport(None, error=error))
+        if self.rank == 0:
+            self.channel.post(Topics.commit(seq), CommitOutcome(f"rank 0: {error}"))
+
+    def wait_previous(self) -> None:
+        """Block until the previous save has finished (its outcome is on its own futures)."""
+        if self._last is not None:
+            try:
+                self._last.upload_completion.result(self.options.timeout)
+            except SlipstreamError:
+                pass
+            except TimeoutError as exc:
+                raise CheckpointError(
+                    f"the previous save did not finish within {self.options.timeout} s"
+                ) from exc
+
+    def _make_plan(self, layout: LocalLayout, seq: int, where: str, deadline: Deadline) -> SavePlan:
+        channel = self.channel
+        fingerprint = layout.fingerprint()
+        topic = Topics.layout(seq)
+        channel.post(topic, LayoutReport(fingerprint, LayoutDescription.of(layout)))
+        msgs = channel.gather(
+            topic, LayoutReport.from_json, deadline, "send their state dict layout for planning"
+        )
+        errors = [f"rank {r}: {m.error}" for r, m in enumerate(msgs) if m.error]
+        if errors:
+            raise CheckpointError(f"save to {where} failed; " + "; ".join(errors))
+        descriptions = [m.description for m in msgs if m.description is not None]
+        fingerprints = [m.fingerprint for m in msgs if m.fingerprint is not None]
+        plan = make_save_plan(channel.rank, descriptions, fingerprints)
+        self.plans_made += 1
+        return plan
+
+    def _stage(self, job: SaveJob) -> None:
+        """Stage ``job``; a failure fails ``staging_completion`` only: the upload thread
+        sees it through the watermark and fails ``upload_completion`` once it has let go
+        of everything the save holds."""
+        try:
+            with tracing.span("slipstream.save.stage", url=job.storage.url):
+                if self.before_staging is not None:
+                    try:
+                        self.before_staging()
+                    except BaseException as exc:
+                        job.progress.fail(exc)
+                        raise
+                self._stager.stage(job)
+        except BaseException as exc:
+            fail_unfinished(_save_error(job, exc), job.response.staging_completion)
+        finally:
+            self._let_go(job)
+            job.staging_ended.set()
+
+    def _upload(self, job: SaveJob) -> None:
+        """Write and commit ``job``. Whatever the outcome, the save lets go of its staging
+        buffer (once staging has ended too) before ``upload_completion`` resolves, so the
+        caller's next save finds everything free."""
+        try:
+            self._upload_and_commit(job)
+        except BaseException as exc:
+            job.abandoned = exc
+            if not job.staging_ended.wait(self.options.timeout):
+                logger.warning(
+                    "staging of the failed save to %s did not end within %s s; its buffer is "
+                    "released when it does",
+                    job.storage.url,
+                    self.options.timeout,
+                )
+            self._let_go(job)
+            self._fail(job, exc)
+        else:
+            self._let_go(job)
+            timings = job.response.timings
+            timings.durable = job.elapsed()
+            logger.info(
+                "rank %d saved %s: %.3f GiB, caller blocked %.1f ms, staged in %.3f s, "
+                "durable in %.3f s",
+                self.rank,
+                job.storage.url,
+                timings.nbytes / 2**30,
+                1000 * (timings.blocked or 0.0),
+                timings.staged or 0.0,
+                timings.durable,
+            )
+            job.response.upload_completion.set_result(None)
+
+    def _upload_and_commit(self, job: SaveJob) -> None:
+        """Write this rank's file, report to rank 0, and wait for its commit decision.
+
+        A rank that fails before writing (staging included) still reports, so rank 0
+        fails the save at once instead of waiting for it until the timeout; when rank 0
+        itself fails it still runs the commit step, which posts the failure to every rank.
+        """
+        try:
+            job.storage.prepare()
+            self._choose_generation(job)
+            with tracing.span("slipstream.save.write", url=job.storage.url):
+                done = self._writer.write(job)
+        except BaseException as exc:
+            self.channel.post(Topics.written(job.seq), WriteReport(job.fingerprint, error=str(exc)))
+            if self.rank == 0:
+                self._commit(job, Deadline(self.options.timeout))
+            raise
+        try:
+            self._report_and_await_commit(job, done)
+        except BaseException:
+            self._discard_written(job)
+            raise
+
+    def _choose_generation(self, job: SaveJob) -> None:
+        """Name this save's files so that none is a file of the checkpoint committed here
+        (every rank reads the same ``.metadata``, so every rank picks the same names)."""
+        committed = _committed(job.storage)
+        if committed is None:
+            return
+        job.replaced = files_of(committed)
+        job.replaced_index = index_file(generation_of(committed))
+        plan_files = [data_file_name(r) for r in range(job.plan.world_size)]
+        job.generation = free_generation(job.replaced, plan_files)
+
+    def _discard_written(self, job: SaveJob) -> None:
+        """After a failed save: remove this rank's data file (and rank 0 the index), unless a
+        committed ``.metadata`` here points to it. A rank that could not hear the commit's
+        outcome (rank 0 died after publishing, the store gone with it) must not take a
+        committed checkpoint's file away; when in doubt, the file stays (unreferenced, it is
+        written over or cleaned up by a later save)."""
+        try:
+            committed = _committed(job.storage)
+            if committed is not None and job.file in files_of(committed):
+                return
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("kept %s/%s of a failed save: %s", job.storage.url, job.file, exc)
+            return
+        names = [job.file] + ([index_file(job.generation)] if self.rank == 0 else [])
+        for name in names:
+            if name in job.replaced or name == job.replaced_index:
+                continue
+            try:
+                job.storage.delete(name)
+            except (OSError, SlipstreamError) as exc:
+                logger.warning(
+                    "could not remove %s/%s of a failed save: %s", job.storage.url, name, exc
+                )
+
+    def _report_and_await_commit(self, job: SaveJob, done: WriteReport) -> None:
+        """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
+        self.channel.post(Topics.written(job.seq), done)
+        deadline = Deadline(self.options.timeout)
+        with tracing.span("slipstream.save.commit", url=job.storage.url):
+            if self.rank == 0:
+                self._commit(job, deadline)
+            outcome = self.channel.receive(
+                Topics.commit(job.seq),
+                CommitOutcome.from_json,
+                0,
+                deadline,
+                f"commit checkpoint {job.storage.url}",
+            )
+        if outcome.error is not None:
+            if outcome.dead:
+                raise PeerDiedError(outcome.error)
+            raise (PeerTimeoutError if outcome.timeout else CheckpointError)(outcome.error)
+        committed = job.committed
+        if committed is not None:
+            job.response.committed_as(lambda: committed)
+        else:
+            assert outcome.save_id is not None, "CommitOutcome.from_json: a success has one"
+            job.response.committed_as(_CommittedMetadata(job.storage, outcome.save_id))
+
+    def _commit(self, job: SaveJob, deadline: Deadline) -> None:
+        channel = self.channel
+        topic = Topics.written(job.seq)
+        try:
+            done = channel.gather(
+                topic, WriteReport.from_json, deadline, f"finish writing {job.storage.url}"
+            )
+            errors = [f"rank {r}: {m.error}" for r, m in enumerate(done) if m.error]
+            if errors:
+                raise CheckpointError(f"save to {job.storage.url} failed; " + "; ".join(errors))
+            changed = [r for r, m in enumerate(done) if m.fingerprint != job.plan.fingerprints[r]]
+            if changed:
+                raise CheckpointError(
+                    f"rank(s) {changed} saved a state dict whose layout differs from the plan "
+                    "made for this layout on rank 0; every rank must change layout together"
+                )
+            template = job.templates.get(job.generation)
+            if template is None:
+                template = job.templates[job.generation] = CommitTemplate.for_plan(
+                    job.plan, job.generation
+                )
+            metadata = build_metadata(template, done, job.storage.url)
+            publish(
+                job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
+            )
+            assert metadata.storage_meta is not None, "build_metadata sets storage_meta"
+            job.committed = metadata
+            outcome = CommitOutcome(save_id=metadata.storage_meta.save_id)
+            self._after_publish(job, files_of(metadata))
+        except BaseException as exc:
+            outcome = CommitOutcome(
+                str(exc),
+                timeout=isinstance(exc, PeerTimeoutError),
+                dead=isinstance(exc, PeerDiedError),
+            )
+        channel.post(Topics.commit(job.seq), outcome)
+        channel.forget(topic)
+        if job.seq > 0:
+            channel.forget(Topics.commit(job.seq - 1), [0])
+            channel.forget(Topics.layout(job.seq - 1))
+
+    def _after_publish(self, job: SaveJob, kept: set[str]) -> None:
+        """Once committed, a save succeeds whatever happens next: deleting the files of the
+        checkpoint it replaced, and ``after_commit`` (retention), fail only into the log."""
+        self._delete_replaced(job, kept)
+        if job.after_commit is not None:
+            try:
+                job.after_commit()
+            except Exception as exc:
+                logger.warning("after the commit of %s: %s", job.storage.url, exc)
+
+    @staticmethod
+    def _delete_replaced(job: SaveJob, kept: set[str]) -> None:
+        """Delete the files of the checkpoint this commit replaced (best effort: a file left
+        behind is unreferenced, never read)."""
+        stale = sorted(job.replaced - kept)
+        if job.replaced_index is not None and job.replaced_index != index_file(job.generation):
+            stale.append(job.replaced_index)
+        for name in stale:
+            try:
+                job.storage.delete(name)
+            except (OSError, SlipstreamError) as exc:
+                logger.warning("could not delete replaced %s/%s: %s", job.storage.url, name, exc)
+
+    def _let_go(self, job: SaveJob) -> None:
+        """One stage of ``job`` is done with its staging buffer; the last one releases it."""
+        with job.holders_lock:
+            job.holders -= 1
+            last = job.holders == 0
+        if last:
+            self._stager.release(job)
+
+    @staticmethod
+    def _fail(job: SaveJob, exc: BaseException) -> None:
+        error = _save_error(job, exc)
+        fail_unfinished(error, job.response.staging_completion, job.response.upload_completion)
+
+    def close(self) -> None:
+        """Wait for the save in flight, then join every thread this saver owns."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stage_thread.shutdown(wait=True)
+        self._upload_thread.shutdown(wait=True)
+        self._stager.close()
+        self._writer.close()
+        self.channel.close()
+
+
+def _save_error(job: SaveJob, exc: BaseException) -> BaseException:
+    """``exc`` as the save's error: slipstream's own errors as they are, others wrapped."""
+    if isinstance(exc, SlipstreamError):
+        return exc
+    return CheckpointError(f"save to {job.storage.url} failed: {exc!r}")
+
+
+def _committed(storage: Storage) -> Metadata | None:
+    """The metadata of the checkpoint committed at ``storage``, if there is one."""
+    data = storage.get(METADATA_FILE)
+    return None if data is None else load_metadata(data, f"{storage.url}/{METADATA_FILE}")
+
+
+class _CommittedMetadata:
+    """Reads back, once, the ``.metadata`` a save committed (on the ranks other than 0,
+    which did not build it); fails if a later save has replaced it meanwhile."""
+
+    def __init__(self, storage: Storage, save_id: str) -> None:
+        self._storage, self._save_id = storage, save_id
+        self._metadata: Metadata | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> Metadata:
+        with self._lock:
+            if self._metadata is None:
+                metadata = _committed(self._storage)
+                found = metadata.storage_meta if metadata is not None else None
+                if metadata is None or found is None or found.save_id != self._save_id:
+                    raise CheckpointError(
+                        f"{self._storage.url}: the checkpoint this save committed was "
+                        "replaced or deleted before its metadata was read"
+                    )
+                self._metadata = metadata
+            return self._metadata
+
+
+def _accelerator_of(layout: LocalLayout) -> torch.device | None:
+    devices = {t.device for t in layout.tensors.values()}
+    return next((d for d in devices if streams.is_accelerator(d)), None)

@@ -1,0 +1,163 @@
+"""Staging: a rank's tensors copied into one reused host buffer, the head of its data file.
+
+The buffer is allocated and touched once per layout (pinned where the state lives on an
+accelerator), framed once (every record's constant zip bytes put in place), and reused by
+every later save of that layout. The copy runs on the saver's staging thread (on an
+accelerator, on a side stream that first waits on the event recorded at the call) and
+advances the job's watermark as records land, so writing starts before staging ends.
+
+Invariant: a save's buffer is not handed to another save until :meth:`Stager.release`
+(the saver releases it once both the save's staging and its writes have ended, failed or
+not, and before the save's outcome reaches the caller).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ...core import streams
+from ...core.buffers import StagingBudgetError, StagingPool
+from ...core.handles import completed_future
+from ...core.threads import lower_thread_priority
+from ...core.waits import wait_future
+from ...errors import CheckpointError
+from .job import SaveJob
+from .layout import LocalLayout
+from .options import SaveOptions
+from .plan import RecordPlan
+from .record_copy import copy_records
+
+
+class Stager:
+    """Owns the staging buffers (one per layout being saved), the side streams and the
+    thread that copies the second half of a split copy (``split_copy``)."""
+
+    def __init__(self, rank: int, options: SaveOptions, priority: tuple[int, bool]) -> None:
+        self.rank = rank
+        self.options = options
+        self._pool = StagingPool(options.staging_budget_bytes)
+        self._framed: dict[str, int] = {}
+        self._side_streams: dict[torch.device, Any] = {}
+        self._tail_copier = ThreadPoolExecutor(
+            1, "slipstream-stage-tail", initializer=lower_thread_priority, initargs=priority
+        )
+
+    @property
+    def pool(self) -> StagingPool:
+        """The staging buffers, for the saver's counters (read-only use)."""
+        return self._pool
+
+    def _buffer(self, job: SaveJob) -> torch.Tensor:
+        if self._pool.allocations == 0:
+            pin = self.options.pin_memory
+            self._pool.pin = (job.device is not None) if pin is None else pin
+        for stale in [k for k in self._framed if k != job.fingerprint]:
+            self._pool.drop(stale)
+            del self._framed[stale]
+        try:
+            buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
+        except StagingBudgetError as exc:
+            raise StagingBudgetError(
+                f"rank {self.rank} cannot stage {job.storage.url}: it needs "
+                f"{job.plan.image_bytes} bytes, over SaveOptions.staging_budget_bytes="
+                f"{self._pool.budget_bytes}"
+            ) from exc
+        if self._framed.get(job.fingerprint) != buf.data_ptr():
+            job.plan.write_frames(buf)
+            self._framed[job.fingerprint] = buf.data_ptr()
+        return buf
+
+    def stage(self, job: SaveJob) -> None:
+        """Copy this rank's chunks into the staging buffer, front to back, then resolve
+        ``staging_completion``; a failure is raised (and set on ``job.progress``).
+
+        On CPU the watermark advances after every record so the upload thread writes each
+        part of the file as soon as it is staged; on an accelerator it advances once the
+        side stream has finished.
+        """
+        try:
+            if job.abandoned is not None:
+                raise CheckpointError(
+                    f"staging of {job.storage.url} skipped: the save already failed "
+                    f"({job.abandoned})"
+                )
+            buf = self._buffer(job)
+            job.buffer = buf
+            job.progress.advance(0)
+            side = None
+            if job.device is not None:
+                side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
+                streams.wait_event(side, job.ready_event)
+            head: list[RecordPlan] = job.plan.records
+            tail: list[RecordPlan] = []
+            if side is None and self.options.split_copy:
+                head, tail = _split_by_bytes(job.plan.records)
+            tail_copy = (
+                self._tail_copier.submit(self._copy_records, job, tail, side, False)
+                if tail
+                else completed_future()
+            )
+            try:
+                with streams.on_stream(side):
+                    self._copy_records(job, head, side, True)
+            finally:
+                wait_future(tail_copy, self.options.timeout, f"staging of {job.storage.url}")
+            if side is not None:
+                side.synchronize()
+            job.layout = LocalLayout([], {}, {}, {})
+            job.progress.advance(job.plan.image_bytes)
+            job.response.timings.staged = job.elapsed()
+            job.response.staging_completion.set_result(None)
+        except BaseException as exc:
+            job.progress.fail(exc)
+            raise
+
+    @staticmethod
+    def _copy_records(
+        job: SaveJob, records: list[RecordPlan], side: torch.Stream | None, advance: bool
+    ) -> None:
+        """Copy ``records`` into the staging buffer; with ``advance``, move the watermark
+        past each one as it lands (only for a run that starts at the head of the file)."""
+        assert job.buffer is not None, "stage() sets the buffer before copying"
+
+        def landed(rec: RecordPlan) -> None:
+            job.progress.advance(rec.offset + rec.length)
+
+        on_landed = landed if advance and side is None else None
+        copy_records(job.buffer, records, job.layout.tensors, on_landed)
+
+    @staticmethod
+    def stage_snapshot(job: SaveJob) -> None:
+        """A snapshot laid out as this rank's image is written as it is: nothing to copy."""
+        assert job.snapshot is not None
+        job.buffer = job.snapshot.buffer
+        job.layout = LocalLayout([], {}, {}, {})
+        job.progress.advance(job.plan.image_bytes)
+        job.response.timings.staged = job.elapsed()
+        job.response.staging_completion.set_result(None)
+
+    def release(self, job: SaveJob) -> None:
+        """The save's staging and writes have ended: its buffer (or snapshot) may serve the
+        next save."""
+        self._pool.release(job.fingerprint)
+        if job.snapshot is not None and job.snapshot_hold is not None:
+            job.snapshot.release(job.snapshot_hold)
+            job.snapshot_hold = None
+
+    def close(self) -> None:
+        self._tail_copier.shutdown(wait=True)
+        self._pool.clear()
+
+
+def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[RecordPlan]]:
+    """Records cut in two runs of about equal bytes, in file order."""
+    half = sum(rec.nbytes for rec in records) / 2
+    copied = 0
+    for i, rec in enumerate(records):
+        if copied >= half:
+            return records[:i], records[i:]
+        copied += rec.nbytes
+    return records, []

@@ -1,0 +1,488 @@
+"""The local tier of a :class:`~..checkpointer.Checkpointer`: saves into node-local storage
+(``/dev/shm`` by default), each rank's file replicated to peer ranks on other nodes.
+
+A local save is an ordinary slipstream save (same format as the durable tier, same
+loader), made by a saver of its own into ``<node root>/step_<k>`` on each node: every rank
+writes its data file on its own node, rank 0 also the ``.metadata`` and index. Then, on
+a thread this tier owns, each rank streams its file to its replica ranks
+(:mod:`.nodes`), and rank 0 its ``.metadata`` and index to those and to one rank of every
+other node, over the peer link (:mod:`.replication`). Rank 0 gathers every rank's report
+through the store and decides; only then does each node's lowest rank write the step's
+marker (``.local_commit``, the step's manifest: every file and its size).
+
+Invariants:
+
+- A step is committed in the local tier only once every file has its replicas; a step
+  without a marker on any node is never read (nor are its replicas).
+- Recovery (:meth:`LocalTierSaver.rebuildable`) takes a step only where the nodes that
+  answered hold, between them, every file of its manifest with the manifest's size, and
+  every rank loads the same step; block checksums are verified on every read, replica
+  or not.
+- A local save that fails (a peer died, a full ``/dev/shm``) fails its own futures only:
+  the previous committed step stays on every node, and retention deletes a committed step
+  only after a newer one has committed.
+- At most two local saves are in flight: step N+1 stages and writes while step N
+  replicates (replication and commits run in save order, on one thread), and the clear
+  before a save spares the steps still in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ...core.handles import fail_unfinished
+from ...core.peer_link import PeerServer
+from ...core.threads import lower_thread_priority
+from ...core.waits import Deadline
+from ...errors import CheckpointError, PeerDiedError, SlipstreamError
+from ..format.names import (
+    METADATA_FILE,
+    SPARE_DIR,
+    data_file_name,
+    files_of,
+    index_file,
+    step_dir,
+    step_dirs,
+)
+from ..format.safe_types import Trusted
+from ..load import loader
+from ..save.job import AsyncSaveResponse
+from ..save.options import SaveOptions
+from ..save.saver import CheckpointSaver
+from ..storage import LocalStorage, Storage
+from .messages import (
+    HeldStep,
+    HostAnnouncement,
+    LoadReport,
+    LocalCommitMarker,
+    NodeCleared,
+    ReplicationReport,
+    StepInventory,
+    TierCommitOutcome,
+    TierTopics,
+)
+from .nodes import NodeMap
+from .options import LocalTier, default_host, default_root
+from .peer_storage import PeerStepStorage
+from .replication import PeerDirectory, TierFiles
+
+logger = logging.getLogger(__name__)
+
+MARKER_FILE = ".local_commit"
+
+
+@dataclass(frozen=True)
+class Rebuildable:
+    """A local step the job can load: its manifest (file: size) and, per file, the ranks
+    whose nodes hold it."""
+
+    step: int
+    manifest: dict[str, int]
+    holders: dict[str, list[int]]
+
+
+class LocalTierSaver:
+    """Saves, replication, commit markers, retention and recovery of one job's local tier.
+    Every rank makes one, in the same order relative to its other savers, and calls
+    :meth:`save`, :meth:`rebuildable` and :meth:`load` together."""
+
+    def __init__(
+        self,
+        tier: LocalTier,
+        durable_url: str,
+        process_group: dist.ProcessGroup | None,
+        options: SaveOptions,
+    ) -> None:
+        self.tier = tier
+        self.options = dataclasses.replace(options, direct_io=False)
+        self.timeout = tier.timeout if tier.timeout is not None else self.options.timeout
+        self._saver = CheckpointSaver(process_group, self.options)
+        self.channel = self._saver.channel
+        self.rank = self.channel.rank
+        world = self.channel.world_size
+        if tier.ranks_per_node is not None:
+            self.nodes = NodeMap.from_ranks_per_node(world, tier.ranks_per_node)
+        else:
+            topic = TierTopics.host()
+            self.channel.post(topic, HostAnnouncement(socket.gethostname()))
+            hosts = self.channel.gather(
+                topic, HostAnnouncement.from_json, Deadline(self.timeout), "name their host"
+            )
+            self.nodes = NodeMap.from_hosts([m.host for m in hosts])
+        self.node = self.nodes.node_of[self.rank]
+        self.is_leader = self.nodes.leader(self.node) == self.rank
+        self.peers = self.nodes.replica_ranks(self.rank, tier.replicas)
+        root = tier.root if tier.root is not None else default_root(durable_url)
+        self.storage: Storage = (
+            root
+            if isinstance(root, Storage)
+            else LocalStorage(root, spare_dir=Path(root) / SPARE_DIR, direct_io=False)
+        )
+        self.storage.prepare()
+        self._files = TierFiles(self.storage)
+        priority = (self.options.thread_nice, self.options.idle_threads)
+        self._server = PeerServer(
+            tier.host or default_host(),
+            self._files,
+            self.timeout,
+            thread_start=lambda: lower_thread_priority(*priority),
+        )
+        self._peers = PeerDirectory(self.channel, self._server.address, self.timeout)
+        self._thread = ThreadPoolExecutor(
+            1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
+        )
+        self._in_flight: deque[tuple[int, Future[None]]] = deque()
+        """The local saves started and not yet seen finished, oldest first: their steps and
+        their commit futures."""
+        self._dir_lock = threading.Lock()
+        """Held by whoever deletes step directories (the clear, retention)."""
+        self._rounds = 0
+        self._committed_steps: list[int] = []
+        self._dead: dict[int, str] = {}
+        """Ranks a local save's commit found dead: later local saves fail at once (a job
+        that lost a rank restarts; its new ranks make a new tier)."""
+        self.before_replication: Callable[[int], None] | None = None
+        """Called on the replication thread with the step, before this rank sends any
+        replica of it (instrumentation, and tests that stop a node mid-replication); an
+        exception it raises fails this rank's part of the save."""
+
+    # -- saving -----------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any]) -> AsyncSaveResponse:
+        """Start the local save of ``step``: its ``upload_completion`` resolves once the
+        step is committed in the local tier (written, replicated, marked). Waits first
+        until at most one earlier local save is in flight (none where that one is of this
+        same step)."""
+        step = int(step)
+        self._wait_in_flight(0 if any(s == step for s, _ in self._in_flight) else 1)
+        dead = {**self._dead, **self.channel.known_dead()}
+        if dead:
+            rank, why = min(dead.items())
+            raise PeerDiedError(
+                f"rank {rank} is dead ({why}); local saves fail at once until the job restarts",
+                sorted(dead),
+                f"local save of step {step}",
+            )
+        step_name = step_dir(step)
+        self._clear(step, step_name, {s for s, f in self._in_flight if not f.done()})
+        self._files.forget(step_name)
+        written = self._saver.save(state, self.storage.child(step_name))
+        response = AsyncSaveResponse(written.staging_completion, Future())
+        response.timings = written.timings
+        self._in_flight.append((step, response.upload_completion))
+        written.upload_completion.add_done_callback(
+            lambda _: self._thread.submit(self._replicate, step, written, response)
+        )
+        return response
+
+    def _wait_in_flight(self, keep: int) -> None:
+        """Block until at most ``keep`` local saves are in flight (their errors are their
+        futures': only a save that outlives its bound raises here, naming its step)."""
+        while len(self._in_flight) > keep:
+            step, done = self._in_flight[0]
+            try:
+                done.result(self.timeout + self.options.timeout)
+            except SlipstreamError:
+                pass
+            except TimeoutError as exc:
+                raise CheckpointError(
+                    f"the local save of step {step} did not finish within "
+                    f"{self.timeout + self.options.timeout} s"
+                ) from exc
+            self._in_flight.popleft()
+
+    def wait_previous(self) -> None:
+        """Block until every local save started has committed or failed."""
+        self._wait_in_flight(0)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the last local save is committed; raise its error if it failed
+        (saves commit in order, so every earlier one has finished too)."""
+        if self._in_flight:
+            self._in_flight[-1][1].result(timeout)
+
+    def _clear(self, step: int, step_name: str, in_flight: set[int]) -> None:
+        """The node's lowest rank removes what a save of ``step`` would collide with (an
+        older attempt at it, uncommitted steps other than those ``in_flight``, which this
+        process is still replicating), then tells its node's other ranks, which wait for
+        that before writing (so that every node starts the step from nothing)."""
+        topic = TierTopics.clear(step)
+        leader = self.nodes.leader(self.node)
+        if self.is_leader:
+            try:
+                with self._dir_lock:
+                    for found, name in step_dirs(self.storage.list_children()).items():
+                        location = self.storage.child(name)
+                        if found == step or (
+                            found not in in_flight and not location.exists(MARKER_FILE)
+                        ):
+                            self._delete_step(name)
+            except (OSError, SlipstreamError) as exc:
+                logger.warning("could not clear %s before step %d: %s", self.storage.url, step, exc)
+            self.channel.post(topic, NodeCleared(step))
+        else:
+            self.channel.receive(
+                topic,
+                NodeCleared.from_json,
+                leader,
+                Deadline(self.timeout),
+                f"clear its node's local step {step}",
+            )
+
+    def _replicate(
+        self, step: int, written: AsyncSaveResponse, response: AsyncSaveResponse
+    ) -> None:
+        try:
+            written.upload_completion.result()
+        except BaseException as exc:  # every rank saw the commit fail: nothing to replicate
+            fail_unfinished(_as_error(exc, step), response.upload_completion)
+            return
+        try:
+            self._replicate_committed(step, written)
+        except BaseException as exc:
+            fail_unfinished(_as_error(exc, step), response.upload_completion)
+        else:
+            response.upload_completion.set_result(None)
+
+    def _replicate_committed(self, step: int, written: AsyncSaveResponse) -> None:
+        step_name = step_dir(step)
+        location = self._files.step(step_name)
+        deadline = Deadline(self.timeout)
+        try:
+            if self.before_replication is not None:
+                self.before_replication(step)
+            report = ReplicationReport(self._send_own(location, step_name, written))
+        except BaseException as exc:
+            report = ReplicationReport(
+                error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
+                dead=list(exc.ranks) if isinstance(exc, PeerDiedError) else [],
+            )
+        self.channel.post(TierTopics.replicated(step), report)
+        if self.rank == 0:
+            self._decide(step, deadline)
+        outcome = self.channel.receive(
+            TierTopics.commit(step),
+            TierCommitOutcome.from_json,
+            0,
+            deadline,
+            f"commit local step {step}",
+        )
+        if outcome.error is not None:
+            message = f"local step {step} was not committed: {outcome.error}"
+            dead = outcome.dead
+            if dead:
+                self._dead.update(dict.fromkeys(dead, message))
+                raise PeerDiedError(message, dead, f"local step {step}")
+            raise CheckpointError(message)
+        if self.is_leader:
+            marker = LocalCommitMarker(step, self.nodes.world_size, outcome.files)
+            location.put_atomic(MARKER_FILE, marker.to_json())
+            self._retain()
+            # every rank of the node read it before its part of the save that just committed
+            self.channel.forget(TierTopics.clear(step), [self.rank])
+        self._committed_steps.append(step)
+        self._files.forget(step_name)  # no file handle keeps a retired step's files
+
+    def _send_own(
+        self, location: Storage, step_name: str, written: AsyncSaveResponse
+    ) -> dict[str, int]:
+        """Send this rank's files of the step to their replica ranks; return their sizes."""
+        own = [data_file_name(self.rank)]
+        targets = {own[0]: list(self.peers)}
+        if self.rank == 0:
+            metadata = written.metadata()
+            if files_of(metadata) != {data_file_name(r) for r in range(self.nodes.world_size)}:
+                raise CheckpointError(
+                    f"{location.url}: the local save's files {sorted(files_of(metadata))} are "
+                    "not one per rank of generation 0"
+                )
+            leaders = [self.nodes.leader(n) for n in range(self.nodes.nodes) if n != self.node]
+            for small in (METADATA_FILE, index_file(0)):
+                targets[small] = sorted(set(self.peers) | set(leaders))
+        sizes = {}
+        for file, ranks in targets.items():
+            if not location.exists(file):
+                raise CheckpointError(f"{location.url}/{file}: this rank's local save is missing")
+            sizes[file] = location.size(file)
+            for peer in ranks:
+                self._peers.send(peer, location, step_name, file)
+        return sizes
+
+    def _decide(self, step: int, deadline: Deadline) -> None:
+        topic = TierTopics.replicated(step)
+        try:
+            reports = self.channel.gather(
+                topic, ReplicationReport.from_json, deadline, f"replicate local step {step}"
+            )
+            errors = [m.error for m in reports if m.error is not None]
+            if errors:
+                dead = sorted({r for m in reports for r in m.dead})
+                outcome = TierCommitOutcome(error="; ".join(errors), dead=dead)
+            else:
+                files: dict[str, int] = {}
+                for m in reports:
+                    files.update(m.files)
+                outcome = TierCommitOutcome(files)
+        except BaseException as exc:
+            dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
+            outcome = TierCommitOutcome(error=str(exc), dead=dead)
+        self.channel.post(TierTopics.commit(step), outcome)
+        self.channel.forget(topic)
+        if self._committed_steps:
+            previous = self._committed_steps[-1]
+            self.channel.forget(TierTopics.commit(previous), [0])
+
+    def _retain(self) -> None:
+        """Delete this node's committed steps older than the last ``keep_last``."""
+        try:
+            with self._dir_lock:
+                committed = sorted(
+                    s
+                    for s, name in step_dirs(self.storage.list_children()).items()
+                    if self.storage.child(name).exists(MARKER_FILE)
+                )
+                for old in committed[: -self.tier.keep_last]:
+                    self._delete_step(step_dir(old))
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("local-tier retention under %s failed: %s", self.storage.url, exc)
+
+    def _delete_step(self, name: str) -> None:
+        """Delete step directory ``name`` of this node, its marker first (a deletion cut
+        short leaves a step no one lists); the caller holds ``_dir_lock``."""
+        self._files.forget(name)
+        location = self.storage.child(name)
+        location.delete(MARKER_FILE)
+        location.delete_all()
+
+    # -- recovery ---------------------------------------------------------------------
+
+    def _inventory(self) -> StepInventory:
+        """This node's committed steps: each one's manifest and the files held whole."""
+        steps: dict[int, HeldStep] = {}
+        for step, name in step_dirs(self.storage.list_children()).items():
+            location = self.storage.child(name)
+            try:
+                data = location.get(MARKER_FILE)
+                if data is None:
+                    continue
+                manifest = LocalCommitMarker.from_json(data, f"{location.url}/{MARKER_FILE}").files
+                held = [
+                    f for f, n in manifest.items() if location.exists(f) and location.size(f) == n
+                ]
+            except (OSError, SlipstreamError) as exc:
+                logger.warning("skipped local step %s: %s", location.url, exc)
+                continue
+            finally:
+                location.close()
+            steps[step] = HeldStep(manifest, held)
+        return StepInventory(steps)
+
+    def rebuildable(self) -> dict[int, Rebuildable]:
+        """The local steps the job can load, by step (every rank calls this together and
+        gets the same answer)."""
+        number = self._rounds
+        self._rounds += 1
+        topic = TierTopics.inventory(number)
+        self.channel.post(topic, self._inventory())
+        found = self.channel.gather(
+            topic, StepInventory.from_json, Deadline(self.timeout), "list their local steps"
+        )
+        self._forget_round(number - 2)
+        manifests: dict[int, dict[str, int]] = {}
+        holders: dict[int, dict[str, list[int]]] = {}
+        for rank, inventory in enumerate(found):
+            for step, entry in inventory.steps.items():
+                manifests.setdefault(step, entry.files)
+                for file in entry.held:
+                    holders.setdefault(step, {}).setdefault(file, []).append(rank)
+        return {
+            step: Rebuildable(step, manifest, holders.get(step, {}))
+            for step, manifest in manifests.items()
+            if all(f in holders.get(step, {}) for f in manifest)
+        }
+
+    def load(
+        self, state_dict: dict[str, Any], found: Rebuildable, strict: bool, trusted: Trusted
+    ) -> int:
+        """Load ``found`` into ``state_dict``, files this node lacks read from peers; every
+        rank waits for every other before returning (so each keeps serving its files
+        until all have read them), and all raise if any failed. Returns how many files
+        this rank read from peers."""
+        step_name = step_dir(found.step)
+        storage = PeerStepStorage(
+            self.storage.child(step_name),
+            step_name,
+            found.manifest,
+            found.holders,
+            self.rank,
+            self._peers.client,
+        )
+        error = None
+        try:
+            loader.load(state_dict, storage, strict=strict, trusted=trusted)
+        except Exception as exc:
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        finally:
+            storage.close()
+        number = self._rounds
+        self._rounds += 1
+        topic = TierTopics.loaded(number)
+        self.channel.post(topic, LoadReport(error))
+        reports = self.channel.gather(
+            topic, LoadReport.from_json, Deadline(self.timeout), f"load local step {found.step}"
+        )
+        self._forget_round(number - 2)
+        errors = [m.error for m in reports if m.error is not None]
+        if errors:
+            raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
+        return len(storage.remote)
+
+    def _forget_round(self, number: int) -> None:
+        """Drop this rank's messages of round ``number``: every rank has read them once
+        it has posted to a later round, which this rank has seen all do."""
+        if number >= 0:
+            for topic in (TierTopics.inventory(number), TierTopics.loaded(number)):
+                self.channel.forget(topic, [self.rank])
+
+    def discard_newer(self, step: int) -> None:
+        """After the job resumed from ``step``: the node's lowest rank deletes its local
+        steps past it (they belong to the run that was abandoned)."""
+        if not self.is_leader:
+            return
+        try:
+            with self._dir_lock:
+                for found, name in step_dirs(self.storage.list_children()).items():
+                    if found > step:
+                        self._delete_step(name)
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("could not delete local steps after %d: %s", step, exc)
+
+    def close(self) -> None:
+        """Wait for the local save in flight, then stop serving and join every thread."""
+        try:
+            self.wait_previous()
+        finally:
+            self._saver.close()
+            self._thread.shutdown(wait=True)
+            self._server.close()
+            self._peers.close()
+            self._files.close()
+            if self.is_leader:
+                self.storage.discard_spares()
+
+
+def _as_error(exc: BaseException, step: int) -> SlipstreamError:
+    if isinstance(exc, SlipstreamError):
+        return exc
+    return CheckpointError(f"local save of step {step} failed: {exc!r}")

@@ -1,0 +1,235 @@
+"""The local tier's messages: what its ranks tell each other through the job's store, and
+the marker each node writes once a local step is committed.
+
+Every message is posted under a topic :class:`TierTopics` builds (``tier/...``). A
+local save of step ``s``, round by round:
+
+1. each node's lowest rank clears what the step would collide with and posts
+   :class:`NodeCleared` at ``tier/clear/{s}``; its node's other ranks wait for it;
+2. each rank sends its replicas and posts its :class:`ReplicationReport` at
+   ``tier/replicated/{s}``;
+3. rank 0 gathers them and posts the :class:`TierCommitOutcome` at ``tier/commit/{s}``;
+4. each node's lowest rank writes the :class:`LocalCommitMarker` (``.local_commit``).
+
+Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name) and
+:class:`PeerAddress` at ``tier/address`` (where a rank's peer link listens). Recovery:
+:class:`StepInventory` at ``tier/inventory/{n}``, then :class:`LoadReport` at
+``tier/loaded/{n}``.
+
+Invariant: each message is written by ``to_json`` and read by ``from_json`` of its own
+class, nowhere else; a malformed one raises ``CheckpointError`` naming the message and
+the field (``CorruptCheckpointError`` for the marker, which is read from storage).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ...core.control_plane import store_key
+from ...errors import CheckpointError, CorruptCheckpointError
+from ..format.fields import Fields, decode_json, int_list
+
+
+class TierTopics:
+    """Every topic the local tier's ranks post under (relative to their channel's namespace)."""
+
+    @staticmethod
+    def host() -> str:
+        return store_key("tier", "host")
+
+    @staticmethod
+    def address() -> str:
+        return store_key("tier", "address")
+
+    @staticmethod
+    def clear(step: int) -> str:
+        return store_key("tier", "clear", step)
+
+    @staticmethod
+    def replicated(step: int) -> str:
+        return store_key("tier", "replicated", step)
+
+    @staticmethod
+    def commit(step: int) -> str:
+        return store_key("tier", "commit", step)
+
+    @staticmethod
+    def inventory(round_: int) -> str:
+        return store_key("tier", "inventory", round_)
+
+    @staticmethod
+    def loaded(round_: int) -> str:
+        return store_key("tier", "loaded", round_)
+
+
+def _sizes(f: Fields, name: str) -> dict[str, int]:
+    """The object at ``name`` as a manifest: file name -> size in bytes."""
+    raw = f.get(name, dict)
+    for file, size in raw.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise f.fail(name, f"entry {file!r} is not a size in bytes: {size!r:.80}")
+    return dict(raw)
+
+
+def _message(text: str | bytes, what: str) -> Fields:
+    return Fields(decode_json(text, what, CheckpointError), what, CheckpointError)
+
+
+@dataclass(frozen=True)
+class HostAnnouncement:
+    """A rank's host name: ranks on one host are one node (unless ``ranks_per_node``)."""
+
+    host: str
+
+    def to_json(self) -> str:
+        return json.dumps({"host": self.host})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> HostAnnouncement:
+        return cls(_message(text, what).get("host", str))
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a rank's peer link server listens."""
+
+    host: str
+    port: int
+
+    def to_json(self) -> str:
+        return json.dumps({"host": self.host, "port": self.port})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> PeerAddress:
+        f = _message(text, what)
+        host, port = f.get("host", str), f.get("port", int)
+        if not 0 < port < 65536:
+            raise f.fail("port", f"is not a TCP port: {port}")
+        return cls(host, port)
+
+
+@dataclass(frozen=True)
+class NodeCleared:
+    """A node's lowest rank has cleared what a save of ``step`` would collide with."""
+
+    step: int
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> NodeCleared:
+        return cls(_message(text, what).get("step", int))
+
+
+@dataclass(frozen=True)
+class _FilesOrError:
+    """Files and their sizes (``files``), or why there are none (``error``, and the ranks
+    found ``dead``): a message reads back as one or the other, never both."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    dead: list[int] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({"files": self.files, "error": self.error, "dead": self.dead})
+
+    @classmethod
+    def from_json(cls: type[_F], text: str | bytes, what: str) -> _F:
+        f = _message(text, what)
+        error = f.get("error", str, optional=True)
+        if error is not None:
+            dead = int_list(f.get("dead", list), f"{what}: field 'dead'", CheckpointError)
+            return cls(error=error, dead=dead)
+        return cls(_sizes(f, "files"))
+
+
+_F = TypeVar("_F", bound=_FilesOrError)
+
+
+@dataclass(frozen=True)
+class ReplicationReport(_FilesOrError):
+    """A rank's files of a local step are on their replica ranks (``files``: each one's
+    size), or why not (``error``, and the ranks found ``dead``)."""
+
+
+@dataclass(frozen=True)
+class TierCommitOutcome(_FilesOrError):
+    """Rank 0's decision on a local step: committed, with its manifest (``files``: every
+    file of the step and its size), or failed (``error``, and the ranks found ``dead``)."""
+
+
+@dataclass(frozen=True)
+class LocalCommitMarker:
+    """``.local_commit``: a local step is committed; its manifest (every file and its
+    size) and the world size that wrote it."""
+
+    step: int
+    world_size: int
+    files: dict[str, int]
+
+    def to_json(self) -> bytes:
+        body = {"step": self.step, "world_size": self.world_size, "files": self.files}
+        return json.dumps(body).encode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> LocalCommitMarker:
+        f = Fields(decode_json(text, what, CorruptCheckpointError), what, CorruptCheckpointError)
+        return cls(f.get("step", int), f.get("world_size", int), _sizes(f, "files"))
+
+
+@dataclass(frozen=True)
+class HeldStep:
+    """One committed local step on a node: its manifest and the files the node holds whole."""
+
+    files: dict[str, int]
+    held: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": self.files, "held": self.held}
+
+    @classmethod
+    def from_dict(cls, raw: object, what: str) -> HeldStep:
+        f = Fields(raw, what, CheckpointError)
+        files = _sizes(f, "files")
+        held = f.get("held", list)
+        for file in held:
+            if file not in files:
+                raise f.fail("held", f"names {file!r:.80}, which the manifest does not list")
+        return cls(files, [str(x) for x in held])
+
+
+@dataclass(frozen=True)
+class StepInventory:
+    """A rank's node's committed local steps, by step."""
+
+    steps: dict[int, HeldStep]
+
+    def to_json(self) -> str:
+        return json.dumps({"steps": {str(s): h.to_dict() for s, h in self.steps.items()}})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> StepInventory:
+        f = _message(text, what)
+        steps: dict[int, HeldStep] = {}
+        for key, raw in f.get("steps", dict).items():
+            if not key.isdecimal():
+                raise f.fail("steps", f"key {key!r:.80} is not a step number")
+            steps[int(key)] = HeldStep.from_dict(raw, f"{what}: steps[{key!r}]")
+        return cls(steps)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A rank has loaded a local step (``error``: or why it could not)."""
+
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"error": self.error})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> LoadReport:
+        return cls(_message(text, what).get("error", str, optional=True))
