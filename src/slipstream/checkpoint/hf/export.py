@@ -277,6 +277,110 @@ def _remove_stale(out: Path, keep: set[str]) -> None:
             entry.unlink()
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """The checkpoint's tensors an export writes: ``names`` (exported name -> saved dtype
+    and shape) in file ``order``, under ``prefix`` in the checkpoint; ``tied`` weights
+    dropped; ``specs`` and ``values`` are everything the checkpoint holds."""
+
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    values: list[str]
+    prefix: str
+    names: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    order: list[str]
+    tied: dict[str, str]
+
+
+def _select(
+    checkpoint_id: Location,
+    storage_options: dict[str, Any] | None,
+    prefix: str | None,
+    arch: Architecture | None,
+    config: str | os.PathLike[str] | None,
+) -> _Selection:
+    """The model tensors to export: optimizer state left out, the prefix found (or the one
+    given) and stripped, tied weights dropped, checked against ``arch`` when given."""
+    specs, values = _tensor_specs(checkpoint_id, storage_options)
+    optimizer = _optimizer_groups(list(specs) + values)
+    candidates = [k for k in specs if not any(k.startswith(f"{g}.") for g in optimizer)]
+    if prefix is None:
+        prefix = _choose_prefix(candidates, arch, optimizer)
+    chosen = [k for k in candidates if k.startswith(prefix)] if prefix else candidates
+    if not chosen:
+        raise CheckpointError(
+            f"no tensors of {checkpoint_id} are under the prefix {prefix!r}; its top-level "
+            f"names: {sorted({k.split('.', 1)[0] for k in specs})}"
+        )
+    names = {k[len(prefix) :]: specs[k] for k in chosen}
+    tied = {n: kept for n, kept in (arch.tied if arch else {}).items() if n in names}
+    for name in tied:
+        del names[name]
+    if arch is not None and config is not None:
+        _check_architecture(arch, names, config, prefix)
+        order = [n for n in arch.shapes if n in names]
+    else:
+        order = list(names)
+    return _Selection(specs, values, prefix, names, order, tied)
+
+
+def _out_dtypes(sel: _Selection, cast: torch.dtype | None) -> dict[str, torch.dtype]:
+    """Each exported tensor's dtype in the files: ``cast`` for floating tensors, if given."""
+    out = {}
+    for name in sel.order:
+        saved = sel.names[name][0]
+        out[name] = cast if cast is not None and saved.is_floating_point else saved
+    unknown = sorted({str(d) for d in out.values() if d not in NAMES})
+    if unknown:
+        raise CheckpointError(f"safetensors cannot hold the dtypes {unknown}")
+    return out
+
+
+def _write_shards(
+    checkpoint_id: Location,
+    storage_options: dict[str, Any] | None,
+    sel: _Selection,
+    out: Path,
+    files: list[str],
+    shards: list[list[str]],
+    dtypes: dict[str, torch.dtype],
+    held: dict[str, torch.Tensor],
+    progress: Progress | None,
+    total: int,
+) -> dict[str, str]:
+    """Read (or take from ``held``), cast and write each shard in turn; the weight map."""
+    done = 0
+    weight_map: dict[str, str] = {}
+    prefix, names = sel.prefix, sel.names
+    for file, shard in zip(files, shards, strict=True):
+        target = {
+            prefix + n: torch.empty(names[n][1], dtype=names[n][0]) for n in shard if n not in held
+        }
+        if target:
+            loader.load(target, checkpoint_id, strict=False, storage_options=storage_options)
+        tensors = {n: (held[n] if n in held else target[prefix + n]).to(dtypes[n]) for n in shard}
+        del target
+        _write_file(out / file, tensors)
+        for n in shard:
+            weight_map[n] = file
+            done += numel(names[n][1]) * dtypes[n].itemsize
+            if progress is not None:
+                progress(done, total)
+    return weight_map
+
+
+def _write_index(out: Path, sel: _Selection, total: int, weight_map: dict[str, str]) -> None:
+    """``model.safetensors.index.json`` of a sharded export, as transformers writes it."""
+    index = {
+        "metadata": {
+            "total_parameters": sum(numel(sel.names[n][1]) for n in sel.order),
+            "total_size": total,
+        },
+        "weight_map": weight_map,
+    }
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    write_atomic(out / INDEX_FILE, text.encode())
+
+
 def export_hf(
     checkpoint_id: Location,
     out_dir: str | os.PathLike[str],
@@ -305,36 +409,10 @@ def export_hf(
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
     cast = parse_dtype(dtype) if dtype is not None else None
     arch = architecture(config) if config is not None else None
-    specs, values = _tensor_specs(checkpoint_id, storage_options)
-    optimizer = _optimizer_groups(list(specs) + values)
-    candidates = [k for k in specs if not any(k.startswith(f"{g}.") for g in optimizer)]
-    if prefix is None:
-        prefix = _choose_prefix(candidates, arch, optimizer)
-    chosen = [k for k in candidates if k.startswith(prefix)] if prefix else candidates
-    if not chosen:
-        raise CheckpointError(
-            f"no tensors of {checkpoint_id} are under the prefix {prefix!r}; its top-level "
-            f"names: {sorted({k.split('.', 1)[0] for k in specs})}"
-        )
-    names = {k[len(prefix) :]: specs[k] for k in chosen}
-    tied = {n: kept for n, kept in (arch.tied if arch else {}).items() if n in names}
-    for name in tied:
-        del names[name]
-    if arch is not None and config is not None:
-        _check_architecture(arch, names, config, prefix)
-        order = [n for n in arch.shapes if n in names]
-    else:
-        order = list(names)
-
-    def out_dtype(name: str) -> torch.dtype:
-        saved = names[name][0]
-        return cast if cast is not None and saved.is_floating_point else saved
-
-    unknown = sorted({str(out_dtype(n)) for n in order if out_dtype(n) not in NAMES})
-    if unknown:
-        raise CheckpointError(f"safetensors cannot hold the dtypes {unknown}")
-    sizes = {n: numel(names[n][1]) * out_dtype(n).itemsize for n in order}
-    shards = _shards(order, sizes, max_bytes)
+    sel = _select(checkpoint_id, storage_options, prefix, arch, config)
+    dtypes = _out_dtypes(sel, cast)
+    sizes = {n: numel(sel.names[n][1]) * dtypes[n].itemsize for n in sel.order}
+    shards = _shards(sel.order, sizes, max_bytes)
     files = (
         [SINGLE_FILE]
         if len(shards) == 1
@@ -346,47 +424,24 @@ def export_hf(
     except OSError as exc:
         raise CheckpointError(f"cannot create the output directory {out}: {exc}") from exc
     total = sum(sizes.values())
-    done = 0
-    weight_map: dict[str, str] = {}
-    held = _held_tensors(staged or {}, prefix, names)
-    for file, shard in zip(files, shards, strict=True):
-        target = {
-            prefix + n: torch.empty(names[n][1], dtype=names[n][0]) for n in shard if n not in held
-        }
-        if target:
-            loader.load(target, checkpoint_id, strict=False, storage_options=storage_options)
-        tensors = {
-            n: (held[n] if n in held else target[prefix + n]).to(out_dtype(n)) for n in shard
-        }
-        del target
-        _write_file(out / file, tensors)
-        for n in shard:
-            weight_map[n] = file
-            done += sizes[n]
-            if progress is not None:
-                progress(done, total)
+    held = _held_tensors(staged or {}, sel.prefix, sel.names)
+    weight_map = _write_shards(
+        checkpoint_id, storage_options, sel, out, files, shards, dtypes, held, progress, total
+    )
     if len(files) > 1:
-        index = {
-            "metadata": {
-                "total_parameters": sum(numel(names[n][1]) for n in order),
-                "total_size": total,
-            },
-            "weight_map": weight_map,
-        }
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        write_atomic(out / INDEX_FILE, text.encode())
+        _write_index(out, sel, total, weight_map)
     _remove_stale(out, set(files) | ({INDEX_FILE} if len(files) > 1 else set()))
     if config is not None and not (out / "config.json").resolve() == Path(config).resolve():
         shutil.copyfile(config, out / "config.json")
-    exported = set(chosen)
-    skipped = [k for k in specs if k not in exported] + values
+    exported = {sel.prefix + n for n in sel.names} | {sel.prefix + n for n in sel.tied}
+    skipped = [k for k in sel.specs if k not in exported] + sel.values
     return HfExport(
         os.fspath(out),
         files,
-        prefix,
+        sel.prefix,
         weight_map,
         total,
-        tied,
+        sel.tied,
         skipped,
         arch.name if arch else None,
     )
