@@ -22,6 +22,7 @@ from .layout import LocalLayout
 from .plan import SavePlan
 
 if TYPE_CHECKING:
+    from .device_snapshot import DeviceSnapshot
     from .snapshot import StagedState
 
 
@@ -99,6 +100,12 @@ class SaveJob:
     snapshot: StagedState | None = None
     """The snapshot (:func:`~.snapshot.stage`) saved, held until the save's writes are done."""
     snapshot_hold: int | None = None
+    device_snapshot: DeviceSnapshot | None = None
+    """The device snapshot the call gathered the tensors into (:mod:`.device_snapshot`),
+    held until its drain to the host buffer has ended; ``None`` when staging copies from
+    the state itself."""
+    gathered: Any = None
+    """The event recorded after that gather (``None`` on CPU), which the drain waits for."""
     holders: int = 2
     """The stages that still use the staging buffer (staging and upload; upload alone for a
     snapshot written as it is). The buffer goes back to the pool when the last lets go."""
