@@ -30,7 +30,7 @@ ALIGN = 64
 @dataclass(frozen=True)
 class Slot:
     """Where one tensor's values go in the flat buffer: ``dtype`` and ``shape``, row-major,
-    from byte ``offset``."""
+    from byte ``offset`` (a multiple of the dtype's size)."""
 
     offset: int
     dtype: torch.dtype

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +34,7 @@ from ...core.dtypes import dtype_from_name
 from ...core.gather import FlatGather, Slot
 from ...errors import CheckpointError
 from ..format.records import tensor_frame
-from .job import SaveJob
+from .job import DeviceSnapshot, SaveJob
 from .options import SaveOptions
 from .plan import SavePlan
 
@@ -43,18 +42,6 @@ logger = logging.getLogger(__name__)
 
 DRAIN_PIECES = 4
 """Most copies a drain issues: enough for the writes to start before the drain ends."""
-
-
-@dataclass
-class DeviceSnapshot:
-    """One layout's snapshot buffer on one device, and the gather into it."""
-
-    key: tuple[str, torch.device]
-    buffer: torch.Tensor
-    gather: FlatGather
-    record_keys: list[str]
-    """The layout's record keys in slot order (this rank's records, in file order)."""
-    in_use: bool = False
 
 
 class DeviceSnapshots:

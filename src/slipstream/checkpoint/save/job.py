@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ...core.gather import FlatGather
 from ...core.handles import Watermark
 from ...errors import CheckpointError
 from ..format.names import data_file
@@ -22,7 +23,6 @@ from .layout import LocalLayout
 from .plan import SavePlan
 
 if TYPE_CHECKING:
-    from .device_snapshot import DeviceSnapshot
     from .snapshot import StagedState
 
 
@@ -68,6 +68,19 @@ class AsyncSaveResponse:
     def committed_as(self, source: Callable[[], Metadata]) -> None:
         """Set where :meth:`metadata` comes from (the saver, once the save committed)."""
         self._metadata = source
+
+
+@dataclass
+class DeviceSnapshot:
+    """One layout's snapshot buffer on one device, and the gather into it (made and lent
+    to saves by :class:`~.device_snapshot.DeviceSnapshots`)."""
+
+    key: tuple[str, torch.device]
+    buffer: torch.Tensor
+    gather: FlatGather
+    record_keys: list[str]
+    """The layout's record keys in slot order (this rank's records, in file order)."""
+    in_use: bool = False
 
 
 @dataclass(kw_only=True)
