@@ -83,15 +83,16 @@ class DeviceSnapshots:
 
     def drain(self, job: SaveJob, side: torch.Stream | None) -> None:
         """Copy ``job``'s snapshot into its host buffer (``job.buffer``) on ``side`` (``None``
-        on CPU), advancing the watermark as each piece lands; the snapshot is released
-        however it ends."""
+        on CPU), advancing the watermark as each piece lands. The snapshot is released
+        however the drain ends, and before the watermark reaches the end: the save cannot
+        finish (and the next one gather into the snapshot) while it is still held."""
         snap = job.device_snapshot
         host = job.buffer
         assert snap is not None and host is not None, "gather() and stage() set them"
+        nbytes = job.plan.image_bytes
         try:
-            nbytes = job.plan.image_bytes
             src = snap.buffer[:nbytes]
-            landed: list[tuple[int, torch.Event | None]] = []
+            landed: list[tuple[int, torch.Event | None]] = []  # on an accelerator
             streams.wait_event(side, job.gathered)
             with streams.on_stream(side):
                 for start, end in drain_pieces(nbytes):
@@ -99,17 +100,19 @@ class DeviceSnapshots:
                         copy_in_slices(
                             host[start:end], src[start:end], non_blocking=side is not None
                         )
-                    if side is None:
-                        job.progress.advance(end)
-                    else:
+                    if side is not None:
                         landed.append((end, streams.record_event(side)))
+                    elif end < nbytes:
+                        job.progress.advance(end)
             for end, event in landed:
                 streams.synchronize_event(event)
-                job.progress.advance(end)
+                if end < nbytes:
+                    job.progress.advance(end)
         finally:
             if side is not None:
                 side.synchronize()  # nothing queued may still read the snapshot once released
             self.release(job)
+        job.progress.advance(nbytes)
 
     def release(self, job: SaveJob) -> None:
         """``job`` is done with its snapshot (if it still holds one); idempotent."""
