@@ -111,7 +111,6 @@ class Stager:
                 side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
             if job.device_snapshot is not None:
                 self._snapshots.drain(job, side)
-                job.progress.advance(job.plan.image_bytes)
                 return
             streams.wait_event(side, job.ready_event)
             head: list[RecordPlan] = job.plan.records
