@@ -225,4 +225,9 @@ def _frame(buffer: torch.Tensor, plan: SavePlan) -> None:
         return
     values = torch.frombuffer(bytearray(b"".join(pieces)), dtype=torch.uint8)
     index = torch.cat(positions)
-    buffer.index_copy_(0, index.to(buffer.device), values.to(buffer.device))
+    if streams.is_accelerator(buffer.device):
+        # from pinned memory the copies queue behind the caller's work instead of waiting
+        # for it (torch's pinned allocator keeps these until the device has read them)
+        values, index = values.pin_memory(), index.pin_memory()
+    to = buffer.device
+    buffer.index_copy_(0, index.to(to, non_blocking=True), values.to(to, non_blocking=True))
