@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import slipstream as ss
-from slipstream.checkpoint.save.saver import CheckpointSaver
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -113,3 +113,45 @@ def test_pinned_staging_buffers_are_page_aligned_at_any_size():
         assert buf.is_pinned() and buf.numel() == nbytes
         assert buf.data_ptr() % PAGE_BYTES == 0
         assert int(buf.sum()) == 0
+
+
+def test_device_snapshot_completes_staging_at_the_call_and_keeps_host_tensors_of_then(tmp_path):
+    # a non-fused AdamW keeps its step counters on the host: they are copied in the call too
+    state = _state()
+    state["cpu_step"] = torch.tensor(4.0)
+    want = {k: (v + 1 if torch.is_tensor(v) else v) for k, v in state.items()}
+    saver = CheckpointSaver()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        for v in state.values():
+            if torch.is_tensor(v):
+                v.add_(1)  # device ones queued behind the spin
+        resp = saver.save(state, tmp_path / "ck")
+        assert resp.staging_completion.done()  # the gather is queued, the stream ordered
+        assert not torch.cuda.current_stream().query()
+        for v in state.values():
+            if torch.is_tensor(v):
+                v.mul_(-3)  # queued after the gather (on the host: after its copy)
+        resp.result(timeout=30)
+        saver.save(state, tmp_path / "ck2").result(timeout=30)
+        assert saver.snapshot_allocations == 1 and saver.staging_allocations == 1
+        assert saver.staging_pinned
+    finally:
+        saver.close()
+    got = _zeros_like(state, "cpu")
+    ss.load(got, checkpoint_id=tmp_path / "ck")
+    _assert_same(got, want)
+
+
+def test_a_device_snapshot_over_its_budget_stages_from_the_state(tmp_path):
+    state = _state()
+    saver = CheckpointSaver(options=SaveOptions(device_snapshot_bytes=1024))
+    try:
+        saver.save(state, tmp_path / "ck").result(timeout=30)
+        assert saver.snapshot_allocations == 0 and saver.staging_allocations == 1
+    finally:
+        saver.close()
+    got = _zeros_like(state, "cpu")
+    ss.load(got, checkpoint_id=tmp_path / "ck")
+    _assert_same(got, state)

@@ -55,3 +55,9 @@ def on_stream(stream: torch.Stream | None) -> AbstractContextManager[object]:
     if stream is None:
         return nullcontext()
     return stream
+
+
+def synchronize_event(event: torch.Event | None) -> None:
+    """Block the calling thread until the work before ``event`` has run (no-op on CPU)."""
+    if event is not None:
+        event.synchronize()

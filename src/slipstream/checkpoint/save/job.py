@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ...core.gather import FlatGather
 from ...core.handles import Watermark
 from ...errors import CheckpointError
 from ..format.names import data_file
@@ -69,6 +70,19 @@ class AsyncSaveResponse:
         self._metadata = source
 
 
+@dataclass
+class DeviceSnapshot:
+    """One layout's snapshot buffer on one device, and the gather into it (made and lent
+    to saves by :class:`~.device_snapshot.DeviceSnapshots`)."""
+
+    key: tuple[str, torch.device]
+    buffer: torch.Tensor
+    gather: FlatGather
+    record_keys: list[str]
+    """The layout's record keys in slot order (this rank's records, in file order)."""
+    in_use: bool = False
+
+
 @dataclass(kw_only=True)
 class SaveJob:
     """Everything the stages of one save share; ``progress`` is how far staging got.
@@ -99,6 +113,12 @@ class SaveJob:
     snapshot: StagedState | None = None
     """The snapshot (:func:`~.snapshot.stage`) saved, held until the save's writes are done."""
     snapshot_hold: int | None = None
+    device_snapshot: DeviceSnapshot | None = None
+    """The device snapshot the call gathered the tensors into (:mod:`.device_snapshot`),
+    held until its drain to the host buffer has ended; ``None`` when staging copies from
+    the state itself."""
+    gathered: Any = None
+    """The event recorded after that gather (``None`` on CPU), which the drain waits for."""
     holders: int = 2
     """The stages that still use the staging buffer (staging and upload; upload alone for a
     snapshot written as it is). The buffer goes back to the pool when the last lets go."""

@@ -22,6 +22,18 @@ class SaveOptions:
     """Upper bound on host staging memory; ``None`` means the size of one save."""
     pin_memory: bool | None = None
     """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
+    device_snapshot: bool | None = None
+    """Take each save first as a snapshot on the state's own device: the call gathers the
+    tensors into one reused buffer there in a few fused copies and ``staging_completion``
+    resolves at once (work queued after the call on the caller's stream runs after the
+    gather); the snapshot then drains to the host staging buffer in a few large copies on a
+    side stream. ``None``: on accelerators; ``True`` also on CPU, where the snapshot is host
+    memory and the call makes the copy; ``False``: stage straight to the host buffer, one
+    copy per tensor. docs/checkpoint.md, "Saving from a GPU", says more."""
+    device_snapshot_bytes: int | None = None
+    """Most bytes the device snapshot may take; a save it does not fit stages straight to
+    the host buffer, and the saver logs that once. ``None``: half of the memory the device
+    has free when a layout is first saved (no limit for a snapshot in host memory)."""
     direct_io: bool = True
     """On the local disk, write data files with ``O_DIRECT`` where the filesystem allows it
     (see :class:`~..storage.local.LocalDataWriter`)."""
@@ -42,6 +54,11 @@ class SaveOptions:
     measurements."""
 
     def __post_init__(self) -> None:
+        if self.device_snapshot_bytes is not None and self.device_snapshot_bytes < 0:
+            raise ValueError(
+                f"SaveOptions.device_snapshot_bytes={self.device_snapshot_bytes}: must be >= 0 "
+                "(0 turns the device snapshot off) or None"
+            )
         if self.write_piece_bytes <= 0 or self.write_piece_bytes % PAGE_BYTES:
             raise ValueError(
                 f"SaveOptions.write_piece_bytes={self.write_piece_bytes}: must be a positive "

@@ -6,10 +6,12 @@ One save, stage by stage (each on a thread this object owns and joins in ``close
    mutation cannot change them, and a bad value fails here, naming its key; a value equal
    to the previous save's reuses its bytes), look up the plan for this layout (planning,
    through the store, only on a layout's first save), record an event on the
-   accelerator's current stream; return.
-2. staging thread (:mod:`.staging`): copy every tensor chunk this rank writes into its
-   staging buffer, the head of the rank's data file; then ``staging_completion``
-   resolves: the caller may mutate the state.
+   accelerator's current stream; with a device snapshot (:mod:`.device_snapshot`, on
+   accelerators by default), gather the tensors into it in a few copy calls on that stream
+   and resolve ``staging_completion``; return.
+2. staging thread (:mod:`.staging`): fill this rank's staging buffer, the head of its data
+   file: drain the device snapshot into it, or copy every tensor chunk this rank writes
+   from the state and then resolve ``staging_completion``: the caller may mutate the state.
 3. upload thread: pick file names no committed checkpoint here uses (:mod:`..format.names`:
    an older checkpoint stays loadable until this one commits); write the image as it is
    staged, checksums and plain values (:mod:`.writer`, through the storage backend of
@@ -100,10 +102,12 @@ class CheckpointSaver:
         self._lock = threading.Lock()
         self.plans_made = 0
         self.before_staging: Callable[[], None] | None = None
-        """Called on the staging thread as each save's staging begins, before any tensor
-        byte is copied (instrumentation, and tests that hold staging to order events). It
-        may block, which holds that save's staging (and its writes) until it returns; an
-        exception it raises fails the save."""
+        """Called on the staging thread as each save's staging begins, before any byte is
+        copied into the host staging buffer (instrumentation, and tests that hold staging to
+        order events): with a device snapshot, after the call gathered the state into it and
+        before the drain; otherwise before any tensor byte is copied. It may block, which
+        holds that save's staging (and its writes) until it returns; an exception it raises
+        fails the save (and with a device snapshot, releases it)."""
 
     @property
     def rank(self) -> int:
@@ -120,6 +124,17 @@ class CheckpointSaver:
         """Host bytes of the staging buffers this saver holds (none for the saves of a
         snapshot written as it is, see :func:`~.snapshot.stage`)."""
         return self._stager.pool.live_bytes
+
+    @property
+    def snapshot_allocations(self) -> int:
+        """Device snapshot buffers allocated so far (see ``SaveOptions.device_snapshot``): a
+        save of a layout already snapshotted reuses its buffer."""
+        return self._stager.snapshots.allocations
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the device snapshot buffers this saver holds (on the state's device)."""
+        return self._stager.snapshots.live_bytes
 
     @property
     def staging_pinned(self) -> bool | None:
@@ -169,7 +184,8 @@ class CheckpointSaver:
             self._announce_failure(seq, exc)
             raise
         fingerprint = plan.fingerprints[plan.rank]
-        device = _accelerator_of(layout)
+        devices = {t.device for t in layout.tensors.values()}
+        device = next((d for d in devices if streams.is_accelerator(d)), None)
         ready = streams.record_event(streams.current_stream(device)) if device else None
         response = AsyncSaveResponse(Future(), Future())
         job = SaveJob(
@@ -194,11 +210,27 @@ class CheckpointSaver:
             self._stager.stage_snapshot(job)
             job.staging_ended.set()
         else:
+            if snapshot is None:
+                self._gather(job, devices)
             self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
         self._last = response
         response.timings.blocked = job.elapsed()
         return response
+
+    def _gather(self, job: SaveJob, devices: set[torch.device]) -> None:
+        """Take ``job``'s device snapshot, if it has one (:mod:`.device_snapshot`), and
+        resolve ``staging_completion`` at once; a failure fails the save here, and every
+        other rank's with it."""
+        try:
+            gathered = self._stager.gather(job, devices)
+        except BaseException as exc:
+            self._announce_failure(job.seq, exc)
+            raise
+        if gathered:
+            job.layout = LocalLayout([], {}, {}, {})
+            job.response.timings.staged = job.elapsed()
+            job.response.staging_completion.set_result(None)
 
     def _prepare(
         self, state_dict: Mapping[str, Any], seq: int, storage: Storage
@@ -520,8 +552,3 @@ class _CommittedMetadata:
                     )
                 self._metadata = metadata
             return self._metadata
-
-
-def _accelerator_of(layout: LocalLayout) -> torch.device | None:
-    devices = {t.device for t in layout.tensors.values()}
-    return next((d for d in devices if streams.is_accelerator(d)), None)

@@ -2,9 +2,14 @@
 
 The buffer is allocated and touched once per layout (pinned where the state lives on an
 accelerator), framed once (every record's constant zip bytes put in place), and reused by
-every later save of that layout. The copy runs on the saver's staging thread (on an
-accelerator, on a side stream that first waits on the event recorded at the call) and
-advances the job's watermark as records land, so writing starts before staging ends.
+every later save of that layout. It is filled on the saver's staging thread in one of two
+ways, advancing the job's watermark as bytes land so that writing starts before staging ends:
+
+- from a device snapshot the call already gathered (:mod:`.device_snapshot`; on an
+  accelerator by default): a few large copies on a side stream;
+- from the state itself: one copy per record (on an accelerator, on a side stream that first
+  waits on the event recorded at the call; on CPU, ``memmove`` in slices), then
+  ``staging_completion`` resolves.
 
 Invariant: a save's buffer is not handed to another save until :meth:`Stager.release`
 (the saver releases it once both the save's staging and its writes have ended, failed or
@@ -24,6 +29,7 @@ from ...core.handles import completed_future
 from ...core.threads import lower_thread_priority
 from ...core.waits import wait_future
 from ...errors import CheckpointError
+from .device_snapshot import DeviceSnapshots
 from .job import SaveJob
 from .layout import LocalLayout
 from .options import SaveOptions
@@ -39,6 +45,7 @@ class Stager:
         self.rank = rank
         self.options = options
         self._pool = StagingPool(options.staging_budget_bytes)
+        self._snapshots = DeviceSnapshots(rank, options)
         self._framed: dict[str, int] = {}
         self._side_streams: dict[torch.device, Any] = {}
         self._tail_copier = ThreadPoolExecutor(
@@ -49,6 +56,16 @@ class Stager:
     def pool(self) -> StagingPool:
         """The staging buffers, for the saver's counters (read-only use)."""
         return self._pool
+
+    @property
+    def snapshots(self) -> DeviceSnapshots:
+        """The device snapshots, for the saver's counters (read-only use)."""
+        return self._snapshots
+
+    def gather(self, job: SaveJob, devices: set[torch.device]) -> bool:
+        """On the caller's thread: gather ``job``'s tensors into a device snapshot (see
+        :mod:`.device_snapshot`); False when the save stages from the state instead."""
+        return self._snapshots.gather(job, devices)
 
     def _buffer(self, job: SaveJob) -> torch.Tensor:
         if self._pool.allocations == 0:
@@ -71,12 +88,14 @@ class Stager:
         return buf
 
     def stage(self, job: SaveJob) -> None:
-        """Copy this rank's chunks into the staging buffer, front to back, then resolve
-        ``staging_completion``; a failure is raised (and set on ``job.progress``).
+        """Fill the staging buffer, front to back: drain the device snapshot the call
+        gathered, or copy this rank's chunks from the state and then resolve
+        ``staging_completion``. A failure is raised (and set on ``job.progress``).
 
-        On CPU the watermark advances after every record so the upload thread writes each
-        part of the file as soon as it is staged; on an accelerator it advances once the
-        side stream has finished.
+        On CPU the watermark advances after every record (or drained piece) so the upload
+        thread writes each part of the file as soon as it is staged; on an accelerator, a
+        drain advances it as each piece lands, a copy from the state once the side stream
+        has finished.
         """
         try:
             if job.abandoned is not None:
@@ -90,7 +109,10 @@ class Stager:
             side = None
             if job.device is not None:
                 side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
-                streams.wait_event(side, job.ready_event)
+            if job.device_snapshot is not None:
+                self._snapshots.drain(job, side)
+                return
+            streams.wait_event(side, job.ready_event)
             head: list[RecordPlan] = job.plan.records
             tail: list[RecordPlan] = []
             if side is None and self.options.split_copy:
@@ -140,9 +162,10 @@ class Stager:
         job.response.staging_completion.set_result(None)
 
     def release(self, job: SaveJob) -> None:
-        """The save's staging and writes have ended: its buffer (or snapshot) may serve the
-        next save."""
+        """The save's staging and writes have ended: its buffer (or snapshot, or device
+        snapshot, when its drain never ran) may serve the next save."""
         self._pool.release(job.fingerprint)
+        self._snapshots.release(job)
         if job.snapshot is not None and job.snapshot_hold is not None:
             job.snapshot.release(job.snapshot_hold)
             job.snapshot_hold = None
@@ -150,6 +173,7 @@ class Stager:
     def close(self) -> None:
         self._tail_copier.shutdown(wait=True)
         self._pool.clear()
+        self._snapshots.clear()
 
 
 def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[RecordPlan]]:
