@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ...core.handles import Watermark
 from ...errors import CheckpointError
@@ -99,6 +99,8 @@ class SaveJob:
     snapshot: StagedState | None = None
     """The snapshot (:func:`~.snapshot.stage`) saved, held until the save's writes are done."""
     snapshot_hold: int | None = None
+    storage_meta: StorageMeta | None = None
+    """What the committed metadata records as its ``storage_meta`` (a DCP writer's own)."""
     holders: int = 2
     """The stages that still use the staging buffer (staging and upload; upload alone for a
     snapshot written as it is). The buffer goes back to the pool when the last lets go."""
