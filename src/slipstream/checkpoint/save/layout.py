@@ -124,6 +124,12 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
                 tensors[spec.record_key] = local
         elif isinstance(value, ShardedTensor):
             for shard in value.local_shards():
+                if isinstance(shard.tensor, (DTensor, ShardedTensor)):
+                    raise CheckpointError(
+                        f"ShardedTensor {fqn!r} holds {type(shard.tensor).__name__} shards "
+                        "(FSDP1 over tensor parallelism); slipstream saves ShardedTensors of "
+                        "plain tensors: save this one with torch.distributed.checkpoint.save"
+                    )
                 spec = ChunkSpec(
                     fqn,
                     dtype_name(value.dtype),
