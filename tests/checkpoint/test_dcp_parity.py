@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
+import pickle
 import warnings
 import zlib
 from typing import IO, Any
@@ -21,7 +22,11 @@ from typing import IO, Any
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint._extension import (
+    ExtensionRegistry,
+    StreamTransformExtension,
+    ZStandard,
+)
 
 import slipstream as ss
 import slipstream.dcp as dcp
@@ -300,3 +305,17 @@ def test_a_writer_with_extensions_is_saved_by_dcp(tmp_path, caplog):
         _save_deflated(path)
     assert not (tmp_path / "ck" / ".slipstream.json").exists()
     assert any("stream extensions" in r.getMessage() for r in caplog.records)
+
+
+def test_a_known_extension_missing_its_module_says_so(tmp_path):
+    path = tmp_path / "ck"
+    _save_deflated(str(path))
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = ["stream.zstd/1"]  # DCP's own ZStandard
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    if ZStandard.is_available():
+        pytest.skip("zstandard is installed: this is about a host without it")
+    with pytest.raises(ss.CheckpointError, match=r"stream\.zstd/1.*zstandard.*install") as info:
+        dcp.load(_blank(), checkpoint_id=str(path))
+    assert "\n" not in str(info.value) and "_extension_registry" not in str(info.value)

@@ -120,11 +120,17 @@ class CheckpointReader:
             try:
                 extensions = registry.from_descriptor_list(descriptors)
             except Exception as exc:
+                unknown = [d for d in descriptors if d.partition("/")[0] not in registry.extensions]
+                fix = (
+                    "register the extension's class in an ExtensionRegistry and pass "
+                    "storage_reader=FileSystemReader(path, _extension_registry=registry)"
+                    if unknown
+                    else "install what it needs"
+                )
                 raise CheckpointError(
                     f"{self.file_path(info.relative_path)}: {fqn!r} was written through DCP "
                     f"stream extensions {list(descriptors)}, which cannot be decoded here "
-                    f"({exc}); register the extension's class in an ExtensionRegistry and "
-                    "pass storage_reader=FileSystemReader(path, _extension_registry=registry)"
+                    f"({exc}); {fix}"
                 ) from None
             found = [e for e in extensions if isinstance(e, StreamTransformExtension)]
             self._decoders[descriptors] = found
