@@ -143,12 +143,18 @@ _Storage = TypeVar("_Storage", StorageWriter, StorageReader)
 
 
 def _positional(
-    function: str, argument: str, positional: _Storage | None, keyword: _Storage | None
+    function: str, argument: str, extra: tuple[_Storage, ...], keyword: _Storage | None
 ) -> _Storage | None:
     """The storage writer or reader given as the second positional argument (DCP's older
     argument order, which it still takes with this warning), or the keyword one."""
-    if positional is None:
+    if not extra:
         return keyword
+    if len(extra) > 1:
+        raise TypeError(
+            f"{function}() takes from 1 to 2 positional arguments but {1 + len(extra)} were "
+            "given"
+        )
+    (positional,) = extra
     if keyword is not None:
         raise TypeError(
             f"{function}() got {argument} twice: as the second positional argument and as "
@@ -213,9 +219,7 @@ def async_save(
 
 def save(
     state_dict: dict[str, Any],
-    positional_writer: StorageWriter | None = None,
-    /,
-    *,
+    *positional_writer: StorageWriter,
     checkpoint_id: Location | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
@@ -242,9 +246,7 @@ def save(
 
 def load(
     state_dict: dict[str, Any],
-    positional_reader: StorageReader | None = None,
-    /,
-    *,
+    *positional_reader: StorageReader,
     checkpoint_id: Location | None = None,
     storage_reader: StorageReader | None = None,
     planner: LoadPlanner | None = None,

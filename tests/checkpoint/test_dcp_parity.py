@@ -86,11 +86,26 @@ def test_positional_save_and_load_are_served_by_slipstream(tmp_path):
     assert _equal(loaded, _state())
 
 
+@pytest.mark.parametrize("module", [torch_dcp, dcp], ids=["torch", "slipstream"])
+def test_every_argument_by_keyword_as_dcps_docs_write_it(tmp_path, module):
+    path = str(tmp_path / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no argument-order warning for keywords
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        module.save(state_dict=_state(), storage_writer=torch_dcp.FileSystemWriter(path))
+        module.async_save(state_dict=_state(), checkpoint_id=str(tmp_path / "a")).result(30)
+        loaded = _blank()
+        module.load(state_dict=loaded, storage_reader=torch_dcp.FileSystemReader(path))
+    assert _equal(loaded, _state())
+
+
 def test_a_writer_given_twice_or_a_path_given_positionally_is_refused(tmp_path):
     path = str(tmp_path / "ck")
     writer = torch_dcp.FileSystemWriter(path)
     with pytest.raises(TypeError, match=r"save\(\) got storage_writer twice"):
         dcp.save(_state(), writer, storage_writer=writer)
+    with pytest.raises(TypeError, match=r"takes from 1 to 2 positional arguments but 3"):
+        dcp.save(_state(), writer, writer)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"second positional argument is DCP's storage_writer"):
         dcp.save(_state(), path)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"second positional argument is DCP's storage_reader"):
