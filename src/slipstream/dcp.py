@@ -151,8 +151,7 @@ def _positional(
         return keyword
     if len(extra) > 1:
         raise TypeError(
-            f"{function}() takes from 1 to 2 positional arguments but {1 + len(extra)} were "
-            "given"
+            f"{function}() takes from 1 to 2 positional arguments but {1 + len(extra)} were given"
         )
     (positional,) = extra
     if keyword is not None:
