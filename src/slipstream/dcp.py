@@ -11,7 +11,11 @@ may touch the state again:
   with ``DefaultStager(StagingOptions(use_async_staging=True))`` it returns at once with
   DCP's own ``AsyncSaveResponse``, and the caller waits on ``staging_completion``.
 - :func:`load` ignores checkpoint keys the state dict does not ask for and names those it
-  asks for that the checkpoint lacks (``strict=True`` refuses the former too).
+  asks for that the checkpoint lacks (``strict=True`` refuses the former too), and casts a
+  tensor saved in another dtype into the state dict's, as DCP's ``copy_`` does.
+- :func:`save` and :func:`load` take the storage writer / reader as a second positional
+  argument, with DCP's own warning, as DCP does; a save through a writer records the
+  writer's ``storage_meta()`` (its ``save_id``) in the committed ``Metadata``.
 
 slipstream serves what it can (DCP's filesystem and fsspec writers and readers, default
 planners, ``DefaultStager``, ``AsyncCheckpointerType.PROCESS``: its own staging buffers and
@@ -23,8 +27,10 @@ Every other name resolves to DCP's own (``FileSystemWriter``, ``DefaultStager``,
 
 from __future__ import annotations
 
+import os
+import warnings
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as _torch_dcp
@@ -133,6 +139,40 @@ class SaveFuture(Future[Metadata]):
         return self._response.metadata(timeout)
 
 
+_Storage = TypeVar("_Storage", StorageWriter, StorageReader)
+
+
+def _positional(
+    function: str, argument: str, extra: tuple[_Storage, ...], keyword: _Storage | None
+) -> _Storage | None:
+    """The storage writer or reader given as the second positional argument (DCP's older
+    argument order, which it still takes with this warning), or the keyword one."""
+    if not extra:
+        return keyword
+    if len(extra) > 1:
+        raise TypeError(
+            f"{function}() takes from 1 to 2 positional arguments but {1 + len(extra)} were given"
+        )
+    (positional,) = extra
+    if keyword is not None:
+        raise TypeError(
+            f"{function}() got {argument} twice: as the second positional argument and as "
+            f"{argument}="
+        )
+    if isinstance(positional, (str, os.PathLike)):
+        raise TypeError(
+            f"{function}(): the second positional argument is DCP's {argument}, not a "
+            f"location (got {type(positional).__name__} {os.fspath(positional)!r}); pass "
+            "checkpoint_id= instead"
+        )
+    warnings.warn(
+        f"The argument order of {function} has been changed. "
+        "Please check the document to avoid future breakages.",
+        stacklevel=3,
+    )
+    return positional
+
+
 def async_save(
     state_dict: dict[str, Any],
     *,
@@ -178,7 +218,7 @@ def async_save(
 
 def save(
     state_dict: dict[str, Any],
-    *,
+    *positional_writer: StorageWriter,
     checkpoint_id: Location | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
@@ -188,12 +228,13 @@ def save(
     timeout: float | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> Metadata:
-    """``dcp.save``: returns the committed ``Metadata`` once the checkpoint is durable."""
+    """``dcp.save``: returns the committed ``Metadata`` once the checkpoint is durable.
+    ``dcp.save(state_dict, storage_writer)`` works as in DCP, with its warning."""
     return _api.save(
         state_dict,
         checkpoint_id,
         process_group,
-        storage_writer=storage_writer,
+        storage_writer=_positional("save", "storage_writer", positional_writer, storage_writer),
         planner=planner,
         no_dist=no_dist,
         use_collectives=use_collectives,
@@ -204,7 +245,7 @@ def save(
 
 def load(
     state_dict: dict[str, Any],
-    *,
+    *positional_reader: StorageReader,
     checkpoint_id: Location | None = None,
     storage_reader: StorageReader | None = None,
     planner: LoadPlanner | None = None,
@@ -216,7 +257,9 @@ def load(
 ) -> None:
     """``dcp.load``, in place: keys of the checkpoint the state dict does not ask for are
     ignored; keys it asks for that the checkpoint lacks are an error naming them
-    (``strict=True``: the checkpoint may hold no others either).
+    (``strict=True``: the checkpoint may hold no others either). A tensor saved in
+    another dtype is cast into the state dict's, as DCP casts (``copy_``).
+    ``dcp.load(state_dict, storage_reader)`` works as in DCP, with its warning.
 
     Served by slipstream, plain values are unpickled through its allow-list (``trusted``
     and :func:`slipstream.allow_types` extend it; ``trusted=True`` unpickles anything, as
@@ -226,11 +269,12 @@ def load(
         state_dict,
         checkpoint_id,
         process_group,
-        storage_reader=storage_reader,
+        storage_reader=_positional("load", "storage_reader", positional_reader, storage_reader),
         planner=planner,
         no_dist=no_dist,
         strict=strict,
         storage_options=storage_options,
         trusted=trusted,
         untrusted_hand_off=True,
+        cast=True,
     )

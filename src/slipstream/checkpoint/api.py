@@ -145,7 +145,10 @@ def begin_async_save(
     if not target.overwrite:
         _refuse_overwrite(target.location, storage_options)
     response = _saver(process_group, timeout, no_dist).save(
-        state_dict, target.location, storage_options=storage_options
+        state_dict,
+        target.location,
+        storage_options=storage_options,
+        storage_meta=dcp_compat.writer_storage_meta(storage_writer, checkpoint_id),
     )
     return Started(response, staging.returns_at_once)
 
@@ -264,6 +267,7 @@ def load_state(
     storage_options: dict[str, Any] | None,
     trusted: Trusted,
     untrusted_hand_off: bool,
+    cast: bool,
 ) -> None:
     """The one implementation behind :func:`load` and ``slipstream.dcp.load``.
 
@@ -292,7 +296,14 @@ def load_state(
     if hf_load.is_hf_directory(storage):
         hf_load.load_hf(state_dict, storage, strict=strict)
         return
-    loader.load(state_dict, storage, strict=strict, trusted=trusted)
+    loader.load(
+        state_dict,
+        storage,
+        strict=strict,
+        trusted=trusted,
+        cast=cast,
+        extensions=dcp_compat.reader_extensions(storage_reader),
+    )
 
 
 def load(
@@ -306,6 +317,7 @@ def load(
     strict: bool = True,
     storage_options: dict[str, Any] | None = None,
     trusted: Trusted = None,
+    cast: bool = False,
 ) -> None:
     """Load a committed checkpoint (slipstream- or DCP-written) into ``state_dict`` in place.
 
@@ -327,6 +339,13 @@ def load(
     docs/checkpoint.md, "Safe loading") and the classes :func:`~slipstream.allow_types`
     allows; ``trusted`` adds classes or functions (or their ``"module.Name"``), or is
     ``True`` to unpickle anything, running the code it names, as ``dcp.load`` does.
+
+    A tensor saved in another dtype than the state dict's is an error naming it, unless
+    ``cast=True``: then it is cast as ``dcp.load`` casts (``copy_``; what
+    ``slipstream.dcp.load`` always does). Records DCP wrote through stream extensions
+    (``FileSystemWriter(_extensions=...)``) are decoded with DCP's default
+    ``ExtensionRegistry``, or the one of ``storage_reader=FileSystemReader(path,
+    _extension_registry=...)``.
     """
     load_state(
         state_dict,
@@ -339,4 +358,5 @@ def load(
         storage_options=storage_options,
         trusted=trusted,
         untrusted_hand_off=False,
+        cast=cast,
     )

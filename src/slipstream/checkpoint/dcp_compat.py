@@ -29,7 +29,9 @@ from torch.distributed.checkpoint import (
     state_dict_loader,
     state_dict_saver,
 )
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import SerializationFormat, _FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .storage import Location
@@ -169,6 +171,25 @@ def load_target(
     except _NotServed as exc:
         return HandOff(str(exc))
     return checkpoint_id if checkpoint_id is not None else path
+
+
+def reader_extensions(storage_reader: Any) -> ExtensionRegistry | None:
+    """The registry of stream extensions a DCP reader decodes records with
+    (``FileSystemReader(_extension_registry=...)``); ``None`` without a reader."""
+    registry = getattr(getattr(storage_reader, "transforms", None), "extension_registry", None)
+    return registry if isinstance(registry, ExtensionRegistry) else None
+
+
+def writer_storage_meta(storage_writer: Any, checkpoint_id: Location | None) -> StorageMeta | None:
+    """What DCP records as the checkpoint's ``storage_meta`` for a save through
+    ``storage_writer`` (``None`` without one): as ``dcp.save`` does, the writer is first
+    reset to ``checkpoint_id`` when both are given, which draws it a new ``save_id``."""
+    if storage_writer is None:
+        return None
+    if checkpoint_id is not None and isinstance(checkpoint_id, (str, os.PathLike)):
+        storage_writer.reset(checkpoint_id)
+    meta = storage_writer.storage_meta()
+    return meta if isinstance(meta, StorageMeta) else None
 
 
 _DEFAULT_SAVE_PLANNER = {

@@ -22,8 +22,11 @@ import zipfile
 from typing import Any
 
 import torch
+import torch.distributed._shard.metadata as shard_md
+import torch.distributed._shard.sharded_tensor.metadata as sharded_tensor_md
 import torch.distributed.checkpoint.filesystem as dcp_fs
 import torch.distributed.checkpoint.metadata as dcp_md
+import torch.distributed.remote_device as remote_device
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
 from .safe_types import DEFAULT_TRUST, Trust, canonical_name
@@ -41,6 +44,24 @@ _METADATA_CLASSES: dict[str, Any] = {
         "_MEM_FORMAT_ENCODING",
     )
 }
+_LEGACY_METADATA_CLASSES: dict[str, Any] = {
+    f"torch.distributed._shard.sharded_tensor.metadata.{name}": getattr(sharded_tensor_md, name)
+    for name in ("TensorProperties", "ShardedTensorMetadata", "MEM_FORMAT_ENCODING")
+}
+_LEGACY_METADATA_CLASSES.update(
+    {
+        "torch.distributed._shard.metadata.ShardMetadata": shard_md.ShardMetadata,
+        "torch.distributed.remote_device._remote_device": remote_device._remote_device,
+        "torch.device": torch.device,
+    }
+)
+"""What older DCP releases pickled into ``.metadata``: ``TensorProperties`` (and the
+``MEM_FORMAT_ENCODING`` its state holds) from ``torch.distributed._shard``, and the
+sharded tensor metadata beside it (``ShardedTensorMetadata``, ``ShardMetadata`` and its
+``placement``, a ``_remote_device`` holding a ``torch.device``). Each is a plain data
+class: unpickling one sets its fields (``TensorProperties`` maps its memory-format code to
+a ``torch.memory_format``), nothing else runs."""
+_METADATA_CLASSES.update(_LEGACY_METADATA_CLASSES)
 _METADATA_CLASSES.update(
     {
         "torch.distributed.checkpoint.filesystem._StorageInfo": dcp_fs._StorageInfo,

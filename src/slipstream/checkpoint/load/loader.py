@@ -10,6 +10,11 @@ rank reads what it needs, so N -> M ranks costs no planning.
 Checks that need no data (missing/unexpected keys, dtype, global shape, committed
 metadata, truncated files) all run before the first byte lands in the state dict. Block
 checksums from slipstream's index are verified on every read.
+
+A tensor saved in another dtype is refused unless the load casts (``cast=True``, what
+``slipstream.dcp.load`` passes, as DCP casts): its bytes are then read in the saved dtype
+and converted once, by ``copy_``, into the destination (exact where the destination's
+dtype holds every saved value; rounded as ``copy_`` rounds where it does not).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -69,10 +76,21 @@ def _target_chunks(
         local = value.to_local().detach()
         chunks = local_chunks(value, tuple(local.shape))
         return [(local, offsets, sizes) for offsets, sizes in chunks]
+    if isinstance(value, ShardedTensor):
+        return [
+            (
+                shard.tensor.detach(),
+                tuple(shard.metadata.shard_offsets),
+                tuple(shard.metadata.shard_sizes),
+            )
+            for shard in value.local_shards()
+        ]
     return [(value.detach(), (0,) * value.dim(), tuple(value.shape))]
 
 
-def _check_keys(flat: Mapping[str, Any], metadata: Metadata, strict: bool, where: str) -> None:
+def _check_keys(
+    flat: Mapping[str, Any], metadata: Metadata, strict: bool, where: str, cast: bool
+) -> None:
     saved = metadata.state_dict_metadata
     missing = [k for k in flat if k not in saved]
     if missing:
@@ -92,10 +110,11 @@ def _check_keys(flat: Mapping[str, Any], metadata: Metadata, strict: bool, where
                     f"{where}: {fqn!r} is a tensor in the state dict but a plain value "
                     "in the checkpoint"
                 )
-            if md.properties.dtype != value.dtype:
+            if md.properties.dtype != value.dtype and not cast:
                 raise CheckpointError(
                     f"{where}: dtype mismatch for {fqn!r}: checkpoint has {md.properties.dtype}, "
-                    f"state dict has {value.dtype}"
+                    f"state dict has {value.dtype}; pass cast=True to cast it as "
+                    "torch.distributed.checkpoint.load does"
                 )
             if tuple(md.size) != tuple(value.shape):
                 raise CheckpointError(
@@ -146,10 +165,13 @@ def plan_reads(
 
     Saved chunks tile their tensor without overlap, so the elements they share with a
     target chunk add up to the whole target chunk; when they do not, the checkpoint is
-    missing part of the tensor and this raises before any byte is read.
+    missing part of the tensor and this raises before any byte is read. Bytes are read in
+    the saved dtype; where it is not ``value``'s, they land in scratch memory and the copy
+    casts them.
     """
-    dtype = value.dtype
+    dtype = md.properties.dtype
     itemsize = dtype.itemsize
+    same_dtype = dtype == value.dtype
     for dest, t_off, t_size in _target_chunks(value):
         if numel(t_size) == 0:
             continue
@@ -178,7 +200,7 @@ def plan_reads(
             last = sum((h - 1 - o) * st for h, o, st in zip(hi, s_off, strides, strict=True))
             count = last - first + 1
             start, end = first * itemsize, (last + 1) * itemsize
-            if count == numel(extent) and _raw_bytes_are_values(dest_view):
+            if count == numel(extent) and same_dtype and _raw_bytes_are_values(dest_view):
                 if dest_view.device.type == "cpu":
                     host = byte_view(dest_view)
                     for piece in range(start, end, READ_PIECE_BYTES):
@@ -212,6 +234,8 @@ def load(
     storage_options: dict[str, Any] | None = None,
     trusted: Trusted = None,
     progress: Callable[[int], None] | None = None,
+    cast: bool = False,
+    extensions: ExtensionRegistry | None = None,
 ) -> None:
     """Load a committed checkpoint into ``state_dict`` in place (see the module docstring).
 
@@ -223,10 +247,15 @@ def load(
     ``trusted``: globals the checkpoint's pickles may name beyond the plain data of
     :mod:`..format.safe_types` (classes, functions or ``"module.Name"``), or ``True`` to unpickle
     anything, running what it names (what ``dcp.load`` does). ``progress(nbytes)`` is
-    called as tensor bytes land (the ``slipstream`` command's progress bar).
+    called as tensor bytes land (the ``slipstream`` command's progress bar). ``cast``: a
+    tensor saved in another dtype is cast (see the module docstring). ``extensions``: the
+    stream extensions records written through DCP's ``FileSystemWriter(_extensions=...)``
+    are decoded with (DCP's default registry when ``None``).
     """
-    reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted))
-    load_from(reader, state_dict, strict=strict, io_threads=io_threads, progress=progress)
+    reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted), extensions)
+    load_from(
+        reader, state_dict, strict=strict, io_threads=io_threads, progress=progress, cast=cast
+    )
 
 
 def load_from(
@@ -236,6 +265,7 @@ def load_from(
     strict: bool = True,
     io_threads: int | None = None,
     progress: Callable[[int], None] | None = None,
+    cast: bool = False,
 ) -> None:
     """:func:`load` from a checkpoint already opened; closes ``reader``."""
     started = time.perf_counter()
@@ -247,7 +277,7 @@ def load_from(
         )
     try:
         with tracing.span("slipstream.load", url=reader.path):
-            nbytes = _load_into(reader, state_dict, strict, io_threads, progress)
+            nbytes = _load_into(reader, state_dict, strict, io_threads, progress, cast)
     except CorruptCheckpointError as exc:
         gone = reader.vanished(exc)
         if gone is exc:
@@ -271,11 +301,12 @@ def _load_into(
     strict: bool,
     io_threads: int,
     progress: Callable[[int], None] | None,
+    cast: bool,
 ) -> int:
     """The body of :func:`load`; returns the bytes read."""
     resolved = resolve_stateful(state_dict)
     flat, paths = flatten(resolved)
-    _check_keys(flat, reader.metadata, strict, reader.path)
+    _check_keys(flat, reader.metadata, strict, reader.path, cast)
     reader.check_file_sizes()
     reads: list[ReadRequest] = []
     copies: list[_Copy] = []

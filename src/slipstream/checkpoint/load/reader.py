@@ -12,18 +12,26 @@ fetched in parallel and copied out, without the GIL, into the destinations.
 Invariant: a destination byte is written only from bytes whose checksum block has been
 verified (or from a checkpoint without checksums); a read of part of a block fetches and
 verifies the whole block.
+
+A record DCP wrote through stream extensions (``FileSystemWriter(_extensions=...)``: its
+``.metadata`` lists their descriptors) is read whole and decoded through the extensions
+of an ``ExtensionRegistry``, in the order DCP's own reader applies them; a descriptor the
+registry cannot decode is an error naming the record and the extension, before any byte
+of the state dict is written.
 """
 
 from __future__ import annotations
 
+import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -77,10 +85,12 @@ class CheckpointReader:
         checkpoint_id: Location,
         storage_options: dict[str, Any] | None = None,
         trust: Trust = DEFAULT_TRUST,
+        extensions: ExtensionRegistry | None = None,
     ) -> None:
         self.storage = resolve_storage(checkpoint_id, storage_options)
         self.path = self.storage.url
         self.trust = trust
+        self.extensions = extensions
         meta_path = self.file_path(METADATA_FILE)
         data = self.storage.get(METADATA_FILE)
         if data is None:
@@ -95,6 +105,41 @@ class CheckpointReader:
         if self.index is not None:
             self._check_index_covers(self.index)
         self._layouts: dict[tuple[str, int], TensorLayout] = {}
+        self._decoders: dict[tuple[str, ...], list[StreamTransformExtension]] = {}
+
+    def decoders(self, fqn: str, info: _StorageInfo) -> list[StreamTransformExtension]:
+        """The stream extensions that decode the record of ``fqn`` at ``info``, in the
+        order DCP applies them (none for a record written without); an error naming the
+        record and the extension where the registry cannot decode it."""
+        descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
+        if not descriptors:
+            return []
+        found = self._decoders.get(descriptors)
+        if found is None:
+            registry = self.extensions if self.extensions is not None else ExtensionRegistry()
+            try:
+                extensions = registry.from_descriptor_list(descriptors)
+            except Exception as exc:
+                unknown = [d for d in descriptors if d.partition("/")[0] not in registry.extensions]
+                fix = (
+                    "register the extension's class in an ExtensionRegistry and pass "
+                    "storage_reader=FileSystemReader(path, _extension_registry=registry)"
+                    if unknown
+                    else "install what it needs"
+                )
+                raise CheckpointError(
+                    f"{self.file_path(info.relative_path)}: {fqn!r} was written through DCP "
+                    f"stream extensions {list(descriptors)}, which cannot be decoded here "
+                    f"({exc}); {fix}"
+                ) from None
+            found = [e for e in extensions if isinstance(e, StreamTransformExtension)]
+            self._decoders[descriptors] = found
+        return found
+
+    def _record(self, fqn: str, info: _StorageInfo) -> bytes:
+        """The stored bytes of a record, decoded through its stream extensions."""
+        data = self.read_bytes(info.relative_path, info.offset, info.length)
+        return _decode(data, self.decoders(fqn, info))
 
     def _read_index(self) -> CheckpointIndex | None:
         """slipstream's index of this checkpoint, or ``None`` if it has none.
@@ -201,8 +246,10 @@ class CheckpointReader:
                     self.index.block_bytes,
                 )
             raise self._not_indexed(repr(key), info)
-        layout = self._layout(info)
         nbytes = numel(sizes) * dtype.itemsize
+        if self.decoders(fqn, info):  # stored encoded: read whole, decoded, and sliced
+            return SourceRecord(info.relative_path, -1, nbytes, None, 0)
+        layout = self._layout(info)
         if layout.dtype != dtype or layout.size != tuple(sizes) or not layout.is_compact:
             return SourceRecord(info.relative_path, -1, nbytes, None, 0)
         return SourceRecord(info.relative_path, info.offset + layout.data_offset, nbytes, None, 0)
@@ -222,11 +269,10 @@ class CheckpointReader:
         return layout
 
     def read_record_tensor(self, fqn: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        """Whole-record fallback for records whose data is not compact row-major."""
-        import io
-
+        """Whole-record fallback for records whose data is not compact row-major or is
+        stored through stream extensions."""
         info = self.metadata.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
-        data = self.read_bytes(info.relative_path, info.offset, info.length)
+        data = self._record(fqn, info)
         tensor: torch.Tensor = torch.load(io.BytesIO(data), weights_only=True)
         return tensor
 
@@ -246,7 +292,17 @@ class CheckpointReader:
                 raise CorruptCheckpointError(
                     f"{path}: checksum mismatch in value {fqn!r} at offset {info.offset}"
                 )
-        return load_value(data, fqn, path, self.trust)
+        return load_value(_decode(data, self.decoders(fqn, info)), fqn, path, self.trust)
+
+
+def _decode(data: bytes, decoders: Sequence[StreamTransformExtension]) -> bytes:
+    """``data`` read back through ``decoders``, chained as DCP's reader chains them."""
+    if not decoders:
+        return data
+    stream: Any = io.BytesIO(data)
+    for extension in decoders:
+        stream = extension.transform_from(stream)
+    return bytes(stream.read())
 
 
 def _check_block(job: ReadRequest, i: int, got: int, path: str) -> None:

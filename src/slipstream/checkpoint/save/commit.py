@@ -77,10 +77,15 @@ class CommitTemplate:
 
 
 def build_metadata(
-    template: CommitTemplate, done: list[WriteReport], checkpoint_id: str
+    template: CommitTemplate,
+    done: list[WriteReport],
+    checkpoint_id: str,
+    storage_meta: StorageMeta | None = None,
 ) -> Metadata:
     """DCP metadata for a save of ``template``'s plan whose ranks reported ``done`` (index =
-    rank): the template's tensor entries, shared, and the entries of this save's values."""
+    rank): the template's tensor entries, shared, and the entries of this save's values.
+    Its ``storage_meta`` is ``storage_meta`` (a DCP writer's, as DCP records it), else a
+    new ``save_id`` at ``checkpoint_id``."""
     state_dict_metadata: dict[str, STORAGE_TYPES] = dict(template.tensors)
     storage_data: dict[MetadataIndex, _StorageInfo] = dict(template.records)
     for report in done:
@@ -91,7 +96,8 @@ def build_metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=template.paths,
         storage_data=storage_data,
-        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+        storage_meta=storage_meta
+        or StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
         version=DCP_VERSION,
     )
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ...core.gather import FlatGather
 from ...core.handles import Watermark
@@ -119,6 +119,8 @@ class SaveJob:
     the state itself."""
     gathered: Any = None
     """The event recorded after that gather (``None`` on CPU), which the drain waits for."""
+    storage_meta: StorageMeta | None = None
+    """What the committed metadata records as its ``storage_meta`` (a DCP writer's own)."""
     holders: int = 2
     """The stages that still use the staging buffer (staging and upload; upload alone for a
     snapshot written as it is). The buffer goes back to the pool when the last lets go."""

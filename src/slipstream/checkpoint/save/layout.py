@@ -2,6 +2,10 @@
 
 A :class:`LocalLayout` is computed on every save and load (cheap: no data is touched) and
 is the key of the plan cache: the same layout means the same files, offsets and owners.
+
+A DTensor's shard and each local shard of a ``ShardedTensor`` (FSDP1's
+``SHARDED_STATE_DICT``) is a chunk of its global tensor, saved by the rank that holds it,
+at the offsets its sharding gives: what DCP records for them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from ...core.dtypes import dtype_from_name, dtype_name
@@ -117,6 +122,29 @@ def local_layout(state_dict: Mapping[str, Any]) -> LocalLayout:
                     )
                 chunks.append(spec)
                 tensors[spec.record_key] = local
+        elif isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                if isinstance(shard.tensor, (DTensor, ShardedTensor)):
+                    raise CheckpointError(
+                        f"ShardedTensor {fqn!r} holds {type(shard.tensor).__name__} shards "
+                        "(FSDP1 over tensor parallelism); slipstream saves ShardedTensors of "
+                        "plain tensors: save this one with torch.distributed.checkpoint.save"
+                    )
+                spec = ChunkSpec(
+                    fqn,
+                    dtype_name(value.dtype),
+                    tuple(value.size()),
+                    tuple(shard.metadata.shard_offsets),
+                    tuple(shard.metadata.shard_sizes),
+                    replicated=False,
+                )
+                if tuple(shard.tensor.shape) != spec.sizes:
+                    raise CheckpointError(
+                        f"ShardedTensor {fqn!r}: local shard shape {tuple(shard.tensor.shape)} "
+                        f"does not match its metadata {spec.sizes}"
+                    )
+                chunks.append(spec)
+                tensors[spec.record_key] = shard.tensor
         elif isinstance(value, torch.Tensor):
             if value.is_sparse or value.layout != torch.strided:
                 raise CheckpointError(f"{fqn!r}: only strided (dense) tensors can be saved")

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ...core import streams, tracing
 from ...core.handles import fail_unfinished
@@ -147,6 +147,7 @@ class CheckpointSaver:
         checkpoint_id: Location,
         after_commit: Callable[[], None] | None = None,
         storage_options: dict[str, Any] | None = None,
+        storage_meta: StorageMeta | None = None,
     ) -> AsyncSaveResponse:
         """Start a save; returns once the work is queued (see the module docstring).
 
@@ -154,7 +155,9 @@ class CheckpointSaver:
         before the commit is announced, so no rank's ``upload_completion`` resolves before
         it has run (used for retention: every rank then sees the same steps).
         ``checkpoint_id`` is a path, a URL or a :class:`Storage` (see :mod:`..storage`);
-        ``storage_options`` configure an object store's client.
+        ``storage_options`` configure an object store's client. ``storage_meta`` (rank
+        0's counts) is what the committed ``Metadata`` records as its ``storage_meta``, as
+        DCP records its writer's; without it, a new ``save_id`` and the location's URL.
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
@@ -203,6 +206,7 @@ class CheckpointSaver:
             started=started,
             snapshot=snapshot,
             snapshot_hold=hold,
+            storage_meta=storage_meta,
         )
         response.timings.nbytes = plan.data_bytes
         if snapshot is not None and snapshot.image_matches(plan):
@@ -450,7 +454,7 @@ class CheckpointSaver:
                 template = job.templates[job.generation] = CommitTemplate.for_plan(
                     job.plan, job.generation
                 )
-            metadata = build_metadata(template, done, job.storage.url)
+            metadata = build_metadata(template, done, job.storage.url, job.storage_meta)
             publish(
                 job.storage, metadata, build_index(job.plan, done, job.generation), job.generation
             )
