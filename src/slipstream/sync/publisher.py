@@ -48,6 +48,7 @@ from .group import SyncGroup
 from .host_cache import HostCache
 from .negotiation import (
     HEADER_CAP,
+    LOCAL_TRANSPORTS,
     TRANSPORTS,
     candidates,
     negotiate,
@@ -356,6 +357,50 @@ class WeightPublisher:
         self._jobs.put((job, handle, sent_before))
         handle.timings.blocked = handle.elapsed()
         return handle
+
+    def set_rollouts(self, rollout_ranks: Sequence[int]) -> None:
+        """Publish to ``rollout_ranks`` from the next publish on, on this channel.
+
+        Rollouts join and leave without a new channel: a rank added (one past the group's
+        first world size too, once it joined with :func:`.group.init_group`, see
+        :mod:`.group`) builds its :class:`~slipstream.sync.WeightSubscriber` on this
+        channel and takes part from the next publish on (every byte, since it holds no
+        version), or in ``cached`` mode refetches the cache's version at once; a rank
+        dropped is no longer waited for (its subscriber, if it lives on, receives nothing
+        until it is added again, then what changed since the version it holds). Every
+        trainer rank calls this with the same ranks, between publishes (it waits for the
+        last round to be delivered). What the publisher keeps stays: the version, the plan,
+        the host cache and delta base (rounds whose rollouts all hold it send deltas
+        again), the checksums of the versions rollouts hold.
+
+        The kind of transport negotiated when the publisher started stays: a colocated one
+        (``cma``, ``shm``) needs every added rollout on this host (``ValueError`` names
+        those that are not; open a new channel for them)."""
+        ranks = list(rollout_ranks)
+        if self._closed:
+            raise SyncError("set_rollouts on a closed WeightPublisher")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"a rollout rank appears twice in {ranks}")
+        if set(ranks) & set(self.trainer_ranks):
+            raise ValueError("a rank cannot be both a trainer and a rollout")
+        self._wait_previous_round()
+        added = [r for r in ranks if r not in self.rollout_ranks]
+        if added and self.transport in LOCAL_TRANSPORTS:
+            self.group.wait_joined(added, f"rollout rank(s) {added} to join the sync group")
+            away = [r for r in added if not self.group.colocated([r])]
+            if away:
+                raise ValueError(
+                    f"rollout rank(s) {away} are not on trainer rank {self.rank}'s host: "
+                    f"channel {self.channel!r} publishes over {self.transport!r}, which "
+                    "needs every rollout there; open a new channel for them"
+                )
+        for r in ranks:
+            self.rollout_versions.setdefault(r, None)
+        for r in [r for r in self.rollout_versions if r not in ranks]:
+            del self.rollout_versions[r]
+        self.rollout_ranks = ranks
+        self._rounds.rollout_ranks = list(ranks)
+        self._refetch.set_rollouts(ranks)
 
     def _dense_bytes(self, plan: BucketPlan) -> int:
         return sum(plan.buckets[g].nbytes for g in plan.owned(self.rank))
