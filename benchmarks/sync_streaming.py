@@ -246,16 +246,16 @@ class _VerlTrainer:
 
     def get_per_tensor_param(self, live: Live):
         """verl's FSDP engine's ``get_per_tensor_param`` (FSDP2, no LoRA, on CPU): its
-        generator expression over ``state_dict()``, each tensor counted by ``live``."""
+        generator expression over ``state_dict()`` (``unfuse_moe_params`` leaves a Llama's
+        as it is; importing verl's engine module needs peft, which this setup lacks), each
+        tensor counted by ``live``."""
         from torch.distributed.tensor import DTensor
-        from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
         params = self.model.state_dict()
         per_tensor_param = (
             (name, param.to("cpu").full_tensor() if isinstance(param, DTensor) else param)
             for name, param in params.items()
         )
-        per_tensor_param = unfuse_moe_params(per_tensor_param, "llama")
         return ((name, live.track(t)) for name, t in per_tensor_param)
 
     def send(self, global_steps) -> dict:
