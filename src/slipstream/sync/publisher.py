@@ -3,7 +3,9 @@
 A publish is one round of the protocol in :mod:`.protocol`, run by :mod:`.trainer_round`
 (who takes part, the epoch's transport, the acknowledgements, giving a broken round up);
 this module reads the caller's tensors (a mapping, or an iterator as it yields:
-:mod:`.stream`) and packs and sends the buckets this rank owns. In ``cached`` mode
+:mod:`.stream`, or :mod:`.described` while no layout is known yet) and packs and sends the
+buckets this rank owns. The set of rollouts may change between publishes
+(:meth:`WeightPublisher.set_rollouts`). In ``cached`` mode
 the caller's thread only snapshots into the host cache (:mod:`.host_cache`) and the worker
 thread runs the round from it, serving rollouts that ask again meanwhile.
 
@@ -275,15 +277,18 @@ class WeightPublisher:
 
         Streaming: ``named_tensors`` that is neither a mapping nor a list or tuple (a
         generator, say one that gathers a ``full_tensor()`` per step) is read as it
-        yields once the layout is known, from :meth:`set_layout` or the last publish:
-        buckets are packed and sent as their tensors come, and a yielded tensor is let
-        go once its last bucket is packed, so about two buckets' worth of them are alive
-        at once, never the whole model. It must yield the layout's tensors in its order,
-        under their names, shapes and dtypes (tied names may follow the tensor they share,
-        and are skipped); anything else fails the publish with
+        yields: buckets are packed and sent as their tensors come, and a yielded tensor is
+        let go once its last bucket is packed, so about two buckets' worth of them are
+        alive at once, never the whole model. Once a layout is known (from
+        :meth:`set_layout` or the last publish) it must yield the layout's tensors in its
+        order, under their names, shapes and dtypes (tied names may follow the tensor they
+        share, and are skipped); anything else fails the publish with
         :class:`~slipstream.sync.stream.LayoutMismatch` naming the tensor (the round is
-        given up for every rollout, and the next publish goes on). Without a layout, the
-        first iterator is read whole (as a mapping would be) and gives its layout.
+        given up for every rollout, and the next publish goes on). Without a layout, in
+        ``direct`` mode, the iterator's buckets describe it as they go
+        (:mod:`.described`): the layout it yields is this publisher's from then on. In
+        ``cached`` mode the first iterator is read whole (as a mapping would be) and gives
+        its layout.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
