@@ -273,16 +273,19 @@ class DescribedSources:
         """The iterator ended before the last bucket was sent: nothing is left to read."""
 
 
-def first_item(
+def nonempty(
     items: Iterator[tuple[str, torch.Tensor]],
-) -> tuple[tuple[str, torch.Tensor] | None, Iterator[tuple[str, torch.Tensor]]]:
-    """The first of ``items`` (``None``: there is none) and ``items`` from it on."""
+) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
+    """Whether ``items`` yields anything, and ``items`` from its start. The first item is
+    held only until it is yielded again (a gathered tensor may be the model's largest)."""
     first = next(items, None)
     if first is None:
-        return None, iter(())
+        return False, iter(())
+    held = [first]
+    del first
 
     def chained() -> Iterator[tuple[str, torch.Tensor]]:
-        yield first
+        yield held.pop()
         yield from items
 
-    return first, chained()
+    return True, chained()

@@ -45,7 +45,7 @@ from ..core.holds import Holdable
 from ..errors import PeerTimeoutError, SyncError
 from .aliases import named_items, unique_tensors
 from .delta import BucketDelta, DeltaStats, Differ
-from .described import DESCRIBED, DescribedSources, GrowingLayout, described_header, first_item
+from .described import DESCRIBED, DescribedSources, GrowingLayout, described_header, nonempty
 from .group import SyncGroup
 from .host_cache import HostCache
 from .negotiation import (
@@ -304,8 +304,8 @@ class WeightPublisher:
         layout: GrowingLayout | None = None
         items: Iterator[tuple[str, torch.Tensor]] = iter(())
         if self._plan is None and iterator and self.mode == "direct":
-            first, items = first_item(iter(cast(Iterable[Any], named_tensors)))
-            if first is not None:  # described: the layout travels with the buckets
+            any_item, items = nonempty(iter(cast(Iterable[Any], named_tensors)))
+            if any_item:  # described: the layout travels with the buckets
                 layout = GrowingLayout(self.bucket_bytes, self.trainer_ranks)
             named_tensors = items
         handle = PublishHandle(version)
