@@ -338,6 +338,7 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_as_they_come_and
         groups: dict = {}
         trained: dict = {}
         held_before: dict = {}
+        peaks: dict = {}
         for u, global_steps in enumerate(steps):
             cluster.call({t: ("train", (u, mode == "cached")) for t in ("trainer0", "trainer1")})
             rollouts = present[u]
@@ -367,6 +368,7 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_as_they_come_and
                 else:
                     assert sent["peak_alive"] <= 4 * BUCKET + sent["largest"], (u, sent)
                     assert sent["peak_alive"] < sent["model_bytes"] / 2, (u, sent)
+                    peaks.setdefault(t, []).append(sent["peak_alive"])
                 # every tensor changed at every update, so only deltas send fewer bytes: they
                 # go once every rollout of the update received the previous version into its
                 # local cache; the trainers kept their base through the set's changes, so
@@ -395,6 +397,9 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_as_they_come_and
                 groups.setdefault(r, g)
                 assert g == groups[r], f"{r}'s sync group was rebuilt"  # built once, reused
 
+        if mode == "direct":  # the first update holds no more than a later one (a bucket)
+            for t, (first, *later) in peaks.items():
+                assert first <= max(later) + BUCKET, (t, peaks)
         if mode == "cached":
             # get_weights: the last version published, from the trainers' caches (or the
             # rollout's local cache), without a publish; the trainers have trained on since,
