@@ -536,6 +536,21 @@ def verl_report(result: Result, args: argparse.Namespace, got: dict) -> None:
         f"<= {bound:.1f}",
         later <= bound,
     )
+    # what the engine adds: each update's rise over the same trainer's generator alone
+    over = [
+        max(rise(t) - rise(w) for t, w in zip(u["trainers"], s[0]["trainers"], strict=True))
+        for s in sessions
+        for u in s[1:]
+    ]
+    first_over = max(over[0::VERL_UPDATES])
+    result.floor(
+        "verl: trainer RSS rise during the first update's send_weights over the rise of "
+        "verl's generator read alone in the same session, MiB (worst trainer and session: "
+        "what the engine adds to the gathers)",
+        first_over,
+        f"<= {4 * bucket / MiB:.0f} (4 buckets)",
+        first_over <= 4 * bucket / MiB,
+    )
     ratios = [
         s[1]["trainers"][0]["seconds"] / median([u["trainers"][0]["seconds"] for u in s[2:]])
         for s in sessions
@@ -566,6 +581,17 @@ def verl_report(result: Result, args: argparse.Namespace, got: dict) -> None:
         "rollouts": VERL_ROLLOUTS,
         "sessions": args.verl_repeats,
         "first_over_later_per_session": [round(r, 3) for r in ratios],
+        "rise_over_generator_alone_mib_per_session_update": [round(x, 1) for x in over],
+        "raw": [
+            [
+                [
+                    {k: round(v, 3) if isinstance(v, float) else v for k, v in t.items()}
+                    for t in u["trainers"]
+                ]
+                for u in s
+            ]
+            for s in sessions
+        ],
         "worker_env": "MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1, 1 torch thread",
     }
 
