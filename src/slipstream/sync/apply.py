@@ -184,6 +184,13 @@ class CallableTarget:
             del self._assembly[key]
         return []
 
+    def adopt(self, plan_id: str) -> None:
+        """A described round's layout became plan ``plan_id``: its reassembly buffers serve
+        that plan from now on (the same tensors, laid out the same)."""
+        for key in [k for k in self._assembly if k[0] == DESCRIBED]:
+            self._assembly[(plan_id, key[1])] = self._assembly.pop(key)
+        self._plan_id = plan_id
+
     def assembly(self, i: int, spec: TensorSpec) -> torch.Tensor:
         buf = self._assembly.get((self._plan_id, i))
         if buf is None:

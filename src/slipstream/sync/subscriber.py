@@ -260,6 +260,8 @@ class WeightSubscriber:
         if layout is not None:  # the layout is whole: from now on it is a plan like any
             plan = layout.final()
             self._plans = {plan.plan_id: plan}
+            if isinstance(sink, CallableTarget):
+                sink.adopt(plan.plan_id)
             if rnd.tokens is not None:
                 rnd.tokens = {g: root_token(plan.plan_id, g, version) for g in rnd.tokens}
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
