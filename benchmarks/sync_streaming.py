@@ -10,7 +10,9 @@ A model of ``--mib`` MiB in ``--tensors`` fp32 tensors, sent with the default tr
   ``full_tensor()`` per ``next()``), handed over as ``list(generator)``;
 - ``stream, fresh``: the same generator, streamed.
 
-Time: from ``publish`` until the rollout acknowledged. Memory, for the fresh peers: the
+Time: from ``publish`` until the rollout acknowledged. Every worker runs with
+``MALLOC_MMAP_THRESHOLD_=65536``, so freed tensors leave the resident set. Memory, for the
+fresh peers: the
 yielded tensors alive at once, counted with a weak reference to each (``weakref.finalize``,
 nothing kept), and the trainer's resident high-water mark during the publish (``VmHWM``,
 reset through ``/proc/self/clear_refs`` just before it) over its resident size before it.
@@ -620,6 +622,9 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     load_before = os.getloadavg()[0]
+    # the workers' allocator hands freed tensors back to the kernel at once (no dynamic
+    # mmap threshold keeping them in the heap): their resident size counts live memory
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
@@ -646,7 +651,8 @@ def main() -> None:
             "bucket_mib": args.bucket_mib,
             "repeats": args.repeats,
             "transport": transport,
-            "processes": "2 (1 trainer, 1 rollout), 1 torch thread each",
+            "processes": "2 (1 trainer, 1 rollout), 1 torch thread each, "
+            "MALLOC_MMAP_THRESHOLD_=65536",
             "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "rollout_checked": checked,
         },
