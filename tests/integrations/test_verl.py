@@ -29,6 +29,7 @@ MODULE = "slipstream.integrations.verl"
 TIMEOUT = 60.0
 TRAINERS = 2
 BUCKET = 4096
+ROLLOUTS = ["rolloutA", "rolloutB", "rolloutC", "rolloutD"]
 
 
 def _model(seed: int):
@@ -222,7 +223,7 @@ class _Cluster:
 
     def __init__(self, engine_kwargs: dict) -> None:
         ctx = worker_context()
-        self.names = ["trainer0", "trainer1", "rolloutA", "rolloutB"]
+        self.names = ["trainer0", "trainer1", *ROLLOUTS]
         self.conns, specs = {}, []
         for name in self.names:
             here, there = ctx.Pipe()
@@ -275,8 +276,9 @@ class _Cluster:
             self.zygote.join(5)
 
 
-def _update(cluster: _Cluster, rollouts: list[str], global_steps) -> dict:
-    """One ``CheckpointEngineManager.update_weights`` over the trainers and ``rollouts``."""
+def _update(cluster: _Cluster, rollouts: list[str], global_steps, early=None) -> dict:
+    """One ``CheckpointEngineManager.update_weights`` over the trainers and ``rollouts``;
+    the ``early`` calls (to workers) run between ``init_process_group`` and the transfer."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
@@ -294,12 +296,15 @@ def _update(cluster: _Cluster, rollouts: list[str], global_steps) -> dict:
     for i, w in enumerate(rollouts):
         calls[w] = ("init_process_group", (), {k: v[i] for k, v in rollout_kwargs.items()})
     cluster.call(calls)
+    early = cluster.call(early) if early else None
     calls = {w: ("send", (global_steps,)) for w in trainers}
     calls.update({w: ("receive", (global_steps,)) for w in rollouts})
     results = cluster.call(calls)
     cluster.call({w: ("finalize", ()) for w in workers})
     results["channel"] = actor_kwargs["topology"][0].channel
     results["ranks"] = {w: rollout_kwargs["topology"][i].rank for i, w in enumerate(rollouts)}
+    results["world_size"] = actor_kwargs["topology"][0].world_size
+    results["early"] = early
     return results
 
 
@@ -312,69 +317,89 @@ def _equal(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize(
     "mode, local_cache", [("direct", False), ("cached", False), ("cached", True)]
 )
-def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode, local_cache):
+def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_as_they_come_and_go(
+    mode, local_cache
+):
     kwargs = {"mode": mode, "host": "127.0.0.1", "timeout": TIMEOUT, "local_cache": local_cache}
     cluster = _Cluster(kwargs)
     try:
         # global_steps as verl passes them: 0 at start, a step repeated, None, then on
         steps = [0, 1, 1, None, 2]
-        present = {
-            0: ["rolloutA", "rolloutB"],
-            1: ["rolloutA", "rolloutB"],
-            2: ["rolloutA"],  # remove_replicas(B)
-            3: ["rolloutB", "rolloutA"],  # add_replicas(B): verl appends it
-            4: ["rolloutA", "rolloutB"],
-        }
-        groups = {}
-        channels = []
-        before_removal: dict = {}
+        # rollout sets 2 -> 4 -> 1 -> 3 (-> 3): C and D join past the group's first size
+        # (ranks 4 and 5 of a group built for 4), three leave, B and C come back
+        present = [
+            ["rolloutA", "rolloutB"],
+            ["rolloutA", "rolloutB", "rolloutC", "rolloutD"],  # add_replicas(C, D)
+            ["rolloutA"],  # remove_replicas(B, C, D)
+            ["rolloutA", "rolloutB", "rolloutC"],  # add_replicas(B, C): verl appends them
+            ["rolloutA", "rolloutB", "rolloutC"],
+        ]
+        ranks = {"rolloutA": 2, "rolloutB": 3, "rolloutC": 4, "rolloutD": 5}
+        groups: dict = {}
+        trained: dict = {}
+        held_before: dict = {}
+        peaks: dict = {}
         for u, global_steps in enumerate(steps):
             cluster.call({t: ("train", (u, mode == "cached")) for t in ("trainer0", "trainer1")})
             rollouts = present[u]
-            results = _update(cluster, rollouts, global_steps)
-            channels.append(results["channel"])
+            joining = [r for r in rollouts if r not in groups]
+            # cached mode: a joining rollout gets the version in the trainers' caches at
+            # once, without a publish (the last one: not what they train now)
+            refetch = mode == "cached" and not local_cache and bool(trained)
+            early = {r: ("get_weights", ()) for r in joining} if refetch else None
+            results = _update(cluster, rollouts, global_steps, early)
+            assert results["channel"] == "verl-0"  # one channel throughout
+            assert results["world_size"] == (4 if u == 0 else 6)  # grown by C and D
+            assert results["ranks"] == {r: ranks[r] for r in rollouts}  # kept by each
+            if results["early"] is not None:
+                assert joining and set(results["early"]) == set(joining)
+                for r, got in results["early"].items():
+                    assert _equal(got["weights"], trained), f"update {u}: {r}'s refetch"
             versions = {results[r]["version"] for r in rollouts}
             assert versions == {u}, (u, versions)  # 0, 1, then the next number: 2, 3, 4
             for t in ("trainer0", "trainer1"):
                 sent = results[t]
                 assert sent["metrics"]["slipstream/version"] == u
-                # the first publish reads verl's generator whole (it gives the layout); later
-                # ones, on a new channel too, stream it: a few buckets of tensors alive at once
-                if u == 0:
-                    assert sent["peak_alive"] == sent["model_bytes"]
+                # every update streams verl's generator, the first too (its buckets carry
+                # the layout): a few buckets of tensors alive at once, never the model;
+                # cached mode's first update reads it whole (its snapshot needs the plan)
+                if mode == "cached" and u == 0:
+                    assert sent["peak_alive"] == sent["model_bytes"], sent
                 else:
-                    assert sent["peak_alive"] <= 4 * BUCKET + sent["largest"], sent
-                    assert sent["peak_alive"] < sent["model_bytes"] / 2, sent
+                    assert sent["peak_alive"] <= 4 * BUCKET + sent["largest"], (u, sent)
+                    assert sent["peak_alive"] < sent["model_bytes"] / 2, (u, sent)
+                    peaks.setdefault(t, []).append(sent["peak_alive"])
                 # every tensor changed at every update, so only deltas send fewer bytes: they
-                # go once every rollout of a publisher's set received its previous version
-                # into its local cache (update 4, the second of the set of update 3)
+                # go once every rollout of the update received the previous version into its
+                # local cache; the trainers kept their base through the set's changes, so
+                # update 2 (A alone, which held update 1) goes as deltas, and update 4 (the
+                # set of update 3 again) too
                 sent_bytes = sent["metrics"]["slipstream/sent_bytes"]
                 dense = sent["metrics"]["slipstream/dense_bytes"]
-                if local_cache and u == 4:
-                    assert sent_bytes < dense / 2, sent
+                if local_cache and u in (2, 4):
+                    assert sent_bytes < dense / 2, (u, sent)
                 else:
                     assert sent_bytes == dense, (u, sent)
-            # each rollout keeps its rank in the one sync group (trainers are ranks 0 and 1)
-            assert results["ranks"] == {r: {"rolloutA": 2, "rolloutB": 3}[r] for r in rollouts}
             reference = cluster.call({t: ("weights", ()) for t in ("trainer0", "trainer1")})
             trained = reference["trainer0"]
             assert _equal(trained, reference["trainer1"])
-            held = cluster.call({r: ("weights", ()) for r in rollouts})
+            held = cluster.call(
+                {r: ("weights", ()) for r in ROLLOUTS if r in groups or r in rollouts}
+            )
             for r in rollouts:
                 assert _equal(held[r], trained), f"update {u}: {r} differs from the trainer"
+            for r in held.keys() - set(rollouts):  # left out: untouched, its last version
+                assert _equal(held[r], held_before[r]), f"update {u}: {r} was changed"
+            held_before = held
             tied = cluster.call({r: ("tied", ()) for r in rollouts})
             assert all(tied.values())  # the rollout's tie is kept
-            if u == 2:  # the removed rollout was left alone: it still holds update 1's weights
-                stale = cluster.call({"rolloutB": ("weights", ())})["rolloutB"]
-                assert _equal(stale, before_removal)
-            if u == 1:
-                before_removal = trained
-            for r, g in cluster.call({r: ("group", ()) for r in ("rolloutA", "rolloutB")}).items():
+            for r, g in cluster.call({r: ("group", ()) for r in rollouts}).items():
                 groups.setdefault(r, g)
                 assert g == groups[r], f"{r}'s sync group was rebuilt"  # built once, reused
-        # a new channel only when the set of rollouts changed (B removed, B added back)
-        assert channels == ["verl-0", "verl-0", "verl-1", "verl-2", "verl-2"]
 
+        if mode == "direct":  # the first update holds no more than a later one (a bucket)
+            for t, (first, *later) in peaks.items():
+                assert first <= max(later) + BUCKET, (t, peaks)
         if mode == "cached":
             # get_weights: the last version published, from the trainers' caches (or the
             # rollout's local cache), without a publish; the trainers have trained on since,
@@ -394,7 +419,7 @@ def test_verl_manager_sequence_syncs_fsdp2_trainers_to_rollouts_exactly(mode, lo
         cluster.close()
 
 
-def test_ranks_are_kept_and_the_channel_changes_only_with_the_set_of_rollouts():
+def test_ranks_are_kept_the_group_grows_and_the_channel_stays():
     from slipstream.integrations.verl import GroupState, assign
 
     state = GroupState("127.0.0.1", 1234)
@@ -402,16 +427,18 @@ def test_ranks_are_kept_and_the_channel_changes_only_with_the_set_of_rollouts():
     def update(rollouts: list[str]):
         nonlocal state
         state = assign(state, 2, rollouts)
-        return {r: state.rank_of(r) for r in rollouts}, state.channel
+        return {r: state.rank_of(r) for r in rollouts}, state.world_size, state.epoch
 
-    assert update(["a", "b"]) == ({"a": 2, "b": 3}, "verl-0")
-    assert update(["b", "a"]) == ({"b": 3, "a": 2}, "verl-0")  # the order does not matter
-    assert update(["a"]) == ({"a": 2}, "verl-1")  # b removed
+    assert update(["a", "b"]) == ({"a": 2, "b": 3}, 4, 0)
+    assert update(["b", "a"]) == ({"b": 3, "a": 2}, 4, 0)  # the order does not matter
+    assert update(["a"]) == ({"a": 2}, 4, 1)  # b removed: a new set
     # a new engine (b's actor restarted by Ray) takes the rank no present rollout holds
-    assert update(["a", "c"]) == ({"a": 2, "c": 3}, "verl-2")
-    with pytest.raises(ValueError, match="room for 2 rollout"):
-        update(["a", "b", "c"])  # the group's size is fixed by its first update
-    assert update(["c", "b"]) == ({"c": 3, "b": 2}, "verl-2")  # b takes absent a's rank
+    assert update(["a", "c"]) == ({"a": 2, "c": 3}, 4, 2)
+    # more rollouts than ever: the new ones take ranks past the group's size, which grows
+    assert update(["a", "b", "c", "d"]) == ({"a": 2, "b": 4, "c": 3, "d": 5}, 6, 3)
+    assert update(["d"]) == ({"d": 5}, 6, 4)
+    assert update(["c", "b", "e"]) == ({"c": 3, "b": 4, "e": 2}, 6, 5)  # e takes absent a's
+    assert state.channel == "verl-0"  # one channel throughout
     with pytest.raises(ValueError, match="built for 2 trainer"):
         assign(state, 1, ["b"])
     with pytest.raises(ValueError, match="twice"):

@@ -19,18 +19,25 @@ calls describe instead of rebuilding it each time:
   master engine remembers which engine holds each rollout rank and reports it in its own
   ``prepare`` metadata, from which ``build_topology`` (a classmethod, run by the manager)
   gives every known rollout its rank again. A rollout engine that is new (a replica added,
-  or one Ray restarted) takes a rank that no present rollout holds and joins the running
-  group there through slipstream's rejoin (``init_group`` at that rank).
-- **Rollouts come and go.** The publisher/subscriber set belongs to the set of rollout ranks
-  taking part: when ``add_replicas`` or ``remove_replicas`` changes it, the next update opens
-  a new channel over the new set (the group stays); a removed replica's engine, idle, is never
+  or one Ray restarted) takes a rank that no present rollout holds, or the rank past the
+  group's size when there is none, and joins the running group there (``init_group`` at
+  that rank: a rejoin, or the group growing).
+- **Rollouts come and go on one channel.** The publisher/subscriber set is built once, on
+  the first update; when ``add_replicas`` or ``remove_replicas`` changes the set of rollout
+  ranks, the trainers' publishers take the new set (``WeightPublisher.set_rollouts``),
+  keeping their version, plan, host cache and delta base: a rollout that stays gets deltas
+  again at once, a new one (at a rank past the group's first size too: the group grows)
+  gets every byte on its next ``receive_weights``, or at once from the trainers' caches
+  through ``get_weights`` in ``mode="cached"``. A removed replica's engine, idle, is never
   waited for. A rollout that dies is left out by slipstream itself.
+- **The first update streams too.** ``send_weights`` reads verl's generator as it yields,
+  a few buckets' worth of its tensors alive at once, on the first update as on later ones:
+  the first version's buckets carry the layout (slipstream's described rounds), so no
+  update lists the generator. (``mode="cached"`` keeps a host copy of the model by design;
+  its first update reads the generator whole.)
 - **Versions.** ``global_steps`` is the published version when it is larger than the last
   one; otherwise (``None``, or a step published again) the next number is: every trainer
   rank derives the same sequence, and a rollout only ever moves forward.
-
-The group's world size is fixed when it is first built (the trainers plus the rollouts of
-the first update): later updates may have fewer rollouts, or as many, never more.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ class GroupState:
 
     ``world_size`` is ``None`` until the group is built. ``holders`` maps each rollout rank
     given out so far to the identity of the engine that holds it now; ``rollout_ranks`` are
-    the ranks of the current channel's set, ``channel`` its name and ``epoch`` how many sets
-    came before it."""
+    the ranks of the current update's rollouts, ``channel`` the name of the one channel
+    they are published to and ``epoch`` how many sets of rollout ranks came before the
+    current one. ``world_size`` grows when a new rollout finds no rank to take."""
 
     host: str
     port: int
@@ -104,7 +112,9 @@ def assign(state: GroupState, trainers: int, rollouts: Sequence[str]) -> GroupSt
 
     Trainers are ranks ``0 .. trainers - 1``. A rollout that holds a rank keeps it; one that
     holds none (a new engine) takes a rank no present rollout holds, one never given out
-    first. The channel changes exactly when the set of rollout ranks does."""
+    first, and past the group's size when there is none (the group grows by one). The
+    channel is named on the first update and stays; ``epoch`` counts the sets of rollout
+    ranks."""
     if len(set(rollouts)) != len(rollouts):
         raise ValueError(f"the same rollout engine appears twice in one update: {list(rollouts)}")
     world = state.world_size if state.world_size is not None else trainers + len(rollouts)
@@ -112,11 +122,6 @@ def assign(state: GroupState, trainers: int, rollouts: Sequence[str]) -> GroupSt
         raise ValueError(
             f"the slipstream sync group was built for {state.trainers} trainer worker(s), "
             f"this update has {trainers}"
-        )
-    if len(rollouts) > world - trainers:
-        raise ValueError(
-            f"the slipstream sync group has room for {world - trainers} rollout worker(s) (the "
-            f"rollouts of its first update); this update has {len(rollouts)}"
         )
     holders = dict(state.holders)
     present = set(rollouts)
@@ -126,13 +131,17 @@ def assign(state: GroupState, trainers: int, rollouts: Sequence[str]) -> GroupSt
         key=lambda r: (r in holders, r),
     )
     for identity in rollouts:
-        if identity not in placed:
-            holders[free.pop(0)] = identity
+        if identity in placed:
+            continue
+        if not free:
+            free.append(world)
+            world += 1
+        holders[free.pop(0)] = identity
     members = tuple(sorted(r for r, i in holders.items() if i in present))
-    channel, epoch = state.channel, state.epoch
-    if channel is None or members != state.rollout_ranks:
+    epoch = state.epoch
+    if state.channel is None or members != state.rollout_ranks:
         epoch += 1
-        channel = f"verl-{epoch}"
+    channel = state.channel or "verl-0"
     return GroupState(state.host, state.port, world, trainers, holders, members, channel, epoch)
 
 
@@ -214,8 +223,6 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         self._host = host
         self._state: GroupState | None = None
         self._address: tuple[str, int] | None = None
-        self._channel: str | None = None
-        self._layout: list[tuple[str, tuple[int, ...], torch.dtype]] = []
 
     # ------------------------------------------------------------------ the manager's calls
     # verl's base class annotates prepare() as a dict, init_process_group as **kwargs and the
@@ -268,8 +275,9 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         return actor, rollout
 
     def init_process_group(self, topology: Topology) -> None:  # type: ignore[override]
-        """Join the sync group the first time (or at a new rank), and open this update's
-        channel when its set of rollouts is not the last one's; otherwise reuse both."""
+        """Join the sync group the first time (or at a new rank), build this engine's end of
+        the channel the first time, and give the trainers' publishers this update's set of
+        rollouts when it changed; otherwise reuse all of it."""
         t = topology
         group = self.group
         if group is not None and (group.rank != t.rank or self._address != (t.host, t.port)):
@@ -279,30 +287,26 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         if group is None:
             group = sync.init_group(t.host, t.port, t.world_size, t.rank, timeout=self.timeout)
             self.group, self._address = group, (t.host, t.port)
-        if self._channel != t.channel:
-            self._close_ends()
-            if t.rank in t.trainer_ranks:
-                if t.rollout_ranks:
-                    self.publisher = WeightPublisher(
-                        group,
-                        t.trainer_ranks,
-                        t.rollout_ranks,
-                        bucket_bytes=self.bucket_size,
-                        mode=self.mode,
-                        transport=self.transport,
-                        channel=t.channel,
-                        delta=self.delta,
-                    )
-                    if self._layout:  # stream from this channel's first publish on
-                        self.publisher.set_layout(
-                            (name, torch.empty(shape, dtype=dtype, device="meta"))
-                            for name, shape, dtype in self._layout
-                        )
-            else:
-                self.subscriber = WeightSubscriber(
-                    group, t.trainer_ranks, t.rollout_ranks, channel=t.channel
+        if t.rank in t.trainer_ranks:
+            if self.publisher is None and t.rollout_ranks:
+                self.publisher = WeightPublisher(
+                    group,
+                    t.trainer_ranks,
+                    t.rollout_ranks,
+                    bucket_bytes=self.bucket_size,
+                    mode=self.mode,
+                    transport=self.transport,
+                    channel=t.channel,
+                    delta=self.delta,
                 )
-            self._channel = t.channel
+            elif self.publisher is not None and self.publisher.rollout_ranks != list(
+                t.rollout_ranks
+            ):
+                self.publisher.set_rollouts(t.rollout_ranks)
+        elif self.subscriber is None:
+            self.subscriber = WeightSubscriber(
+                group, t.trainer_ranks, t.rollout_ranks, channel=t.channel
+            )
         if self.is_master:
             self._state = t.state
 
@@ -319,9 +323,9 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         """Publish ``weights`` and wait until every rollout holds them.
 
         The generator is read on this thread (the actor's gathers each tensor collectively
-        over the trainers) as the publisher packs and sends: once the layout is known (from
-        the update before), a few buckets' worth of its tensors are alive at once, never
-        the whole model."""
+        over the trainers) as the publisher packs and sends: a few buckets' worth of its
+        tensors are alive at once, never the whole model, on the first update (whose buckets
+        carry the layout) as on the others."""
         publisher = self.publisher
         if publisher is None:
             if self.group is None:
@@ -330,7 +334,7 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
                 pass
             return {}
         version = self._next_version(global_steps)
-        handle = publisher.publish(self._recorded(weights), version=version)
+        handle = publisher.publish(weights, version=version)
         await asyncio.wrap_future(handle.delivered)
         t = handle.timings
         return {
@@ -343,8 +347,8 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         }
 
     def _next_version(self, global_steps: int | None) -> int:
-        """``global_steps`` when it is past the last version, else the next number. Kept
-        here rather than left to the publisher: a new channel's publisher starts over."""
+        """``global_steps`` when it is past the last version, else the next number (the
+        same on every trainer rank)."""
         last = self.version
         if global_steps is not None and (last is None or global_steps > last):
             version = global_steps
@@ -352,17 +356,6 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
             version = 0 if last is None else last + 1
         self.version = version
         return version
-
-    def _recorded(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """``weights`` as they come, noting each one's name, shape and dtype (no tensor is
-        kept): the layout a new channel's publisher streams with from its first publish."""
-        layout = []
-        for name, tensor in weights:
-            layout.append((name, tuple(tensor.shape), tensor.dtype))
-            yield name, tensor
-        self._layout = layout
 
     async def receive_weights(  # type: ignore[override]
         self, global_steps: int | None = None
@@ -428,7 +421,6 @@ class SlipstreamCheckpointEngine(CheckpointEngineWithCache):
         if self.subscriber is not None:
             self.subscriber.close()
         self.publisher = self.subscriber = None
-        self._channel = None
 
     def close(self) -> None:
         """Leave the sync group (verl never calls this: call it when the job ends). The

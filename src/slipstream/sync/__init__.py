@@ -5,7 +5,8 @@
 - :mod:`.protocol`: the wire protocol: every store key and message between the two sides;
 - :mod:`.plan`: the bucket plan every rank derives from the same layout;
 - :mod:`.packing`: reading tensors bucket by bucket (DTensor gathers) and packing payloads;
-  :mod:`.stream`: the same from an iterator, as it yields;
+  :mod:`.stream`: the same from an iterator, as it yields; :mod:`.described`: a first
+  version whose buckets carry its layout;
 - :mod:`.negotiation`: settling on a transport, and building each epoch's ends of it;
 - :mod:`.transport`, :mod:`.shm`, :mod:`.cma`: broadcast over the network, a shared-memory
   ring, or the rollouts reading the trainer's memory (colocated);

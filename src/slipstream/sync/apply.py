@@ -26,6 +26,7 @@ from torch import nn
 from ..core.buffers import as_bytes
 from ..core.copy import copy_in_slices, copy_to_address
 from ..errors import SyncError
+from .described import DESCRIBED
 from .plan import BucketPlan, Slice, TensorSpec
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
@@ -49,17 +50,23 @@ class ModuleTarget:
         self.module = module
         self.name_map = name_map
         self._dest: dict[int, list[torch.Tensor]] = {}
+        self._own: dict[str, torch.Tensor] | None = None
+        self._whole_dict = False
 
-    def check(self, plan: BucketPlan) -> list[str]:
+    def check(self, plan: BucketPlan, first: int = 0) -> list[str]:
         """Every problem between the plan and the module, as messages naming the tensors.
 
         Every name of a sent tensor (its aliases too) is looked up; names that reach the
-        same target tensor (a tie in the target) are written once.
+        same target tensor (a tie in the target) are written once. ``first``: the plan's
+        tensors before it were checked already (a described round's layout grows as it
+        arrives, :mod:`.described`), and only the others are.
         """
-        own = self._named_tensors(n for spec in plan.specs for n in spec.names)
+        if first == 0:
+            self._dest, self._own, self._whole_dict = {}, None, False
+        specs = plan.specs[first:]
+        own = self._named_tensors(n for spec in specs for n in spec.names)
         missing, shapes, dtypes, layout = [], [], [], []
-        self._dest = {}
-        for i, spec in enumerate(plan.specs):
+        for i, spec in enumerate(specs, first):
             dests: dict[tuple, torch.Tensor] = {}
             for sent in spec.names:
                 name = map_name(self.name_map, sent)
@@ -95,11 +102,16 @@ class ModuleTarget:
     def _named_tensors(self, wanted: Iterable[str]) -> dict[str, torch.Tensor]:
         """The module's parameters and buffers under every name they go by (tied ones under
         each), and, if some of ``wanted`` (mapped) is not among them, the tensors of its
-        ``state_dict(keep_vars=True)`` under the names that uses."""
-        own: dict[str, torch.Tensor] = dict(self.module.named_parameters(remove_duplicate=False))
-        own.update(self.module.named_buffers(remove_duplicate=False))
+        ``state_dict(keep_vars=True)`` under the names that uses (read once per check of
+        a whole plan)."""
+        own = self._own
+        if own is None:
+            own = dict(self.module.named_parameters(remove_duplicate=False))
+            own.update(self.module.named_buffers(remove_duplicate=False))
+            self._own = own
         names = (map_name(self.name_map, n) for n in wanted)
-        if any(n is not None and n not in own for n in names):
+        if not self._whole_dict and any(n is not None and n not in own for n in names):
+            self._whole_dict = True
             for name, t in self.module.state_dict(keep_vars=True).items():
                 if isinstance(t, torch.Tensor):
                     own.setdefault(name, t)
@@ -160,12 +172,24 @@ class CallableTarget:
         self._plan_id = ""
         self._batch: list[tuple[str, torch.Tensor]] = []
 
-    def check(self, plan: BucketPlan) -> list[str]:
-        """Nothing to check against a callable; drops reassembly buffers of older plans."""
+    def check(self, plan: BucketPlan, first: int = 0) -> list[str]:
+        """Nothing to check against a callable; drops reassembly buffers of older plans
+        (when a plan's check starts: ``first`` is 0)."""
+        if first:
+            return []
         self._plan_id = plan.plan_id
-        for key in [k for k in self._assembly if k[0] != plan.plan_id]:
+        # a described round's layout is another one each time: its buffers never serve again
+        stale = [k for k in self._assembly if k[0] != plan.plan_id or k[0] == DESCRIBED]
+        for key in stale:
             del self._assembly[key]
         return []
+
+    def adopt(self, plan_id: str) -> None:
+        """A described round's layout became plan ``plan_id``: its reassembly buffers serve
+        that plan from now on (the same tensors, laid out the same)."""
+        for key in [k for k in self._assembly if k[0] == DESCRIBED]:
+            self._assembly[(plan_id, key[1])] = self._assembly.pop(key)
+        self._plan_id = plan_id
 
     def assembly(self, i: int, spec: TensorSpec) -> torch.Tensor:
         buf = self._assembly.get((self._plan_id, i))

@@ -96,8 +96,9 @@ class SyncGroup:
 
     ``store`` is the group's own (prefixed) store; :meth:`member` reads a rank's current
     process (host, pid, incarnation) from it, so a rank whose process was replaced is seen
-    with its new pid. Process groups made by :meth:`subgroup` are cached and belong to this
-    object.
+    with its new pid. ``world_size`` is the size this rank joined with: ranks past it may
+    join later (:func:`init_group`). Process groups made by :meth:`subgroup` are cached and
+    belong to this object.
     """
 
     store: dist.Store
@@ -269,6 +270,12 @@ class SyncGroup:
         hello = json.loads(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
         return Member(hello["host"], hello["pid"], hello["incarnation"])
 
+    def wait_joined(self, ranks: Sequence[int], what: str, timeout: float | None = None) -> None:
+        """Wait until a process joined at each of ``ranks`` (:func:`init_group`), up to
+        ``timeout`` (the group's), naming the ranks that did not."""
+        root = dataclasses.replace(self, store=self._root_store)
+        root.wait_keys({r: f"hello/{r}" for r in ranks}, what, timeout)
+
     def colocated(self, ranks: Iterable[int]) -> bool:
         """True when every rank in ``ranks`` shares this rank's host."""
         here = host_identity()
@@ -317,8 +324,10 @@ class SyncGroup:
             return  # the store's host is gone: nobody is left to wait for us
         if self.rank == 0:
             root = dataclasses.replace(self, store=self._root_store)
+            grown = int(self._root_store.get(WORLD_KEY))  # ranks past ours may have joined
+            ranks = [r for r in range(max(grown, self.world_size)) if root.joined(r)]
             root.wait_keys(
-                {r: f"bye/{r}" for r in range(self.world_size)},
+                {r: f"bye/{r}" for r in ranks},
                 "every rank to leave",
                 timeout,
                 drop_dead=True,
@@ -391,6 +400,17 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+#: The largest world size a rank joined with: ranks past the first world size may join.
+WORLD_KEY = "world_size"
+
+
+def _grow(store: dist.Store, world_size: int) -> None:
+    """Raise the group's recorded world size to ``world_size`` (never lower it)."""
+    seen = store.compare_set(WORLD_KEY, "", str(world_size)).decode()
+    while int(seen) < world_size:
+        seen = store.compare_set(WORLD_KEY, seen, str(world_size)).decode()
+
+
 def init_group(
     addr: str,
     port: int,
@@ -407,6 +427,11 @@ def init_group(
     A process that replaces a dead one calls this with the dead one's rank (the store's host,
     rank 0, must still run): it joins the running group; the others see its new process
     from then on (see :mod:`.publisher` for how it takes part in publishes again).
+
+    A group grows: a process may join a running group at a rank past its first world size,
+    passing a ``world_size`` that counts it (it waits for every rank below that to have
+    joined); a publisher takes it in with :meth:`.publisher.WeightPublisher.set_rollouts`.
+    Rank 0's :meth:`SyncGroup.close` waits for every rank that joined.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -422,6 +447,7 @@ def init_group(
         wait_for_workers=False,
     )
     store = dist.PrefixStore(STORE_PREFIX, tcp)
+    _grow(store, world_size)
     incarnation = store.add(f"incarnation/{rank}", 1)
     store.delete_key(f"bye/{rank}")
     hello = {"host": host_identity(), "pid": os.getpid(), "incarnation": incarnation}

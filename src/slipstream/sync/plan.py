@@ -40,6 +40,24 @@ def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def cut_tensor(
+    i: int, spec: TensorSpec, cursor: int, bucket_bytes: int, slices: list[Slice]
+) -> int:
+    """Lay tensor ``i`` out in the stream from ``cursor`` (aligned up): append its slices,
+    cut at bucket boundaries, to ``slices``; return where it ends."""
+    start = align(cursor)
+    end = start + spec.nbytes
+    if spec.nbytes == 0:
+        slices.append(Slice(i, 0, 0, start // bucket_bytes, start % bucket_bytes))
+    pos = start
+    while pos < end:
+        g = pos // bucket_bytes
+        stop = min(end, (g + 1) * bucket_bytes)
+        slices.append(Slice(i, pos - start, stop - pos, g, pos - g * bucket_bytes))
+        pos = stop
+    return end
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A published tensor: its name, global shape and dtype, and ``aliases``: the other names
@@ -112,17 +130,22 @@ class BucketPlan:
         slices: list[Slice] = []
         cursor = 0
         for i, spec in enumerate(specs):
-            start = align(cursor)
-            end = start + spec.nbytes
-            if spec.nbytes == 0:
-                slices.append(Slice(i, 0, 0, start // bucket_bytes, start % bucket_bytes))
-            pos = start
-            while pos < end:
-                g = pos // bucket_bytes
-                stop = min(end, (g + 1) * bucket_bytes)
-                slices.append(Slice(i, pos - start, stop - pos, g, pos - g * bucket_bytes))
-                pos = stop
-            cursor = end
+            cursor = cut_tensor(i, spec, cursor, bucket_bytes, slices)
+        meta = layout_json(specs, bucket_bytes, trainer_ranks)
+        plan_id = f"{checksum(meta.encode()):016x}"
+        return cls.assemble(specs, slices, bucket_bytes, trainer_ranks, plan_id)
+
+    @classmethod
+    def assemble(
+        cls,
+        specs: Sequence[TensorSpec],
+        slices: Sequence[Slice],
+        bucket_bytes: int,
+        trainer_ranks: Sequence[int],
+        plan_id: str,
+    ) -> BucketPlan:
+        """The plan of ``specs`` cut into ``slices`` (by :func:`cut_tensor`), under
+        ``plan_id``."""
         owners = tuple(trainer_ranks)
         num_buckets = slices[-1].bucket + 1 if slices else 0
         buckets: list[Bucket] = []
@@ -133,8 +156,6 @@ class BucketPlan:
                 j += 1
             nbytes = max((s.bucket_offset + s.nbytes for s in slices[first:j]), default=0)
             buckets.append(Bucket(g, owners[g % len(owners)], first, j - first, nbytes))
-        meta = layout_json(specs, bucket_bytes, owners)
-        plan_id = f"{checksum(meta.encode()):016x}"
         return cls(tuple(specs), tuple(slices), tuple(buckets), bucket_bytes, owners, plan_id)
 
     def bucket_slices(self, g: int) -> tuple[Slice, ...]:

@@ -3,7 +3,9 @@
 A publish is one round of the protocol in :mod:`.protocol`, run by :mod:`.trainer_round`
 (who takes part, the epoch's transport, the acknowledgements, giving a broken round up);
 this module reads the caller's tensors (a mapping, or an iterator as it yields:
-:mod:`.stream`) and packs and sends the buckets this rank owns. In ``cached`` mode
+:mod:`.stream`, or :mod:`.described` while no layout is known yet) and packs and sends the
+buckets this rank owns. The set of rollouts may change between publishes
+(:meth:`WeightPublisher.set_rollouts`). In ``cached`` mode
 the caller's thread only snapshots into the host cache (:mod:`.host_cache`) and the worker
 thread runs the round from it, serving rollouts that ask again meanwhile.
 
@@ -30,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -43,10 +45,12 @@ from ..core.holds import Holdable
 from ..errors import PeerTimeoutError, SyncError
 from .aliases import named_items, unique_tensors
 from .delta import BucketDelta, DeltaStats, Differ
+from .described import DESCRIBED, DescribedSources, GrowingLayout, described_header, nonempty
 from .group import SyncGroup
 from .host_cache import HostCache
 from .negotiation import (
     HEADER_CAP,
+    LOCAL_TRANSPORTS,
     TRANSPORTS,
     candidates,
     negotiate,
@@ -273,15 +277,18 @@ class WeightPublisher:
 
         Streaming: ``named_tensors`` that is neither a mapping nor a list or tuple (a
         generator, say one that gathers a ``full_tensor()`` per step) is read as it
-        yields once the layout is known, from :meth:`set_layout` or the last publish:
-        buckets are packed and sent as their tensors come, and a yielded tensor is let
-        go once its last bucket is packed, so about two buckets' worth of them are alive
-        at once, never the whole model. It must yield the layout's tensors in its order,
-        under their names, shapes and dtypes (tied names may follow the tensor they share,
-        and are skipped); anything else fails the publish with
+        yields: buckets are packed and sent as their tensors come, and a yielded tensor is
+        let go once its last bucket is packed, so about two buckets' worth of them are
+        alive at once, never the whole model. Once a layout is known (from
+        :meth:`set_layout` or the last publish) it must yield the layout's tensors in its
+        order, under their names, shapes and dtypes (tied names may follow the tensor they
+        share, and are skipped); anything else fails the publish with
         :class:`~slipstream.sync.stream.LayoutMismatch` naming the tensor (the round is
-        given up for every rollout, and the next publish goes on). Without a layout, the
-        first iterator is read whole (as a mapping would be) and gives its layout.
+        given up for every rollout, and the next publish goes on). Without a layout, in
+        ``direct`` mode, the iterator's buckets describe it as they go
+        (:mod:`.described`): the layout it yields is this publisher's from then on. In
+        ``cached`` mode the first iterator is read whole (as a mapping would be) and gives
+        its layout.
         """
         if self._closed:
             raise SyncError("publish on a closed WeightPublisher")
@@ -292,50 +299,59 @@ class WeightPublisher:
                 f"versions must increase: got {version} after {self._last_version} (pass "
                 f"version=None for the next one, {self.next_version}); nothing was sent"
             )
-        streamed = self._plan is not None and not isinstance(named_tensors, (Mapping, Sequence))
+        iterator = not isinstance(named_tensors, (Mapping, Sequence))
+        streamed = self._plan is not None and iterator
+        layout: GrowingLayout | None = None
+        items: Iterator[tuple[str, torch.Tensor]] = iter(())
+        if self._plan is None and iterator and self.mode == "direct":
+            any_item, items = nonempty(iter(cast(Iterable[Any], named_tensors)))
+            if any_item:  # described: the layout travels with the buckets
+                layout = GrowingLayout(self.bucket_bytes, self.trainer_ranks)
+            named_tensors = items
         handle = PublishHandle(version)
         self._wait_previous_round()
         sent_before = self._rounds.sent_bytes()
         snapshot = named_tensors if isinstance(named_tensors, Holdable) else None
         hold = snapshot.hold(f"publish of version {version}") if snapshot is not None else None
         try:
-            sources: Sources
-            if streamed:
-                assert self._plan is not None
-                plan = self._plan
-                sources = StreamSources(plan, iter(cast(Iterable[Any], named_tensors)), self.rank)
-            else:
-                specs, tensors = unique_tensors(named_items(named_tensors))
-                plan = self._plan_for(specs)
-                sources = BucketSources(plan, tensors, self.rank)
-            self._last_version = version
             job: Callable[[], int]
-            handle.timings.dense_bytes = sum(plan.buckets[g].nbytes for g in plan.owned(self.rank))
-            if self.mode == "direct":
-                k = self._round
-                self._round += 1
-                start, requests = self._rounds.start(k, version, plan)
-                handle.absent = start.absent_ranks()
-                self._rounds.guarded(
-                    k,
-                    start,
-                    lambda: self._pack_and_send(plan, sources, requests, version, handle.timings),
-                )
-                handle.timings.staged = handle.elapsed()
-                handle.staged.set_result(None)
-                job = functools.partial(self._rounds.finish, k, start)
+            if layout is not None:
+                self._last_version = version
+                job = self._publish_described(layout, items, version, handle)
             else:
-                differ = self._differ if self._plain_publishes == 0 else None
-                self._plain_publishes = max(0, self._plain_publishes - 1)
-                peak, deltas, stats = self._cache.snapshot(plan, sources, version, differ)
-                k = self._round  # taken once the snapshot is whole: a failed one starts no round
-                self._round += 1
-                self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
-                _record_diff(handle.timings, stats)
-                self._note_gain(stats)
-                handle.timings.staged = handle.elapsed()
-                handle.staged.set_result(None)
-                job = functools.partial(self._serve_cached, k, version, plan, handle, deltas)
+                sources: Sources
+                if streamed:
+                    assert self._plan is not None
+                    plan = self._plan
+                    items = iter(cast(Iterable[Any], named_tensors))
+                    sources = StreamSources(plan, items, self.rank)
+                else:
+                    specs, tensors = unique_tensors(named_items(named_tensors))
+                    plan = self._plan_for(specs)
+                    sources = BucketSources(plan, tensors, self.rank)
+                self._last_version = version
+                handle.timings.dense_bytes = self._dense_bytes(plan)
+                if self.mode == "direct":
+
+                    def send(requests: dict[int, Request]) -> None:
+                        self._pack_and_send(plan, sources, requests, version, handle.timings)
+
+                    job = self._run_direct(plan.plan_id, send, version, handle)
+                    handle.timings.staged = handle.elapsed()
+                    handle.staged.set_result(None)
+                else:
+                    differ = self._differ if self._plain_publishes == 0 else None
+                    self._plain_publishes = max(0, self._plain_publishes - 1)
+                    peak, deltas, stats = self._cache.snapshot(plan, sources, version, differ)
+                    # the round is taken once the snapshot is whole: a failed one starts none
+                    k = self._round
+                    self._round += 1
+                    self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
+                    _record_diff(handle.timings, stats)
+                    self._note_gain(stats)
+                    handle.timings.staged = handle.elapsed()
+                    handle.staged.set_result(None)
+                    job = functools.partial(self._serve_cached, k, version, plan, handle, deltas)
         except BaseException as exc:
             fail_unfinished(exc, handle.staged, handle.delivered)
             raise
@@ -346,6 +362,93 @@ class WeightPublisher:
         self._jobs.put((job, handle, sent_before))
         handle.timings.blocked = handle.elapsed()
         return handle
+
+    def set_rollouts(self, rollout_ranks: Sequence[int]) -> None:
+        """Publish to ``rollout_ranks`` from the next publish on, on this channel.
+
+        Rollouts join and leave without a new channel: a rank added (one past the group's
+        first world size too, once it joined with :func:`.group.init_group`, see
+        :mod:`.group`) builds its :class:`~slipstream.sync.WeightSubscriber` on this
+        channel and takes part from the next publish on (every byte, since it holds no
+        version), or in ``cached`` mode refetches the cache's version at once; a rank
+        dropped is no longer waited for (its subscriber, if it lives on, receives nothing
+        until it is added again, then what changed since the version it holds). Every
+        trainer rank calls this with the same ranks, between publishes (it waits for the
+        last round to be delivered). What the publisher keeps stays: the version, the plan,
+        the host cache and delta base (rounds whose rollouts all hold it send deltas
+        again), the checksums of the versions rollouts hold.
+
+        The kind of transport negotiated when the publisher started stays: a colocated one
+        (``cma``, ``shm``) needs every added rollout on this host (``ValueError`` names
+        those that are not; open a new channel for them)."""
+        ranks = list(rollout_ranks)
+        if self._closed:
+            raise SyncError("set_rollouts on a closed WeightPublisher")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"a rollout rank appears twice in {ranks}")
+        if set(ranks) & set(self.trainer_ranks):
+            raise ValueError("a rank cannot be both a trainer and a rollout")
+        self._wait_previous_round()
+        added = [r for r in ranks if r not in self.rollout_ranks]
+        if added and self.transport in LOCAL_TRANSPORTS:
+            self.group.wait_joined(added, f"rollout rank(s) {added} to join the sync group")
+            away = [r for r in added if not self.group.colocated([r])]
+            if away:
+                raise ValueError(
+                    f"rollout rank(s) {away} are not on trainer rank {self.rank}'s host: "
+                    f"channel {self.channel!r} publishes over {self.transport!r}, which "
+                    "needs every rollout there; open a new channel for them"
+                )
+        for r in ranks:
+            self.rollout_versions.setdefault(r, None)
+        for r in [r for r in self.rollout_versions if r not in ranks]:
+            del self.rollout_versions[r]
+        self.rollout_ranks = ranks
+        self._rounds.rollout_ranks = list(ranks)
+        self._refetch.set_rollouts(ranks)
+
+    def _dense_bytes(self, plan: BucketPlan) -> int:
+        return sum(plan.buckets[g].nbytes for g in plan.owned(self.rank))
+
+    def _run_direct(
+        self,
+        plan_id: str,
+        send: Callable[[dict[int, Request]], None],
+        version: int,
+        handle: PublishHandle,
+    ) -> Callable[[], int]:
+        """Start a ``direct`` round of ``plan_id`` and run ``send`` (given the members'
+        requests) in it; return the job that waits for its acknowledgements."""
+        k = self._round
+        self._round += 1
+        start, requests = self._rounds.start(k, version, plan_id)
+        handle.absent = start.absent_ranks()
+        self._rounds.guarded(k, start, lambda: send(requests))
+        return functools.partial(self._rounds.finish, k, start)
+
+    def _publish_described(
+        self,
+        layout: GrowingLayout,
+        items: Iterator[tuple[str, torch.Tensor]],
+        version: int,
+        handle: PublishHandle,
+    ) -> Callable[[], int]:
+        """A described round (:mod:`.described`): the layout is learned from ``items`` as
+        they are sent and travels in the buckets' headers; then it is this publisher's
+        plan, posted for rollouts that join later."""
+        sources = DescribedSources(layout, items, self.rank)
+        sums: dict[int, int] = {}
+
+        def send(requests: dict[int, Request]) -> None:
+            sums.update(self._send_described(layout, sources))
+
+        job = self._run_direct(DESCRIBED, send, version, handle)
+        plan = self._plan_for(layout.final().specs)
+        self._remember(version, sums)
+        handle.timings.dense_bytes = self._dense_bytes(plan)
+        handle.timings.staged = handle.elapsed()
+        handle.staged.set_result(None)
+        return job
 
     def set_layout(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -454,6 +557,41 @@ class WeightPublisher:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
         self._remember(version, sums)
 
+    @tracing.spanned("slipstream.sync.publish.send")
+    def _send_described(self, layout: GrowingLayout, sources: DescribedSources) -> dict[int, int]:
+        """Send a described round's buckets as ``sources`` grows ``layout``: bucket g
+        leaves once every tensor that starts in it was read, with its description in its
+        header; every slice is in its payload. Returns the slices' checksums."""
+        sender = self._rounds.sender
+        separate_min = sender.separate_min if sender is not None else None
+        plan = layout.as_plan()
+        sums: dict[int, int] = {}
+        sent_from_tensors = False
+        g = 0
+        while True:
+            sources.enter(g)
+            if layout.total is not None and g >= layout.total:
+                break
+            description = layout.describe(g)  # on every rank: the checksum runs through all
+            bucket = layout.buckets[g]
+            if bucket.owner == self.rank and sender is not None:
+                slices = layout.bucket_slices(g)
+                out = sender.next_buffer() if packs_any(slices, separate_min) else NO_BYTES
+                mask, nbytes, bucket_sums, separate = pack_slices(
+                    slices, sources.slice_bytes, out, _never, bucket.first_slice, separate_min
+                )
+                sums.update(bucket_sums)
+                sent_from_tensors |= bool(separate)
+                header = described_header(nbytes, description)
+                send_bucket(sender, plan, g, mask, nbytes, out, separate, header)
+            sources.leave(g)
+            g += 1
+        sources.finish()
+        if sent_from_tensors and sender is not None:  # they read the caller's tensors
+            sender.flush()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
+        return sums
+
     @tracing.spanned("slipstream.sync.publish.diff_and_send")
     def _diff_and_send(
         self,
@@ -511,7 +649,7 @@ class WeightPublisher:
         handle: PublishHandle,
         deltas: dict[int, BucketDelta | None],
     ) -> int:
-        start, requests = self._rounds.start(k, version, plan, idle=self._refetch.poll)
+        start, requests = self._rounds.start(k, version, plan.plan_id, idle=self._refetch.poll)
         handle.absent = start.absent_ranks()
 
         @tracing.spanned("slipstream.sync.publish.send")
@@ -622,6 +760,11 @@ class WeightPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _never(slice_index: int, checksum: int | None) -> bool:
+    """No slice of a described round is left out: no rollout holds this layout yet."""
+    return False
 
 
 def _record_diff(timings: PublishTimings, stats: DeltaStats) -> None:

@@ -60,6 +60,13 @@ class RefetchServer:
         self._looked = 0.0
         self._next = dict.fromkeys(self.rollout_ranks, 0)
 
+    def set_rollouts(self, rollout_ranks: Sequence[int]) -> None:
+        """Serve ``rollout_ranks`` from now on (a rank served before keeps its count of
+        requests; the list is replaced whole, so the worker reads one or the other)."""
+        for r in rollout_ranks:
+            self._next.setdefault(r, 0)
+        self.rollout_ranks = list(rollout_ranks)
+
     def poll(self) -> None:
         """Serve every rollout that asked since the last look (at most every
         :data:`ASK_AGAIN_POLL` seconds). A request that cannot be served is answered with

@@ -27,14 +27,17 @@ def send_bucket(
     nbytes: int,
     buffer: torch.Tensor,
     separate: dict[int, torch.Tensor],
+    header: torch.Tensor | None = None,
 ) -> None:
     """Send bucket ``g`` with include ``mask`` and a payload of ``nbytes``: ``buffer`` holds
     the packed slices (laid out by :func:`.plan.payload_offsets`; the bytes of slices in
-    ``separate`` need not be there), ``separate`` the slices sent from their own bytes."""
+    ``separate`` need not be there), ``separate`` the slices sent from their own bytes.
+    ``header``: the bucket's header when it is not the plan's (a described round's)."""
     slices = plan.bucket_slices(g)
-    header = encode_header(
-        torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8), nbytes, mask
-    )
+    if header is None:
+        header = encode_header(
+            torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8), nbytes, mask
+        )
     segments = payload_segments(slices, mask, sender.separate_min)
     parts = segment_parts(segments, buffer[:nbytes], separate)
     message = BucketMessage(g, header.to(buffer.device), parts)

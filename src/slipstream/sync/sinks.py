@@ -3,7 +3,9 @@
 - :class:`TargetSink`: into the target as each bucket lands (a module in place; a
   ``load_weights`` callable gets whole tensors after each bucket);
 - :class:`StreamSink`: into a host buffer laid out as the plan's stream, applied to the
-  target only once every byte is in (``atomic=True``);
+  target only once every byte is in (``atomic=True``); :class:`BucketsSink` does the same
+  for a described round (:mod:`.described`), whose size is known only at its end, in a
+  buffer per bucket;
 - :class:`DrainSink`: nowhere (a round this rank refused, received to its end so every
   other member stays in step).
 
@@ -135,6 +137,58 @@ class StreamSink:
             start = plan.stream_offset[i]
             target.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
         target.flush()
+
+
+class BucketsSink:
+    """Gathers a described round (its size known only at its end) in a host buffer per
+    bucket; applies it to ``target`` at :meth:`finish`."""
+
+    buffered = True
+
+    def __init__(self, plan: BucketPlan, target: ModuleTarget | CallableTarget) -> None:
+        self.plan = plan
+        self.target = target
+        self.buckets: dict[int, torch.Tensor] = {}
+        self.slices: list[tuple[int, Slice]] = []
+
+    def _bytes(self, g: int, s: Slice) -> torch.Tensor:
+        buf = self.buckets.get(g)
+        if buf is None:
+            buf = self.buckets[g] = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8)
+        return buf[s.bucket_offset : s.bucket_offset + s.nbytes]
+
+    def land(self, g: int, s: Slice) -> torch.Tensor | None:
+        return self._bytes(g, s)
+
+    def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
+        if data is None:
+            return
+        if not landed:
+            copy_in_slices(self._bytes(g, s), data)
+        self.slices.append((g, s))
+
+    def bucket_done(self, g: int) -> None:
+        return None
+
+    def finish(self) -> None:
+        """Apply what the round gathered: every slice, then every tensor with new bytes
+        (a callable target gets each whole, put together from its slices)."""
+        plan, target = self.plan, self.target
+        pieces: dict[int, list[tuple[Slice, torch.Tensor]]] = {}
+        for g, s in self.slices:
+            data = self._bytes(g, s)
+            target.write(s, data)
+            pieces.setdefault(s.tensor, []).append((s, data))
+        for i in sorted(pieces):
+            spec = plan.specs[i]
+            whole = None
+            if isinstance(target, CallableTarget):
+                whole = target.assembly(i, spec)
+                for s, data in pieces[i]:
+                    copy_in_slices(whole[s.tensor_offset : s.tensor_offset + s.nbytes], data)
+            target.tensor_done(i, spec, whole)
+        target.flush()
+        self.buckets = {}
 
 
 class DrainSink:

@@ -38,6 +38,7 @@ from ..errors import SyncError
 from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
 from .cma import CacheReader
 from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
+from .described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
 from .group import SyncGroup
 from .negotiation import network_receiver, read_offer
 from .packing import payload_segments
@@ -51,7 +52,7 @@ from .protocol import (
     encode,
 )
 from .rollout_round import RolloutRound
-from .sinks import DrainSink, Sink, StreamSink, TargetSink
+from .sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
 from .transport import Pending, Receiver
 
 logger = logging.getLogger(__name__)
@@ -212,13 +213,19 @@ class WeightSubscriber:
         items.clear()
         stopped = False
         try:
-            plan = self._plan(start.plan)
+            layout = self._layout() if start.plan == DESCRIBED else None
+            plan = self._plan(start.plan) if layout is None else layout.as_plan()
             problems = self._problems(plan, sink, version)
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._transfer(k, _Round(plan, DrainSink(), self._rounds.receivers))
+                self._transfer(k, _Round(plan, DrainSink(), self._rounds.receivers, layout=layout))
                 raise_problems(problems, version, self.rank)
             rnd = _Round(
-                plan, self._sink(plan, sink, atomic), self._rounds.receivers, version=version
+                plan,
+                self._sink(plan, sink, atomic, layout),
+                self._rounds.receivers,
+                version=version,
+                layout=layout,
+                target=sink,
             )
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
@@ -250,6 +257,13 @@ class WeightSubscriber:
             if stopped:
                 return None
             raise
+        if layout is not None:  # the layout is whole: from now on it is a plan like any
+            plan = layout.final()
+            self._plans = {plan.plan_id: plan}
+            if isinstance(sink, CallableTarget):
+                sink.adopt(plan.plan_id)
+            if rnd.tokens is not None:
+                rnd.tokens = {g: root_token(plan.plan_id, g, version) for g in rnd.tokens}
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
@@ -388,8 +402,48 @@ class WeightSubscriber:
         self._complete = False
         rnd.sink.finish()
 
-    def _sink(self, plan: BucketPlan, target: ModuleTarget | CallableTarget, atomic: bool) -> Sink:
-        return StreamSink(plan, target, self._pool) if atomic else TargetSink(plan, target)
+    def _sink(
+        self,
+        plan: BucketPlan,
+        target: ModuleTarget | CallableTarget,
+        atomic: bool,
+        layout: GrowingLayout | None = None,
+    ) -> Sink:
+        if not atomic:
+            return TargetSink(plan, target)
+        return StreamSink(plan, target, self._pool) if layout is None else BucketsSink(plan, target)
+
+    def _layout(self) -> GrowingLayout:
+        """The layout a described round grows as its headers arrive."""
+        shape = self._offers[self.leader].shape
+        assert shape is not None
+        return GrowingLayout(shape.bucket_bytes, self.trainer_ranks)
+
+    def _learn(self, rnd: _Round, g: int, header: torch.Tensor) -> None:
+        """In a described round, read bucket ``g``'s header into the layout (once) and
+        check the tensors it adds against the target: a mismatch is refused, the rest of
+        the round drained, nothing more applied."""
+        layout = rnd.layout
+        if layout is None:
+            return
+        first = len(layout.specs)
+        if not layout.learn(g, header, layout.owner(g)) or rnd.target is None:
+            return
+        if rnd.refused is None and not isinstance(rnd.sink, DrainSink):
+            problems = rnd.target.check(rnd.plan, first)
+            if problems:
+                error = SyncError(
+                    f"rollout rank {self.rank} rejected version {rnd.version} at bucket {g} "
+                    f"(buckets before it were applied): " + "; ".join(problems)
+                )
+                rnd.refused, rnd.sink, rnd.tokens = error, DrainSink(), None
+
+    def _mask(self, rnd: _Round, g: int, header: torch.Tensor) -> list[int]:
+        """Bucket ``g``'s include mask (every slice, in a described round)."""
+        slices = rnd.plan.bucket_slices(g)
+        if rnd.layout is not None:
+            return [1] * len(slices)
+        return decode_header(header, len(slices))[1]
 
     def _hold(self, version: int, held_key: tuple[str, bool]) -> None:
         self._version = version
@@ -417,8 +471,8 @@ class WeightSubscriber:
             self._plans = {plan_id: plan}
         return plan
 
-    @staticmethod
     def _place(
+        self,
         rnd: _Round,
         g: int,
         separate_min: int | None,
@@ -427,8 +481,9 @@ class WeightSubscriber:
     ) -> list[torch.Tensor]:
         """Where bucket ``g``'s payload segments land: a slice sent on its own goes straight
         to its final bytes when it has some on this device (recorded in ``rnd.landed``)."""
+        self._learn(rnd, g, header)
         slices = rnd.plan.bucket_slices(g)
-        _, mask = decode_header(header, len(slices))
+        mask = self._mask(rnd, g, header)
         if mask and mask[0] == DELTA:  # one segment, applied from the receive buffer
             return [payload]
         buffers = []
@@ -445,8 +500,9 @@ class WeightSubscriber:
     def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
         plan = rnd.plan
         header, payload = pending.finish()
+        self._learn(rnd, g, header)
         slices = plan.bucket_slices(g)
-        _, mask = decode_header(header, len(slices))
+        mask = self._mask(rnd, g, header)
         if mask and mask[0] == DELTA:
             self._apply_delta(rnd, g, payload)
             return
@@ -520,16 +576,21 @@ class _Pipeline:
         if self.unpacked is not None:
             self.unpacked.release()
             self.unpacked = None
-        rnd, plan = self.rnd, self.rnd.plan
+        rnd = self.rnd
+        exists = rnd.exists(self.next)
+        if exists is None:  # a described round: the pending bucket's header tells
+            assert self.pending is not None
+            self.subscriber._unpack(rnd, *self.pending)
+            self.unpacked, self.pending = self.pending[1], None
+            return True
         current = None
-        if self.next < len(plan.buckets):
+        if exists:
             g = self.next
-            bucket = plan.buckets[g]
-            receiver = rnd.receivers[bucket.owner]
-            after = g + len(plan.trainer_ranks)  # the same owner's next bucket
-            following = plan.buckets[after].header_bytes if after < len(plan.buckets) else None
+            receiver = rnd.receivers[rnd.owner(g)]
+            after = g + len(self.subscriber.trainer_ranks)  # the same owner's next bucket
+            following = rnd.header_bytes(after) if rnd.exists(after) else None
             place = functools.partial(self.subscriber._place, rnd, g, receiver.separate_min)
-            current = (g, receiver.start(bucket.header_bytes, following, place))
+            current = (g, receiver.start(rnd.header_bytes(g), following, place))
             self.next += 1
         pending, self.pending = self.pending, current
         if pending is None:
@@ -567,8 +628,25 @@ class _Round:
     """Each bucket's token before this round (what a delta must be computed from)."""
     tokens: dict[int, int] | None = None
     """Each bucket's token as this round leaves it; ``None``: not recorded (dense only)."""
-    refused: BaseMismatch | None = None
-    """A delta refused for its base: the rest of the round was drained, nothing applied."""
+    refused: Exception | None = None
+    """A delta refused for its base, or a described round's tensor for the target: the rest
+    of the round was drained, nothing more applied."""
+    layout: GrowingLayout | None = None
+    """A described round's layout, grown as its headers arrive (``plan`` reads it)."""
+    target: ModuleTarget | CallableTarget | None = None
+
+    def owner(self, g: int) -> int:
+        return self.plan.buckets[g].owner if self.layout is None else self.layout.owner(g)
+
+    def header_bytes(self, g: int) -> int:
+        if self.layout is not None:
+            return DESCRIBED_HEADER_BYTES
+        return self.plan.buckets[g].header_bytes
+
+    def exists(self, g: int) -> bool | None:
+        """Whether bucket ``g`` exists (``None``: a described round's header before it
+        must be read first)."""
+        return g < len(self.plan.buckets) if self.layout is None else self.layout.exists(g)
 
     def forget_receivers(self) -> None:
         """Let go of the receivers (the round broke: their connections must close)."""

@@ -24,7 +24,6 @@ from ..errors import MissingRanksError, PeerDiedError, SyncError
 from .culprits import post_abort, read_abort, read_ack, who_broke
 from .group import SyncGroup
 from .negotiation import build_sender, epoch_tag
-from .plan import BucketPlan
 from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
 from .transport import Sender, let_go
 
@@ -66,18 +65,19 @@ class TrainerRound:
         self,
         k: int,
         version: int,
-        plan: BucketPlan,
+        plan_id: str,
         idle: Callable[[], None] | None = None,
     ) -> tuple[RoundStart, dict[int, Request]]:
         """Agree on round ``k``: its members (the lead trainer waits for every rollout not
         found dead to ask; the others read the lead's decision), and the epoch, whose
         transport this rank builds when it is new. Returns the round and each member's
-        request (what it holds). ``idle`` runs while the lead waits."""
+        request (what it holds). ``plan_id`` names the plan (or :data:`.described.DESCRIBED`).
+        ``idle`` runs while the lead waits."""
         self._live_round = k
         self._acked_whole = set()
         requests: dict[int, Request] = {}
         if self.rank == self.leader:
-            start, requests = self._gather(k, version, plan, idle)
+            start, requests = self._gather(k, version, plan_id, idle)
         else:
             what = f"lead trainer rank {self.leader} to start round {k}"
             start = decode(
@@ -85,10 +85,10 @@ class TrainerRound:
             )
             if start.cancelled:
                 raise SyncError(f"round {k} was cancelled by the lead trainer: {start.cancelled}")
-            if (start.version, start.plan) != (version, plan.plan_id):
+            if (start.version, start.plan) != (version, plan_id):
                 raise SyncError(
                     f"trainer rank {self.rank} publishes version {version} (plan "
-                    f"{plan.plan_id}) but lead trainer rank {self.leader} publishes version "
+                    f"{plan_id}) but lead trainer rank {self.leader} publishes version "
                     f"{start.version} (plan {start.plan}) in round {k}: ranks disagree on the "
                     "version or on the tensors' names/shapes/dtypes"
                 )
@@ -104,7 +104,7 @@ class TrainerRound:
         return start, requests
 
     def _gather(
-        self, k: int, version: int, plan: BucketPlan, idle: Callable[[], None] | None
+        self, k: int, version: int, plan_id: str, idle: Callable[[], None] | None
     ) -> tuple[RoundStart, dict[int, Request]]:
         """The lead's side of :meth:`start`: wait for the requests, post the round;
         returns it with the members' requests."""
@@ -118,7 +118,7 @@ class TrainerRound:
                 drop_dead=True,
             )
         except MissingRanksError as exc:
-            cancelled = RoundStart(version, plan.plan_id, self._epoch, [], cancelled=str(exc))
+            cancelled = RoundStart(version, plan_id, self._epoch, [], cancelled=str(exc))
             self.group.post(Keys.round(k), encode(cancelled))
             raise
         lives = {}
@@ -148,7 +148,7 @@ class TrainerRound:
                 absent,
             )
         start = RoundStart(
-            version, plan.plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
+            version, plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
         )
         self.group.post(Keys.round(k), encode(start))
         self.group.post(Keys.NEXT_ROUND, str(k + 1))
