@@ -11,7 +11,8 @@ that other ranks write. They wait here, one way:
   dozen round trips a second, each of which also wakes the store's server thread).
 - **A deadline, and liveness.** A wait ends at its deadline, and earlier as soon as a rank
   it is still waiting for is found dead (a :data:`DeadRanks` callable, e.g. a
-  :class:`LivenessWatch` over :class:`Heartbeat` counters); either way it raises one error
+  :class:`LivenessWatch` over :class:`Heartbeat` counters, which also takes a death notice
+  posted by a process that saw the rank's connection drop); either way it raises one error
   type, :class:`~slipstream.errors.MissingRanksError` (its subclass
   :class:`~slipstream.errors.PeerDiedError` for the dead), naming the ranks, what was
   awaited and for how long.

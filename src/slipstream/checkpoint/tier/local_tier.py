@@ -298,8 +298,9 @@ class LocalTierSaver:
     def _commit_step(self, seq: int, step: int, written: AsyncSaveResponse) -> None:
         """Replicate this rank's files of the written step, let rank 0 decide, and (the
         node's lowest rank) write the marker; return once this node's marker is in place.
-        A save that failed on its own (every rank saw its outcome) still reports, so that
-        rank 0 names every dead rank alike on every rank."""
+        A save that failed on its own fails here at once (every rank saw its outcome),
+        unless it failed by a death: then it still reports, so that rank 0 names every
+        dead rank, alike on every rank."""
         step_name = step_dir(step)
         location = self._files.step(step_name)
         deadline = Deadline(self.timeout)
@@ -309,13 +310,13 @@ class LocalTierSaver:
                 self.before_replication(step)
             report = ReplicationReport(self._send_own(location, step_name, written))
         except BaseException as exc:
-            dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
-            if dead and written.upload_completion.exception() is None:
-                for peer in dead:  # its connection dropped: tell every rank's waits now
-                    self.channel.report_dead(
-                        peer, f"its peer link connection to rank {self.rank} dropped"
-                    )
             save_failed = written.upload_completion.exception() is not None
+            if save_failed and not isinstance(exc, PeerDiedError):
+                raise
+            dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
+            if not save_failed:
+                for peer in dead:  # e.g. its connection dropped: tell every rank's waits now
+                    self.channel.report_dead(peer, f"seen gone by rank {self.rank}: {exc}")
             report = ReplicationReport(
                 error=str(exc) if save_failed else f"rank {self.rank}: {type(exc).__name__}: {exc}",
                 dead=dead,
