@@ -17,6 +17,7 @@ import os
 import random
 import time
 
+import pytest
 import torch
 from dist_utils import run_workers
 from fault_storage import FaultStorage
@@ -96,6 +97,7 @@ def _stress(rank: int, world: int, base: str) -> None:
         assert_state(final, rank, ROUNDS)
 
 
+@pytest.mark.timeout(300)  # 50 rounds of 4 processes on contended cores
 def test_local_saves_clears_retention_and_loads_race_without_losing_a_commit(tmp_path):
     base = str(tmp_path)
     run_workers(_stress, WORLD, base, timeout=240)
