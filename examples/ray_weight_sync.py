@@ -29,7 +29,10 @@ import slipstream as ss
 
 ROLLOUT_RANKS = [1, 2]
 WORLD_SIZE = 1 + len(ROLLOUT_RANKS)
-TIMEOUT = 60.0
+TIMEOUT = 180.0
+"""Bounds each wait on an actor, sized for a loaded machine (an actor's first call starts
+its process and imports torch); a peer that dies is still named within seconds, by the
+heartbeats, whatever this is."""
 
 
 def make_model() -> nn.Module:

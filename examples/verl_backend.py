@@ -34,7 +34,10 @@ from verl.utils.import_utils import import_external_libs
 BACKEND = "slipstream"
 MODULE = "slipstream.integrations.verl"
 BUCKET = 1 << 20
-TIMEOUT = 60.0
+TIMEOUT = 180.0
+"""Bounds each wait on an actor, sized for a loaded machine (an actor's first call starts
+its process and imports torch); a peer that dies is still named within seconds, by the
+heartbeats, whatever this is."""
 
 
 def make_model() -> nn.Module:

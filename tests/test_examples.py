@@ -10,7 +10,7 @@ def _run(script: str, *args: str) -> str:
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=480,  # a hang guard, sized for a loaded machine (make check-busy)
     )
     assert done.returncode == 0, done.stderr
     return done.stdout

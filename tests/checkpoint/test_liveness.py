@@ -22,11 +22,12 @@ from fault_storage import FaultStorage
 import slipstream as ss
 from slipstream.checkpoint import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.format.names import SPARE_DIR
+from slipstream.checkpoint.save.channel import LIVENESS_CHECK_SECONDS, SILENT_AFTER_SECONDS
 from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
-NOTICE_BOUND_S = 12.0
-"""A dead or stopped rank must be noticed within this many seconds (the documented bound
-is under ten: six seconds of silence plus one liveness check; two more for a loaded host)."""
+NOTICE_BOUND_S = 2 * (SILENT_AFTER_SECONDS + LIVENESS_CHECK_SECONDS)
+"""A dead or stopped rank must be noticed within this many seconds: what noticing needs
+(six seconds of silence plus one liveness check), twice, for a loaded host."""
 FAIL_FAST_S = 2.0
 """Once a rank is known dead, the next save must fail within this many seconds."""
 

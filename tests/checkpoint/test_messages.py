@@ -32,10 +32,12 @@ from slipstream.checkpoint.tier.messages import (
     LoadReport,
     LocalCommitMarker,
     NodeCleared,
+    NodeMarked,
     PeerAddress,
     ReplicationReport,
     StepInventory,
     TierCommitOutcome,
+    TierRoot,
 )
 from slipstream.core.flatten import ContainerRecord
 from slipstream.errors import CheckpointError, CorruptCheckpointError
@@ -252,6 +254,9 @@ def test_every_local_tier_message_reads_back_what_it_wrote():
         HostAnnouncement("node-3"),
         PeerAddress("10.0.0.2", 40123),
         NodeCleared(7),
+        NodeMarked(7),
+        NodeMarked(7, "/dev/shm/x/step_7/.local_commit: OSError: No space left on device"),
+        TierRoot("/dev/shm/slipstream/ab12"),
         ReplicationReport({"__1_0.distcp": 4096, ".metadata": 120}),
         ReplicationReport(error="rank 1: PeerDiedError: gone", dead=[3]),
         TierCommitOutcome({"__0_0.distcp": 10, "__1_0.distcp": 12}),
@@ -279,6 +284,8 @@ def test_every_local_tier_message_reads_back_what_it_wrote():
         (PeerAddress, '{"host": "h"}', "field 'port' is missing"),
         (PeerAddress, '{"host": "h", "port": 70000}', "field 'port' is not a TCP port"),
         (NodeCleared, "{}", "field 'step' is missing"),
+        (NodeMarked, '{"step": 3, "error": 1}', "field 'error' should be str"),
+        (TierRoot, "{}", "field 'url' is missing"),
         (ReplicationReport, '{"files": {"a": -1}, "error": null}', "field 'files' entry 'a'"),
         (ReplicationReport, '{"error": "x", "dead": ["r1"]}', "field 'dead'"),
         (TierCommitOutcome, '{"error": null}', "field 'files' is missing"),

@@ -10,6 +10,7 @@ the test process; resumed runs must equal it bit for bit.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -117,7 +118,11 @@ def _run_until_node_lost(rank: int, world: int, base: str) -> None:
     response = ck.save(KILL_AFTER + 1, state)
     with pytest.raises(ss.PeerDiedError) as info:
         response.result(TIMEOUT)
-    assert "rank 2" in str(info.value) or "rank 3" in str(info.value), str(info.value)
+    # every survivor names both dead ranks, their node and its directory, never its own
+    lost = f"{node_dir(base, 2)}/step_{KILL_AFTER + 1}"
+    assert info.value.ranks == [2, 3], str(info.value)
+    assert f"rank(s) [2, 3] of node 1 ({lost}) died" in str(info.value), str(info.value)
+    assert node_dir(base, 0) not in str(info.value), str(info.value)
     ck.close()
 
 
@@ -180,11 +185,12 @@ def _lost_during_replication(rank: int, world: int, base: str) -> None:
     with pytest.raises(ss.PeerDiedError) as info:
         failed.result(TIMEOUT)
     assert "local step 3 was not committed" in str(info.value), str(info.value)
+    assert info.value.ranks == [2, 3], str(info.value)
     # training goes on: the next saves fail at once, naming the dead, and never raise
     for step in (4, 6):
         train_step(state, rank, step)
         response = ck.save(step, state)
-        with pytest.raises(ss.PeerDiedError, match=r"rank [23] is dead"):
+        with pytest.raises(ss.PeerDiedError, match=r"rank\(s\) \[2, 3\] of node 1 \(.*\) died"):
             response.result(2)
     ck.close()
 
@@ -224,7 +230,11 @@ def _peer_dies_receiving(rank: int, world: int, base: str) -> None:
     train_step(state, rank, 3)
     with pytest.raises(ss.PeerDiedError) as info:
         ck.save(3, state).result(TIMEOUT)
-    assert "rank 3" in str(info.value), str(info.value)
+    assert info.value.ranks == [3], str(info.value)
+    # named by the connection that dropped (rank 1 was sending it a replica), not by
+    # waiting out the heartbeats
+    assert "rank 3: seen gone by rank 1: rank 3 (127.0.0.1:" in str(info.value), str(info.value)
+    assert "no heartbeat" not in str(info.value), str(info.value)
     ck.close()
 
 
@@ -232,6 +242,38 @@ def test_a_peer_dying_during_replication_fails_the_step_naming_it(tmp_path):
     base = str(tmp_path)
     run_workers(_peer_dies_receiving, WORLD, base, timeout=90, killed=(3,))
     run_workers(_restart_and_check, WORLD, base, 2, timeout=60)
+
+
+def _save_steps(rank: int, world: int, base: str, steps: int) -> None:
+    state = initial_state(rank)
+    with checkpointer(base, rank) as ck:
+        for step in range(1, steps + 1):
+            train_step(state, rank, step)
+            ck.save(step, state).result(TIMEOUT)
+
+
+def _load_refused(rank: int, world: int, base: str) -> None:
+    with checkpointer(base, rank) as ck:
+        with pytest.raises(ss.CheckpointError) as info:
+            ck.load(initial_state(rank), strict=False)
+    # rank 2's file came from node 0 (rank 0 holds its replica), and failed its checksums
+    assert "rank 2: CorruptCheckpointError" in str(info.value), str(info.value)
+    assert "read from peers: __2_0.distcp from rank 0 (127.0.0.1:" in str(info.value)
+
+
+def test_a_corrupt_replica_is_refused_naming_the_peer_that_served_it(tmp_path):
+    base = str(tmp_path)
+    run_workers(_save_steps, WORLD, base, 2, timeout=60)
+    shutil.rmtree(node_dir(base, 2))  # node 1 lost: rank 2's file is read from node 0
+    step = os.path.join(base, "node0", "step_2")
+    with open(os.path.join(step, ".slipstream.json")) as f:
+        entry = json.load(f)["records"]["__2_0.distcp"]["rank2.w@0,0"]
+    with open(os.path.join(step, "__2_0.distcp"), "r+b") as f:  # a bit of rank 2's tensor
+        f.seek(entry["data_offset"] + 100)
+        byte = f.read(1)
+        f.seek(entry["data_offset"] + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    run_workers(_load_refused, WORLD, base, timeout=60)
 
 
 def _full_shm(rank: int, world: int, base: str) -> None:

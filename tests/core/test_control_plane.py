@@ -113,3 +113,19 @@ def test_a_heartbeat_that_stops_is_found_silent_and_a_beat_again_is_alive_again(
     assert list(silent) == [1] and "no heartbeat for" in silent[1]
     store.add("alive/1", 1)  # a replacement process beats on the same key
     assert watch.dead([1]) == {}
+
+
+def test_a_death_notice_names_a_silent_rank_at_once_and_a_beat_voids_it():
+    store = dist.HashStore()
+    watch = LivenessWatch(store, lambda r: f"alive/{r}", 60.0, notice_of=lambda r: f"gone/{r}")
+    store.add("alive/1", 1)
+    store.add("alive/2", 1)
+    assert watch.dead([1, 2]) == {}  # beat once, and 60 s of silence are far off
+    watch.notice(2, "its connection to rank 0 dropped")
+    assert watch.dead([1, 2]) == {2: "its connection to rank 0 dropped"}
+    other = LivenessWatch(store, lambda r: f"alive/{r}", 60.0, notice_of=lambda r: f"gone/{r}")
+    assert other.dead([2]) == {2: "its connection to rank 0 dropped"}  # every watcher
+    store.add("alive/2", 1)  # it beats again: the notice is void
+    assert watch.dead([1, 2]) == {} and other.dead([2]) == {}
+    watch.notice(3, "never beat")  # a rank that never beat is not judged
+    assert watch.dead([3]) == {}

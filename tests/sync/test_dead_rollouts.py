@@ -1,6 +1,7 @@
 """A process that dies is noticed within seconds by every party waiting on it, whatever the
 group's timeout (120 s here): a rollout SIGKILLed mid-receive fails the trainer's publish and
-the surviving rollout's receive within 5 s, both naming the dead rank; the surviving
+the surviving rollout's receive by liveness (a silence period and a look, bounded here with
+a 2x margin, far below the timeout), both naming the dead rank; the surviving
 rollout, receiving atomically, holds one whole version, never a mix; the next publish goes
 on for it alone. A rollout that did not ask in time makes one publish time out, and the
 channel recovers without rebuilding anything."""
@@ -19,11 +20,13 @@ from torch import nn
 
 import slipstream as ss
 from slipstream.errors import MissingRanksError, PeerDiedError
+from slipstream.sync.group import SILENT_AFTER_SECONDS
 
 BUCKET = 64 * 1024
 SEPARATE = 4096
 TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if remote_reads_allowed() else [])]
-NOTICED_WITHIN = 5.0
+NOTICED_WITHIN = 2 * (SILENT_AFTER_SECONDS + 1.0)
+"""What noticing a death needs (the silence that marks a rank dead, and one look), twice."""
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:

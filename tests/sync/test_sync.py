@@ -539,7 +539,7 @@ def _dies_mid_transfer(group, sub, transfer: str) -> int:
     start = time.monotonic()
     with pytest.raises((SyncError, PeerTimeoutError), match="rank 0|trainer") as err:
         getattr(sub, transfer)(load_weights)
-    assert time.monotonic() - start < 8 + 5
+    assert time.monotonic() - start < 2 * 8  # the group's timeout, twice
     assert sub.version is None and not sub.complete, (str(err.value), len(calls))
     group.close()
     return len(calls)
@@ -604,7 +604,7 @@ def _rollout_killed_run(rank, port, transport, dying=2):
         start = time.monotonic()
         with pytest.raises((SyncError, PeerTimeoutError)) as err:
             pub.publish({n: t + 1 for n, t in named.items()}, version=2).delivered.result(20)
-        assert time.monotonic() - start < 8 + 5
+        assert time.monotonic() - start < 2 * 8  # the group's timeout, twice
         # the other rollout may have given up and exited too by then
         named_dead = rf"rank\(s\) \[{dying}\] died"
         assert re.search(named_dead, str(err.value)), str(err.value)
@@ -624,7 +624,7 @@ def _rollout_killed_run(rank, port, transport, dying=2):
     start = time.monotonic()
     with pytest.raises((SyncError, PeerTimeoutError)) as err:
         sub.receive(target)
-    assert time.monotonic() - start < 8 + 5
+    assert time.monotonic() - start < 2 * 8  # the group's timeout, twice
     assert sub.version is None
     group.close()
     return str(err.value)

@@ -11,7 +11,8 @@ that other ranks write. They wait here, one way:
   dozen round trips a second, each of which also wakes the store's server thread).
 - **A deadline, and liveness.** A wait ends at its deadline, and earlier as soon as a rank
   it is still waiting for is found dead (a :data:`DeadRanks` callable, e.g. a
-  :class:`LivenessWatch` over :class:`Heartbeat` counters); either way it raises one error
+  :class:`LivenessWatch` over :class:`Heartbeat` counters, which also takes a death notice
+  posted by a process that saw the rank's connection drop); either way it raises one error
   type, :class:`~slipstream.errors.MissingRanksError` (its subclass
   :class:`~slipstream.errors.PeerDiedError` for the dead), naming the ranks, what was
   awaited and for how long.
@@ -22,6 +23,7 @@ not answer.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -152,16 +154,32 @@ class Heartbeat:
 class LivenessWatch:
     """When each peer's heartbeat counter last moved, seen from this process (so hosts'
     clocks need not agree). A rank that never beat is not judged; one that beats again
-    (a restarted process on the same key) is alive again."""
+    (a restarted process on the same key) is alive again.
+
+    With ``notice_of``, a rank is also dead as soon as another process posted a death
+    notice for it (:meth:`notice`: it saw the rank's connection drop) and its counter has
+    not moved since: a process that is gone is named at once by every watcher, without
+    waiting out ``silent_after``; one that beats again voids the notice."""
 
     def __init__(
-        self, store: dist.Store, key_of: Callable[[int], str], silent_after: float
+        self,
+        store: dist.Store,
+        key_of: Callable[[int], str],
+        silent_after: float,
+        notice_of: Callable[[int], str] | None = None,
     ) -> None:
         self._store = store
         self._key_of = key_of
+        self._notice_of = notice_of
         self.silent_after = silent_after
         self._seen: dict[int, tuple[int, float]] = {}
         self._lock = threading.Lock()
+
+    def _count(self, rank: int) -> int | None:
+        key = self._key_of(rank)
+        if not self._store.check([key]):
+            return None
+        return int(self._store.get(key))
 
     def silent(self, ranks: Sequence[int]) -> dict[int, float]:
         """Of ``ranks``, those that beat once but not in the last ``silent_after`` seconds,
@@ -169,10 +187,9 @@ class LivenessWatch:
         now = time.monotonic()
         quiet = {}
         for rank in ranks:
-            key = self._key_of(rank)
-            if not self._store.check([key]):
+            count = self._count(rank)
+            if count is None:
                 continue
-            count = int(self._store.get(key))
             with self._lock:
                 last = self._seen.get(rank)
                 if last is None or last[0] != count:
@@ -181,6 +198,31 @@ class LivenessWatch:
                     quiet[rank] = now - last[1]
         return quiet
 
+    def notice(self, rank: int, why: str) -> None:
+        """Post that ``rank`` is gone (``why``: what was seen, by whom), for every watcher
+        of these counters; void as soon as the rank beats again."""
+        if self._notice_of is None:
+            return
+        count = self._count(rank)
+        if count is not None:
+            self._store.set(self._notice_of(rank), json.dumps({"count": count, "why": why}))
+
+    def _noticed(self, ranks: Sequence[int]) -> dict[int, str]:
+        if self._notice_of is None:
+            return {}
+        found = {}
+        for rank in ranks:
+            key = self._notice_of(rank)
+            if not self._store.check([key]):
+                continue
+            notice = json.loads(self._store.get(key))
+            if self._count(rank) == notice["count"]:
+                found[rank] = str(notice["why"])
+        return found
+
     def dead(self, ranks: Sequence[int]) -> dict[int, str]:
-        """:meth:`silent` as a :data:`DeadRanks`."""
-        return {r: f"no heartbeat for {s:.1f} s" for r, s in self.silent(ranks).items()}
+        """:meth:`silent` as a :data:`DeadRanks`, and the ranks a notice names."""
+        found = self._noticed(ranks)
+        for r, s in self.silent([r for r in ranks if r not in found]).items():
+            found[r] = f"no heartbeat for {s:.1f} s"
+        return found

@@ -29,14 +29,14 @@ mixing messages.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
 from ...core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
 from ...core.waits import Deadline
-from ...errors import PeerDiedError
+from ...errors import MissingRanksError, PeerDiedError
 
 BEAT_SECONDS = 1.0
 SILENT_AFTER_SECONDS = 6.0
@@ -73,7 +73,12 @@ class RankChannel:
         self.dead: dict[int, str] = {}
         """Ranks found dead by their silence, with what was waiting for them."""
         self._heartbeat: Heartbeat | None = None
-        self._liveness = LivenessWatch(store, lambda r: self._key("alive", r), SILENT_AFTER_SECONDS)
+        self._liveness = LivenessWatch(
+            store,
+            lambda r: self._key("alive", r),
+            SILENT_AFTER_SECONDS,
+            notice_of=lambda r: self._key("gone", r),
+        )
         if world_size > 1:
             self._heartbeat = Heartbeat(store, self._key("alive", rank), BEAT_SECONDS)
 
@@ -120,11 +125,55 @@ class RankChannel:
             raise
 
     def known_dead(self) -> dict[int, str]:
-        """Ranks found dead that are still silent (a rank that beats again is forgiven)."""
+        """Ranks found dead that are still dead (a rank that beats again is forgiven)."""
         if self.dead:
-            still = self._liveness.silent(list(self.dead))
+            still = self._liveness.dead(list(self.dead))
             self.dead = {r: m for r, m in self.dead.items() if r in still}
         return dict(self.dead)
+
+    def report_dead(self, rank: int, why: str) -> None:
+        """Tell every rank's waits that ``rank`` is gone (``why``: e.g. its connection
+        dropped), so they name it at once instead of after :data:`SILENT_AFTER_SECONDS`;
+        void as soon as the rank beats again."""
+        self._liveness.notice(rank, why)
+        self.dead[rank] = why
+
+    def gather_living(
+        self, topic: str, decode: Decoder[_M], deadline: Deadline, what: str
+    ) -> tuple[dict[int, _M], dict[int, str], list[int]]:
+        """After a wait on ``topic`` found a rank dead: wait on for the other ranks until
+        each has posted or is found dead too (ranks that die together, such as a node's,
+        are named together), at most until ``deadline``. Returns the messages posted (by
+        rank), the dead (rank: why) and the ranks that did neither by the deadline."""
+        found: dict[int, str] = {}
+
+        def look(ranks: Sequence[int]) -> dict[int, str]:
+            dead = self._liveness.dead(ranks)
+            found.update(dead)
+            return dead
+
+        keys = {r: self._key(topic, r) for r in range(self.world_size)}
+        missing: list[int] = []
+        try:
+            wait_for_keys(
+                self.store,
+                keys,
+                f"them to {what}",
+                deadline,
+                f"rank {self.rank}",
+                look,
+                drop_dead=True,
+                look_every=LIVENESS_CHECK_SECONDS,
+            )
+        except MissingRanksError as exc:
+            missing = list(exc.ranks)
+        self.dead.update(found)
+        posted = {
+            r: self._read(topic, r, decode)
+            for r in range(self.world_size)
+            if r not in found and r not in missing
+        }
+        return posted, found, missing
 
     def close(self) -> None:
         """Stop this rank's heartbeat."""

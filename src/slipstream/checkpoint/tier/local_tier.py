@@ -24,6 +24,35 @@ Invariants:
 - At most two local saves are in flight: step N+1 stages and writes while step N
   replicates (replication and commits run in save order, on one thread), and the clear
   before a save spares the steps still in flight.
+- A rank's local save resolves only once its node's marker is in place (the node's other
+  ranks wait for the lowest rank's word), so nothing a caller does after it (deleting the
+  directory, losing the node) can cut a marker short.
+- A failed step's error names every rank found dead, with its node and that node's
+  directory, and every surviving rank gets the same set: rank 0 decides it, waiting past
+  the first death for the ranks still missing to answer or be found dead too (those of a
+  lost node die together), and a rank whose peer link connection drops is reported dead
+  through the store at once (:meth:`~..save.channel.RankChannel.report_dead`).
+
+Deletions. Only a node's lowest rank deletes its node's step directories, always holding
+``_dir_lock``, and only where no thread may still write:
+
+- the clear, on the caller's thread at the start of the save of step ``s``: an earlier
+  attempt at ``s`` (a save of ``s`` still in flight is waited for first) and steps without
+  a marker that are not in flight (abandoned: their saves failed);
+- retention, on the replication thread right after it wrote a step's marker: committed
+  steps (marker in place) older than the last ``keep_last``;
+- the discard after a load (:meth:`LocalTierSaver.discard_newer`), on the caller's thread:
+  it waits until every local save in flight has committed or failed, then deletes the
+  steps past the one loaded.
+
+Recovery (:meth:`LocalTierSaver.rebuildable`, :meth:`LocalTierSaver.load`) first waits
+for the local saves in flight too, so no retention runs while a step is listed or read,
+and a load called mid-run takes the newest step, the one that was in flight included.
+
+A step is in flight from the start of its save until its ``upload_completion`` resolves
+on the lowest rank, which is after that rank wrote the marker under ``_dir_lock`` (or gave
+the step up). So a marker is written only into a step directory that nothing deletes
+until the marker is in place or the step is abandoned.
 """
 
 from __future__ import annotations
@@ -41,11 +70,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ...core.control_plane import ranks_text
 from ...core.handles import fail_unfinished
 from ...core.peer_link import PeerServer
 from ...core.threads import lower_thread_priority
 from ...core.waits import Deadline
-from ...errors import CheckpointError, PeerDiedError, SlipstreamError
+from ...errors import CheckpointError, CorruptCheckpointError, PeerDiedError, SlipstreamError
 from ..format.names import (
     METADATA_FILE,
     SPARE_DIR,
@@ -57,6 +87,7 @@ from ..format.names import (
 )
 from ..format.safe_types import Trusted
 from ..load import loader
+from ..save.channel import LIVENESS_CHECK_SECONDS, SILENT_AFTER_SECONDS
 from ..save.job import AsyncSaveResponse
 from ..save.options import SaveOptions
 from ..save.saver import CheckpointSaver
@@ -67,9 +98,11 @@ from .messages import (
     LoadReport,
     LocalCommitMarker,
     NodeCleared,
+    NodeMarked,
     ReplicationReport,
     StepInventory,
     TierCommitOutcome,
+    TierRoot,
     TierTopics,
 )
 from .nodes import NodeMap
@@ -80,6 +113,10 @@ from .replication import PeerDirectory, TierFiles
 logger = logging.getLogger(__name__)
 
 MARKER_FILE = ".local_commit"
+LATE_DEATHS_SECONDS = SILENT_AFTER_SECONDS + 2 * LIVENESS_CHECK_SECONDS
+"""How long rank 0 waits on, after finding a rank dead, for the ranks still missing to
+answer or be found dead too (a silence period and two looks: ranks that die together are
+named together)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +167,7 @@ class LocalTierSaver:
             else LocalStorage(root, spare_dir=Path(root) / SPARE_DIR, direct_io=False)
         )
         self.storage.prepare()
+        self.channel.post(TierTopics.root(), TierRoot(self.storage.url))
         self._files = TierFiles(self.storage)
         priority = (self.options.thread_nice, self.options.idle_threads)
         self._server = PeerServer(
@@ -142,11 +180,16 @@ class LocalTierSaver:
         self._thread = ThreadPoolExecutor(
             1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
         )
+        self._seq = 0
+        """Local saves started, counted alike on every rank (they call :meth:`save`
+        together); a save's number keys its node's :class:`NodeMarked`."""
+        self._marked_seq: int | None = None
         self._in_flight: deque[tuple[int, Future[None]]] = deque()
         """The local saves started and not yet seen finished, oldest first: their steps and
         their commit futures."""
         self._dir_lock = threading.Lock()
-        """Held by whoever deletes step directories (the clear, retention)."""
+        """Held by whoever deletes step directories (the clear, retention, the discard)
+        and while a marker is written (see the module docstring)."""
         self._rounds = 0
         self._committed_steps: list[int] = []
         self._dead: dict[int, str] = {}
@@ -165,12 +208,14 @@ class LocalTierSaver:
         until at most one earlier local save is in flight (none where that one is of this
         same step)."""
         step = int(step)
+        seq = self._seq
+        self._seq += 1
         self._wait_in_flight(0 if any(s == step for s, _ in self._in_flight) else 1)
-        dead = {**self._dead, **self.channel.known_dead()}
+        dead = {**self.channel.known_dead(), **self._dead}
         if dead:
-            rank, why = min(dead.items())
             raise PeerDiedError(
-                f"rank {rank} is dead ({why}); local saves fail at once until the job restarts",
+                f"{ranks_text(sorted(dead))} of {self._where(sorted(dead))} died "
+                f"({self._reasons(dead)}); local saves fail at once until the job restarts",
                 sorted(dead),
                 f"local save of step {step}",
             )
@@ -182,7 +227,7 @@ class LocalTierSaver:
         response.timings = written.timings
         self._in_flight.append((step, response.upload_completion))
         written.upload_completion.add_done_callback(
-            lambda _: self._thread.submit(self._replicate, step, written, response)
+            lambda _: self._thread.submit(self._replicate, seq, step, written, response)
         )
         return response
 
@@ -241,58 +286,105 @@ class LocalTierSaver:
             )
 
     def _replicate(
-        self, step: int, written: AsyncSaveResponse, response: AsyncSaveResponse
+        self, seq: int, step: int, written: AsyncSaveResponse, response: AsyncSaveResponse
     ) -> None:
         try:
-            written.upload_completion.result()
-        except BaseException as exc:  # every rank saw the commit fail: nothing to replicate
-            fail_unfinished(_as_error(exc, step), response.upload_completion)
-            return
-        try:
-            self._replicate_committed(step, written)
+            self._commit_step(seq, step, written)
         except BaseException as exc:
             fail_unfinished(_as_error(exc, step), response.upload_completion)
         else:
             response.upload_completion.set_result(None)
 
-    def _replicate_committed(self, step: int, written: AsyncSaveResponse) -> None:
+    def _commit_step(self, seq: int, step: int, written: AsyncSaveResponse) -> None:
+        """Replicate this rank's files of the written step, let rank 0 decide, and (the
+        node's lowest rank) write the marker; return once this node's marker is in place.
+        A save that failed on its own fails here at once (every rank saw its outcome),
+        unless it failed by a death: then it still reports, so that rank 0 names every
+        dead rank, alike on every rank."""
         step_name = step_dir(step)
         location = self._files.step(step_name)
         deadline = Deadline(self.timeout)
         try:
+            written.upload_completion.result()
             if self.before_replication is not None:
                 self.before_replication(step)
             report = ReplicationReport(self._send_own(location, step_name, written))
         except BaseException as exc:
+            save_failed = written.upload_completion.exception() is not None
+            if save_failed and not isinstance(exc, PeerDiedError):
+                raise
+            dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
+            if not save_failed:
+                for peer in dead:  # e.g. its connection dropped: tell every rank's waits now
+                    self.channel.report_dead(peer, f"seen gone by rank {self.rank}: {exc}")
             report = ReplicationReport(
-                error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
-                dead=list(exc.ranks) if isinstance(exc, PeerDiedError) else [],
+                error=str(exc) if save_failed else f"rank {self.rank}: {type(exc).__name__}: {exc}",
+                dead=dead,
             )
         self.channel.post(TierTopics.replicated(step), report)
         if self.rank == 0:
-            self._decide(step, deadline)
-        outcome = self.channel.receive(
-            TierTopics.commit(step),
-            TierCommitOutcome.from_json,
-            0,
-            deadline,
-            f"commit local step {step}",
-        )
-        if outcome.error is not None:
-            message = f"local step {step} was not committed: {outcome.error}"
-            dead = outcome.dead
-            if dead:
-                self._dead.update(dict.fromkeys(dead, message))
-                raise PeerDiedError(message, dead, f"local step {step}")
-            raise CheckpointError(message)
+            failed = written.upload_completion.exception()
+            self._decide(step, deadline, str(failed) if isinstance(failed, PeerDiedError) else None)
+        try:
+            outcome = self.channel.receive(
+                TierTopics.commit(step),
+                TierCommitOutcome.from_json,
+                0,
+                deadline,
+                f"commit local step {step}",
+            )
+            if outcome.error is not None:
+                message = f"local step {step} was not committed: {outcome.error}"
+                dead = outcome.dead
+                if dead:
+                    self._dead.update(dict.fromkeys(dead, message))
+                    raise PeerDiedError(message, dead, f"local step {step}")
+                raise CheckpointError(message)
+            if self.is_leader:
+                self._mark(seq, step, location, outcome.files)
+        except BaseException as exc:
+            if self.is_leader:
+                self._post_marked(seq, NodeMarked(step, str(exc)))
+            raise
         if self.is_leader:
-            marker = LocalCommitMarker(step, self.nodes.world_size, outcome.files)
-            location.put_atomic(MARKER_FILE, marker.to_json())
             self._retain()
             # every rank of the node read it before its part of the save that just committed
             self.channel.forget(TierTopics.clear(step), [self.rank])
+        else:
+            self._await_marker(seq, step, deadline)
         self._committed_steps.append(step)
         self._files.forget(step_name)  # no file handle keeps a retired step's files
+
+    def _mark(self, seq: int, step: int, location: Storage, files: dict[str, int]) -> None:
+        """Write the step's marker on this node (its lowest rank), then tell the node."""
+        marker = LocalCommitMarker(step, self.nodes.world_size, files)
+        with self._dir_lock:
+            location.put_atomic(MARKER_FILE, marker.to_json())
+        self._post_marked(seq, NodeMarked(step))
+
+    def _post_marked(self, seq: int, message: NodeMarked) -> None:
+        """Post this node's word on the local save numbered ``seq``; the word on the one
+        before it goes (every rank of the node read it before reporting on this one)."""
+        self.channel.post(TierTopics.marked(seq), message)
+        previous, self._marked_seq = self._marked_seq, seq
+        if previous is not None and previous != seq:
+            self.channel.forget(TierTopics.marked(previous), [self.rank])
+
+    def _await_marker(self, seq: int, step: int, deadline: Deadline) -> None:
+        """Wait for the node's lowest rank to have written the step's marker."""
+        leader = self.nodes.leader(self.node)
+        marked = self.channel.receive(
+            TierTopics.marked(seq),
+            NodeMarked.from_json,
+            leader,
+            deadline,
+            f"write the marker of local step {step} on node {self.node}",
+        )
+        if marked.error is not None:
+            raise CheckpointError(
+                f"local step {step} is not committed on node {self.node}: its lowest rank "
+                f"({leader}) could not write the marker: {marked.error}"
+            )
 
     def _send_own(
         self, location: Storage, step_name: str, written: AsyncSaveResponse
@@ -319,21 +411,28 @@ class LocalTierSaver:
                 self._peers.send(peer, location, step_name, file)
         return sizes
 
-    def _decide(self, step: int, deadline: Deadline) -> None:
+    def _decide(self, step: int, deadline: Deadline, save_death: str | None) -> None:
+        """Rank 0: gather every rank's report on ``step`` and post the outcome. Where a
+        rank is found dead, wait on (:data:`LATE_DEATHS_SECONDS` at most) for the others
+        to report or be found dead too, so that the outcome names every dead rank.
+        ``save_death``: the error of the local save itself, where it failed by a death
+        (the same text on every rank)."""
         topic = TierTopics.replicated(step)
+        what = f"replicate local step {step}"
         try:
-            reports = self.channel.gather(
-                topic, ReplicationReport.from_json, deadline, f"replicate local step {step}"
-            )
-            errors = [m.error for m in reports if m.error is not None]
-            if errors:
-                dead = sorted({r for m in reports for r in m.dead})
-                outcome = TierCommitOutcome(error="; ".join(errors), dead=dead)
-            else:
-                files: dict[str, int] = {}
-                for m in reports:
-                    files.update(m.files)
-                outcome = TierCommitOutcome(files)
+            try:
+                reports = dict(
+                    enumerate(
+                        self.channel.gather(topic, ReplicationReport.from_json, deadline, what)
+                    )
+                )
+                found: dict[int, str] = {}
+                missing: list[int] = []
+            except PeerDiedError:
+                reports, found, missing = self.channel.gather_living(
+                    topic, ReplicationReport.from_json, Deadline(LATE_DEATHS_SECONDS), what
+                )
+            outcome = self._outcome(step, reports, found, missing, save_death)
         except BaseException as exc:
             dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
             outcome = TierCommitOutcome(error=str(exc), dead=dead)
@@ -342,6 +441,73 @@ class LocalTierSaver:
         if self._committed_steps:
             previous = self._committed_steps[-1]
             self.channel.forget(TierTopics.commit(previous), [0])
+
+    def _outcome(
+        self,
+        step: int,
+        reports: dict[int, ReplicationReport],
+        found: dict[int, str],
+        missing: list[int],
+        save_death: str | None,
+    ) -> TierCommitOutcome:
+        """The decision on ``step`` from the reports posted (by rank), the ranks found dead
+        (rank: why) and those that neither reported nor were found dead in time: the dead
+        (found by rank 0, or by a rank whose replica could not reach them) are named once,
+        with their nodes and directories; every other error once, in rank order."""
+        dead = dict(found)
+        errors: list[str] = []
+        # a save that failed by a death failed with one text on every rank (rank 0's
+        # outcome, which names its own directory): the dead are named below instead
+        deaths = {m.error for m in reports.values() if m.dead} | {save_death}
+        if missing:
+            errors.append(
+                f"{ranks_text(missing)} did not report on local step {step} within "
+                f"{LATE_DEATHS_SECONDS:.0f} s of the first death"
+            )
+        for rank, m in sorted(reports.items()):
+            for peer in m.dead:
+                dead.setdefault(peer, f"seen dead by rank {rank}")
+            if m.error is not None and m.error not in deaths and m.error not in errors:
+                errors.append(m.error)
+        if dead:
+            ranks = sorted(dead)
+            died = f"{ranks_text(ranks)} of {self._where(ranks, step)} died ({self._reasons(dead)})"
+            return TierCommitOutcome(error="; ".join([died, *errors]), dead=ranks)
+        if save_death is not None and save_death not in errors:
+            errors.append(save_death)
+        if errors:
+            return TierCommitOutcome(error="; ".join(errors))
+        files: dict[str, int] = {}
+        for m in reports.values():
+            files.update(m.files)
+        return TierCommitOutcome(files)
+
+    def _where(self, ranks: list[int], step: int | None = None) -> str:
+        """The nodes of ``ranks`` and their local-tier directories (of ``step``), as each
+        rank posted them: ``node 1 (/dev/shm/x/step_9)``."""
+        parts = []
+        for node in sorted({self.nodes.node_of[r] for r in ranks}):
+            url = self._root_of(self.nodes.leader(node))
+            for rank in (r for r in ranks if self.nodes.node_of[r] == node):
+                url = url or self._root_of(rank)
+            if url is not None and step is not None:
+                url = f"{url}/{step_dir(step)}"
+            parts.append(f"node {node}" + (f" ({url})" if url else ""))
+        return ", ".join(parts)
+
+    def _root_of(self, rank: int) -> str | None:
+        """Where ``rank``'s node keeps the tier, as it posted it (None if it never did)."""
+        try:
+            posted = self.channel.receive(
+                TierTopics.root(), TierRoot.from_json, rank, Deadline(0.0), "name its root"
+            )
+        except SlipstreamError:
+            return None
+        return posted.url
+
+    @staticmethod
+    def _reasons(dead: Mapping[int, str]) -> str:
+        return "; ".join(f"rank {r}: {why}" for r, why in sorted(dead.items()))
 
     def _retain(self) -> None:
         """Delete this node's committed steps older than the last ``keep_last``."""
@@ -390,7 +556,8 @@ class LocalTierSaver:
 
     def rebuildable(self) -> dict[int, Rebuildable]:
         """The local steps the job can load, by step (every rank calls this together and
-        gets the same answer)."""
+        gets the same answer), once the local saves in flight have committed or failed."""
+        self.wait_previous()
         number = self._rounds
         self._rounds += 1
         topic = TierTopics.inventory(number)
@@ -419,6 +586,7 @@ class LocalTierSaver:
         rank waits for every other before returning (so each keeps serving its files
         until all have read them), and all raise if any failed. Returns how many files
         this rank read from peers."""
+        self.wait_previous()
         step_name = step_dir(found.step)
         storage = PeerStepStorage(
             self.storage.child(step_name),
@@ -433,6 +601,11 @@ class LocalTierSaver:
             loader.load(state_dict, storage, strict=strict, trusted=trusted)
         except Exception as exc:
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            if isinstance(exc, CorruptCheckpointError):
+                served = [f"{f} from {who}" for f, who in sorted(storage.served.items())]
+                named = [f for f in served if f.split(" ", 1)[0] in str(exc)]
+                if named or served:
+                    error += f" (read from peers: {', '.join(named or served)})"
         finally:
             storage.close()
         number = self._rounds
@@ -456,10 +629,12 @@ class LocalTierSaver:
                 self.channel.forget(topic, [self.rank])
 
     def discard_newer(self, step: int) -> None:
-        """After the job resumed from ``step``: the node's lowest rank deletes its local
-        steps past it (they belong to the run that was abandoned)."""
+        """After the job resumed from ``step``: the node's lowest rank waits for the local
+        saves in flight (they commit or fail), then deletes its local steps past ``step``
+        (they belong to the run that was abandoned)."""
         if not self.is_leader:
             return
+        self.wait_previous()
         try:
             with self._dir_lock:
                 for found, name in step_dirs(self.storage.list_children()).items():

@@ -9,10 +9,12 @@ local save of step ``s``, round by round:
 2. each rank sends its replicas and posts its :class:`ReplicationReport` at
    ``tier/replicated/{s}``;
 3. rank 0 gathers them and posts the :class:`TierCommitOutcome` at ``tier/commit/{s}``;
-4. each node's lowest rank writes the :class:`LocalCommitMarker` (``.local_commit``).
+4. each node's lowest rank writes the :class:`LocalCommitMarker` (``.local_commit``) and
+   posts :class:`NodeMarked` at ``tier/marked/{s}``; its node's other ranks wait for it.
 
-Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name) and
-:class:`PeerAddress` at ``tier/address`` (where a rank's peer link listens). Recovery:
+Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name),
+:class:`PeerAddress` at ``tier/address`` (where a rank's peer link listens) and
+:class:`TierRoot` at ``tier/root`` (where its node keeps the tier, for errors). Recovery:
 :class:`StepInventory` at ``tier/inventory/{n}``, then :class:`LoadReport` at
 ``tier/loaded/{n}``.
 
@@ -54,6 +56,14 @@ class TierTopics:
     @staticmethod
     def commit(step: int) -> str:
         return store_key("tier", "commit", step)
+
+    @staticmethod
+    def marked(step: int) -> str:
+        return store_key("tier", "marked", step)
+
+    @staticmethod
+    def root() -> str:
+        return store_key("tier", "root")
 
     @staticmethod
     def inventory(round_: int) -> str:
@@ -122,6 +132,37 @@ class NodeCleared:
     @classmethod
     def from_json(cls, text: str | bytes, what: str) -> NodeCleared:
         return cls(_message(text, what).get("step", int))
+
+
+@dataclass(frozen=True)
+class NodeMarked:
+    """A node's lowest rank has written the marker of ``step`` (``error``: or why it could
+    not, and the step is not committed on that node)."""
+
+    step: int
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "error": self.error})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> NodeMarked:
+        f = _message(text, what)
+        return cls(f.get("step", int), f.get("error", str, optional=True))
+
+
+@dataclass(frozen=True)
+class TierRoot:
+    """Where a rank's node keeps its local tier (a path or URL)."""
+
+    url: str
+
+    def to_json(self) -> str:
+        return json.dumps({"url": self.url})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> TierRoot:
+        return cls(_message(text, what).get("url", str))
 
 
 @dataclass(frozen=True)

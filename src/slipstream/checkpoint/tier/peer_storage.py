@@ -3,7 +3,8 @@ when it holds it, otherwise from a peer rank whose node holds a replica.
 
 Invariant: only files named by the step's committed manifest are served, each with the
 manifest's size; a peer that fails is replaced by the next rank holding the file, and
-the error names every rank tried.
+the error names every rank tried; :attr:`PeerStepStorage.served` names the peer (rank and
+address) whose bytes each remote file was read from, for an error that refuses them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class PeerStepStorage(Storage):
         self.url = f"{local.url} (local tier, with peer replicas)"
         self.remote = sorted(f for f in manifest if rank not in holders.get(f, []))
         """The files this rank reads from peers."""
+        self.served: dict[str, str] = {}
+        """Each remote file read so far: the peer that served it (``rank 2 (host:port)``)."""
         self.small_reads_are_cheap = not self.remote
 
     def _known(self, name: str) -> None:
@@ -49,7 +52,9 @@ class PeerStepStorage(Storage):
             if rank == self.rank:
                 continue
             try:
-                call(self._client(rank))
+                client = self._client(rank)
+                call(client)
+                self.served[name] = client.who
                 return
             except SlipstreamError as exc:
                 tried.append(f"rank {rank}: {exc}")
