@@ -21,6 +21,13 @@ invariants:
   ``save_checkpoint``, or ``teardown``.
 - ``load_checkpoint`` returns the dict Lightning saved, with its original types (int keys
   of optimizer state, hyper-parameter dataclasses, enums, omegaconf containers).
+- A resume never loads an incomplete checkpoint (a save that never committed: no
+  ``.metadata``, nothing but a save's own files): ``load_checkpoint`` of one raises, naming
+  the newest complete checkpoint beside it. A checkpoint is saved over through slipstream's
+  generations, so ``last.ckpt`` stays complete once it has committed once.
+- The plugin's first save or removal in a local directory removes what a killed run left
+  there (:func:`.removal.sweep`): incomplete ``*.ckpt`` directories, hidden directories of a
+  removal cut short, temporary files; its first load there, the last two only.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 import slipstream as ss
 from slipstream.errors import CheckpointError
 
-from .removal import Remover
+from .removal import Remover, sweep
+from .training_state import incomplete_error, is_incomplete
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +89,8 @@ class SlipstreamCheckpointIO(CheckpointIO):
         self.trusted = trusted
         self._in_flight: dict[str, _Pending] = {}
         self._remover = Remover()
+        self._swept: set[tuple[str, bool]] = set()
+        """The (directory, with incomplete checkpoints) sweeps this plugin ran."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -89,6 +99,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         key = _key(path)
         self._raise_finished_failures()
         self._wait_for(key)  # a save over one in flight: the first's failure is not lost
+        self._sweep(key, incomplete=True)
         options = storage_options if storage_options is not None else self.storage_options
         fs = get_filesystem(key, **(options or {}))
         if fs.isfile(key):
@@ -132,9 +143,12 @@ class SlipstreamCheckpointIO(CheckpointIO):
         """
         key = _key(path)
         self._wait_for(key)
+        self._sweep(key, incomplete=False)
         fs = get_filesystem(key, **(self.storage_options or {}))
         if not fs.exists(key):
             raise FileNotFoundError(f"Checkpoint not found: {key}")
+        if "://" not in key and is_incomplete(key):
+            raise incomplete_error(key)
         if fs.isfile(key):
             return TorchCheckpointIO().load_checkpoint(
                 key, map_location=map_location, weights_only=weights_only
@@ -152,6 +166,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         key = _key(path)
         self._wait_for(key)
         if "://" not in key:
+            self._sweep(key, incomplete=True)
             if os.path.lexists(key):
                 self._remover.remove(key)
                 logger.debug("removing checkpoint %s", key)
@@ -175,6 +190,20 @@ class SlipstreamCheckpointIO(CheckpointIO):
             if len(failures) > 1:
                 logger.error("further checkpoint failures: %s", failures[1:])
             raise failures[0]
+
+    def _sweep(self, key: str, incomplete: bool) -> None:
+        """The first time this plugin touches ``key``'s local directory (with
+        ``incomplete``: the first time it saves or removes there), remove what a killed
+        run left in it; never what a save of this plugin's own is writing."""
+        directory = os.path.dirname(key)
+        if "://" in key or (directory, incomplete) in self._swept:
+            return
+        if any(os.path.dirname(k) == directory for k in self._in_flight):
+            return  # until none of this plugin's saves is writing there
+        self._swept.add((directory, incomplete))
+        if incomplete:
+            self._swept.add((directory, False))
+        sweep(directory, _is_checkpoint_name if incomplete else None)
 
     def _wait_for(self, key: str) -> None:
         pending = self._in_flight.get(key)
@@ -206,6 +235,10 @@ class SlipstreamCheckpointIO(CheckpointIO):
         for key, pending in list(self._in_flight.items()):
             if pending.response.upload_completion.done():
                 self._wait_for(key)
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    return name.endswith(".ckpt")
 
 
 def _key(path: Any) -> str:
