@@ -1,0 +1,161 @@
+"""Every crash leaves a resumable run, in every integration.
+
+Each test runs one integration's training loop, saving every step, and kills it with
+SIGKILL at a random point of a save in flight (after a random number of saves, a random
+delay later), 20 seeded times; each next run resumes through the integration's own resume
+path (``Checkpointer.latest()``, ``load_state()``, ``resume_from_checkpoint=True``,
+``ckpt_path="last"``, torchtitan's ``CheckpointManager.load()``). Every resume must load a
+complete checkpoint whose state equals, bit for bit, an uninterrupted run's at that step,
+and every run that reaches the end must end bit-exact with it (see ``crash_harness``). At
+the end, nothing a crash left may remain in the run's directory (the sweeps at start).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from crash_harness import Zygote, crash_trials, state_digest
+
+TRIALS = 20
+STEPS = 12
+MAX_DELAY = 0.03
+"""Seconds after a save call returns within which the kill lands: its write is in flight
+for part of that (the tests check that some kills cut a save short)."""
+WIDTH = 256
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote(
+        [
+            "torch",
+            "slipstream",
+            "transformers",
+            "accelerate",
+            "lightning.pytorch",
+            "torchtitan.components.checkpointer.dcp",
+            "slipstream.integrations.transformers",
+            "slipstream.integrations.accelerate",
+            "slipstream.integrations.lightning",
+            "crash_harness",
+            "test_crash_anywhere",
+        ]
+    )
+    yield z
+    z.close()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, 1)
+    )
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, WIDTH, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    x, y = _batch(step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _leftovers(root: str) -> list[str]:
+    """What a crash leaves that a start must sweep, anywhere under ``root``."""
+    found = []
+    for parent, dirs, files in os.walk(root):
+        for name in dirs + files:
+            if ".removing-" in name or name.endswith(".tmp"):
+                found.append(os.path.join(parent, name))
+    return found
+
+
+# -- Checkpointer ------------------------------------------------------------------------
+
+
+def _checkpointer_run(report, root: str, steps: int, local: bool = False) -> None:
+    from slipstream import Checkpointer, LocalTier
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tier = LocalTier(root=os.path.join(root, "local"), replicas=0, keep_last=2) if local else None
+    ckpt = Checkpointer(
+        os.path.join(root, "durable"),
+        keep_last=2,
+        local_tier=tier,
+        durable_every=3 if local else 1,
+    )
+    step = ckpt.latest()
+    if step is None:
+        report("resumed", 0, None, None, False)
+        step = 0
+    else:
+        target = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+        ckpt.load(target, step)
+        set_state_dict(
+            model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
+        )
+        if ckpt.last_load_tier == "durable":
+            where = ckpt.path(step)
+            complete = os.path.isfile(os.path.join(where, ".metadata"))
+        else:
+            where = os.path.join(root, "local", f"step_{step}")
+            complete = os.path.isfile(os.path.join(where, ".local_commit"))
+        report("resumed", step, state_digest(model, optimizer), where, complete)
+    for s in range(step + 1, steps + 1):
+        _train_step(model, optimizer, s)
+        report("step", s, state_digest(model, optimizer))
+        response = ckpt.save(s, dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))))
+        response.staging_completion.result(60)  # the next step may change the state
+        report("saved", s)
+    ckpt.wait()
+    ckpt.close()
+    report("done", state_digest(model, optimizer))
+
+
+def _checkpointer_local_run(report, root: str, steps: int) -> None:
+    _checkpointer_run(report, root, steps, local=True)
+
+
+def _step_dirs(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return []
+    return [os.path.join(path, n) for n in os.listdir(path) if n.startswith("step_")]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["durable", "local_tier"])
+def test_checkpointer_resumes_from_a_complete_step_after_any_kill(tmp_path, zygote, local):
+    def cut_short(root: str) -> bool:
+        durable = _step_dirs(os.path.join(root, "durable"))
+        local_steps = _step_dirs(os.path.join(root, "local"))
+        return any(not os.path.isfile(os.path.join(d, ".metadata")) for d in durable) or any(
+            not os.path.isfile(os.path.join(d, ".local_commit")) for d in local_steps
+        )
+
+    fn = _checkpointer_local_run if local else _checkpointer_run
+    report = crash_trials(
+        zygote,
+        fn,
+        str(tmp_path),
+        STEPS,
+        trials=TRIALS,
+        seed=1,
+        cut_short=cut_short,
+        max_delay=MAX_DELAY,
+    )
+    assert report.cut_short > 0, report
+    assert report.resumed_at, report
+    for chain in range(report.chains):
+        root = str(tmp_path / f"chain{chain}")
+        assert _leftovers(root) == []
+        if local:  # the last run's start swept the local steps its predecessors cut short
+            for d in _step_dirs(os.path.join(root, "local")):
+                assert os.path.isfile(os.path.join(d, ".local_commit")), d
