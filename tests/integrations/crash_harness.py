@@ -90,9 +90,6 @@ def _zygote(conn: Any, modules: list[str]) -> None:
 
 
 def _child(write: int, fn: Callable[..., None], args: tuple[Any, ...]) -> int:
-    import faulthandler, sys
-
-    faulthandler.dump_traceback_later(50, exit=True, file=sys.__stderr__)
     torch.set_num_threads(1)
 
     def report(*message: Any) -> None:
@@ -204,7 +201,7 @@ def crash_trials(
     seed: int,
     cut_short: Callable[[str], bool],
     max_delay: float,
-    timeout: float = 60.0,
+    timeout: float = 120.0,
 ) -> TrialReport:
     """Run the trials (see the module's docstring) under ``base``; return what happened.
     ``cut_short(root)`` says whether a killed run left a save cut short in ``root``."""

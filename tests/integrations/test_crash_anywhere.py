@@ -16,8 +16,8 @@ import os
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from crash_harness import Zygote, crash_trials, state_digest
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRIALS = 20
 STEPS = 12
@@ -27,23 +27,20 @@ for part of that (the tests check that some kills cut a save short)."""
 WIDTH = 256
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote(
-        [
-            "torch",
-            "slipstream",
-            "transformers",
-            "accelerate",
-            "lightning.pytorch",
-            "torchtitan.components.checkpointer.dcp",
-            "slipstream.integrations.transformers",
-            "slipstream.integrations.accelerate",
-            "slipstream.integrations.lightning",
-            "crash_harness",
-            "test_crash_anywhere",
-        ]
-    )
+_ZYGOTE_MODULES = {
+    "checkpointer": ["slipstream"],
+    "accelerate": ["accelerate", "slipstream.integrations.accelerate"],
+    "lightning": ["lightning.pytorch", "slipstream.integrations.lightning"],
+    "transformers": ["transformers", "slipstream.integrations.transformers"],
+    "torchtitan": ["torchtitan.components.checkpointer.dcp", "slipstream.dcp"],
+}
+
+
+@pytest.fixture
+def zygote(request):
+    """A zygote with the test's framework imported (one framework each: a fork copies
+    whatever threads an import started, so none shares one with another framework)."""
+    z = Zygote(["torch", *_ZYGOTE_MODULES[request.param], "crash_harness", "test_crash_anywhere"])
     yield z
     z.close()
 
@@ -73,7 +70,7 @@ def _leftovers(root: str) -> list[str]:
     found = []
     for parent, dirs, files in os.walk(root):
         for name in dirs + files:
-            if ".removing-" in name or name.endswith(".tmp"):
+            if ".removing-" in name or ".saving-" in name or name.endswith(".tmp"):
                 found.append(os.path.join(parent, name))
     return found
 
@@ -98,7 +95,7 @@ def _checkpointer_run(report, root: str, steps: int, local: bool = False) -> Non
         report("resumed", 0, None, None, False)
         step = 0
     else:
-        target = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+        target = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
         ckpt.load(target, step)
         set_state_dict(
             model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
@@ -113,7 +110,9 @@ def _checkpointer_run(report, root: str, steps: int, local: bool = False) -> Non
     for s in range(step + 1, steps + 1):
         _train_step(model, optimizer, s)
         report("step", s, state_digest(model, optimizer))
-        response = ckpt.save(s, dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))))
+        response = ckpt.save(
+            s, dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
+        )
         response.staging_completion.result(60)  # the next step may change the state
         report("saved", s)
     ckpt.wait()
@@ -131,6 +130,7 @@ def _step_dirs(path: str) -> list[str]:
     return [os.path.join(path, n) for n in os.listdir(path) if n.startswith("step_")]
 
 
+@pytest.mark.parametrize("zygote", ["checkpointer"], indirect=True)
 @pytest.mark.parametrize("local", [False, True], ids=["durable", "local_tier"])
 def test_checkpointer_resumes_from_a_complete_step_after_any_kill(tmp_path, zygote, local):
     def cut_short(root: str) -> bool:
@@ -159,3 +159,179 @@ def test_checkpointer_resumes_from_a_complete_step_after_any_kill(tmp_path, zygo
         if local:  # the last run's start swept the local steps its predecessors cut short
             for d in _step_dirs(os.path.join(root, "local")):
                 assert os.path.isfile(os.path.join(d, ".local_commit")), d
+
+
+def _run_crash_trials(zygote, fn, tmp_path, seed: int, cut_short) -> None:
+    report = crash_trials(
+        zygote,
+        fn,
+        str(tmp_path),
+        STEPS,
+        trials=TRIALS,
+        seed=seed,
+        cut_short=cut_short,
+        max_delay=MAX_DELAY,
+    )
+    assert report.cut_short > 0, report
+    assert report.resumed_at, report
+    for chain in range(report.chains):
+        assert _leftovers(str(tmp_path / f"chain{chain}")) == []
+
+
+def _incomplete_under(directory: str) -> bool:
+    from slipstream.integrations.training_state import is_incomplete
+
+    if not os.path.isdir(directory):
+        return False
+    return any(is_incomplete(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+# -- accelerate --------------------------------------------------------------------------
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def _accelerate_run(report, root: str, steps: int) -> None:
+    from accelerate.utils import ProjectConfiguration
+
+    from slipstream import CheckpointError
+    from slipstream.integrations.accelerate import SlipstreamAccelerator
+
+    accelerator = SlipstreamAccelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=root, automatic_checkpoint_naming=True, total_limit=3
+        ),
+    )
+    model, optimizer = accelerator.prepare(_model(), None)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    checkpoints = os.path.join(root, "checkpoints")
+    try:
+        accelerator.load_state()  # the newest complete checkpoint_<i>
+    except (CheckpointError, FileNotFoundError):
+        report("resumed", 0, None, None, False)
+    else:
+        path = os.path.join(checkpoints, f"checkpoint_{counter.step}")
+        complete = os.path.isfile(os.path.join(path, ".metadata"))
+        report("resumed", counter.step, state_digest(model, optimizer), path, complete)
+    for s in range(counter.step + 1, steps + 1):
+        _train_step(model, optimizer, s)
+        counter.step = s
+        report("step", s, state_digest(model, optimizer))
+        accelerator.project_configuration.iteration = s
+        accelerator.save_state()
+        report("saved", s)
+    accelerator.end_training()
+    report("done", state_digest(model, optimizer))
+
+
+@pytest.mark.parametrize("zygote", ["accelerate"], indirect=True)
+def test_accelerate_load_state_resumes_from_a_complete_checkpoint_after_any_kill(tmp_path, zygote):
+    _run_crash_trials(
+        zygote,
+        _accelerate_run,
+        tmp_path,
+        2,
+        lambda root: _incomplete_under(os.path.join(root, "checkpoints")),
+    )
+
+
+# -- Lightning ---------------------------------------------------------------------------
+
+
+def _lightning_run(report, root: str, steps: int) -> None:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, Dataset
+
+    from slipstream.integrations.lightning import SlipstreamCheckpointIO
+
+    class Batches(Dataset):
+        def __len__(self) -> int:
+            return steps
+
+        def __getitem__(self, i: int):
+            return i
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, _):
+            # the step's batch, not the loader's (which restarts its epoch on a resume)
+            x, y = _batch(self.global_step + 1)
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Reporting(SlipstreamCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            report("saved", checkpoint["global_step"])
+
+    class Steps(Callback):
+        resumed = False
+
+        def on_train_batch_start(self, trainer, module, *_):
+            # the first point after Lightning restored the optimizers too
+            if self.resumed:
+                return
+            self.resumed = True
+            path = trainer.ckpt_path
+            complete = path is not None and os.path.isfile(os.path.join(path, ".metadata"))
+            digest = state_digest(module.net, trainer.optimizers[0]) if path else None
+            report("resumed", trainer.global_step, digest, path, complete)
+
+        def on_train_batch_end(self, trainer, module, *_):
+            report("step", trainer.global_step, state_digest(module.net, trainer.optimizers[0]))
+
+    checkpoints = os.path.join(root, "checkpoints")
+    trainer = Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        plugins=[Reporting()],
+        callbacks=[
+            Steps(),
+            ModelCheckpoint(
+                dirpath=checkpoints,
+                every_n_train_steps=1,
+                save_top_k=2,
+                monitor="step",
+                mode="max",
+                save_last=True,
+            ),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Module()
+    trainer.fit(module, DataLoader(Batches(), batch_size=None), ckpt_path="last")
+    report("done", state_digest(module.net, trainer.optimizers[0]))
+
+
+@pytest.mark.parametrize("zygote", ["lightning"], indirect=True)
+def test_lightning_ckpt_path_last_resumes_from_a_complete_checkpoint_after_any_kill(
+    tmp_path, zygote
+):
+    _run_crash_trials(
+        zygote,
+        _lightning_run,
+        tmp_path,
+        3,
+        lambda root: _incomplete_under(os.path.join(root, "checkpoints")),
+    )

@@ -23,8 +23,12 @@ invariants:
   of optimizer state, hyper-parameter dataclasses, enums, omegaconf containers).
 - A resume never loads an incomplete checkpoint (a save that never committed: no
   ``.metadata``, nothing but a save's own files): ``load_checkpoint`` of one raises, naming
-  the newest complete checkpoint beside it. A checkpoint is saved over through slipstream's
-  generations, so ``last.ckpt`` stays complete once it has committed once.
+  the newest complete checkpoint beside it. ``ckpt_path="last"`` picks the newest
+  ``last*.ckpt`` that exists, complete or not: the first save to such a path (one that
+  does not exist yet) is written to a hidden sibling and renamed into place once
+  committed, before ``save_checkpoint`` returns; later saves over it go through
+  slipstream's generations, which keep the previous one committed until the new one is.
+  So a ``last*.ckpt`` is complete whenever it exists.
 - The plugin's first save or removal in a local directory removes what a killed run left
   there (:func:`.removal.sweep`): incomplete ``*.ckpt`` directories, hidden directories of a
   removal cut short, temporary files; its first load there, the last two only.
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 import slipstream as ss
 from slipstream.errors import CheckpointError
 
-from .removal import Remover, sweep
+from .removal import Remover, saving_name, sweep
 from .training_state import incomplete_error, is_incomplete
 
 logger = logging.getLogger(__name__)
@@ -109,6 +115,9 @@ class SlipstreamCheckpointIO(CheckpointIO):
                 "under another name"
             )
         created = not fs.exists(key)
+        if created and "://" not in key and _is_last_name(key):
+            self._save_in_place_once_committed(checkpoint, key)
+            return
         fs.makedirs(key, exist_ok=True)
         try:
             response = ss.async_save(
@@ -127,6 +136,20 @@ class SlipstreamCheckpointIO(CheckpointIO):
             ) from None
         except BaseException as exc:
             self._failed(key, exc)
+
+    def _save_in_place_once_committed(self, checkpoint: dict[str, Any], key: str) -> None:
+        """Save a new ``last*.ckpt`` before returning, into a hidden sibling renamed to
+        ``key`` once committed: ``ckpt_path="last"`` takes any such path that exists, so it
+        never exists unfinished (a kill leaves the hidden directory, which a sweep
+        removes)."""
+        hidden = saving_name(key)
+        try:
+            ss.async_save(checkpoint, checkpoint_id=hidden, no_dist=True).result(self.timeout)
+            os.rename(hidden, key)
+        except BaseException as exc:
+            if os.path.isdir(hidden):
+                shutil.rmtree(hidden, ignore_errors=True)
+            raise CheckpointError(f"saving the checkpoint {key} failed: {exc}") from exc
 
     def load_checkpoint(
         self,
@@ -235,6 +258,16 @@ class SlipstreamCheckpointIO(CheckpointIO):
         for key, pending in list(self._in_flight.items()):
             if pending.response.upload_completion.done():
                 self._wait_for(key)
+
+
+def _is_last_name(key: str) -> bool:
+    """Whether ``ModelCheckpoint``'s ``ckpt_path="last"`` looks for a checkpoint so named."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    name = os.path.basename(key.rstrip("/"))
+    last = re.escape(ModelCheckpoint.CHECKPOINT_NAME_LAST)
+    extension = re.escape(ModelCheckpoint.FILE_EXTENSION)
+    return re.match(rf"^{last}(-(\d+))?.*{extension}$", name) is not None
 
 
 def _is_checkpoint_name(name: str) -> bool:

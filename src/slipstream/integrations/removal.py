@@ -38,9 +38,23 @@ HIDDEN_MARK = ".removing-"
 """Part of the name a checkpoint is renamed to while it is deleted."""
 
 
+SAVING_MARK = ".saving-"
+"""Part of the hidden name a checkpoint is written under before it is renamed into place."""
+
+
 def is_being_removed(name: str) -> bool:
     """Whether a directory entry is a checkpoint :class:`Remover` is deleting."""
     return name.startswith(".") and HIDDEN_MARK in name
+
+
+def saving_name(path: str) -> str:
+    """A hidden sibling of ``path`` to write a checkpoint into before renaming it to ``path``."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{SAVING_MARK}{uuid.uuid4().hex[:8]}")
+
+
+def _is_hidden_leftover(name: str) -> bool:
+    return name.startswith(".") and (HIDDEN_MARK in name or SAVING_MARK in name)
 
 
 def hide(path: str) -> str:
@@ -89,7 +103,8 @@ class Remover:
 def sweep(directory: str, checkpoint_name: Callable[[str], bool] | None = None) -> list[str]:
     """Delete what a process killed mid-way left in ``directory`` (where a run keeps its
     checkpoints) and return it, logged in one line: hidden ``.<name>.removing-<id>``
-    entries (a deletion cut short), slipstream's temporary files in it and in its
+    entries (a deletion cut short) and ``.<name>.saving-<id>`` ones (a save cut short
+    before its rename into place), slipstream's temporary files in it and in its
     checkpoints, and, given ``checkpoint_name`` (which names the framework gives its
     checkpoints), each checkpoint so named that a save started and never committed
     (:func:`~.training_state.is_incomplete`). Call it only while this run has no save in
@@ -102,7 +117,7 @@ def sweep(directory: str, checkpoint_name: Callable[[str], bool] | None = None) 
     for name in names:
         path = os.path.join(directory, name)
         if (
-            is_being_removed(name)
+            _is_hidden_leftover(name)
             or is_temporary(name)
             or (checkpoint_name is not None and checkpoint_name(name) and is_incomplete(path))
         ):
