@@ -335,3 +335,169 @@ def test_lightning_ckpt_path_last_resumes_from_a_complete_checkpoint_after_any_k
         3,
         lambda root: _incomplete_under(os.path.join(root, "checkpoints")),
     )
+
+
+# -- Hugging Face Trainer ----------------------------------------------------------------
+
+
+def _trainer_run(report, root: str, steps: int) -> None:
+    from trainer_runs import cpu_arguments
+    from transformers import TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from slipstream.integrations.transformers import SlipstreamTrainer
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+            self.step = 0
+
+        def forward(self, index, labels=None):
+            x, y = _batch(self.step)  # the step's batch, whatever the sampler's order
+            return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+    model = Net()
+    last = get_last_checkpoint(root) if os.path.isdir(root) else None
+
+    class Steps(TrainerCallback):
+        resumed = False
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            model.step = state.global_step + 1
+            if not self.resumed:
+                self.resumed = True
+                if state.global_step:
+                    state_dir = os.path.join(last, "slipstream")
+                    complete = os.path.isfile(os.path.join(state_dir, ".metadata"))
+                    digest = state_digest(model.net, optimizer)
+                    report("resumed", state.global_step, digest, last, complete)
+                else:
+                    report("resumed", 0, None, None, False)
+
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            report("step", state.global_step, state_digest(model.net, optimizer))
+
+        def on_save(self, args, state, control, **kwargs):
+            report("saved", state.global_step)
+
+    args = cpu_arguments(
+        TrainingArguments,
+        root,
+        per_device_train_batch_size=1,
+        save_steps=1,
+        max_steps=steps,
+        save_total_limit=3,
+        seed=0,
+    )
+    data = [{"index": torch.tensor(i)} for i in range(steps)]
+    trainer = SlipstreamTrainer(model=model, args=args, train_dataset=data, callbacks=[Steps()])
+    trainer.train(resume_from_checkpoint=True if last else None)
+    report("done", state_digest(model.net, trainer.optimizer))
+
+
+@pytest.mark.parametrize("zygote", ["transformers"], indirect=True)
+def test_trainer_resume_from_checkpoint_true_starts_from_a_complete_checkpoint_after_any_kill(
+    tmp_path, zygote
+):
+    def cut_short(root: str) -> bool:
+        staging = os.path.join(root, ".slipstream-staging")
+        return os.path.isdir(staging) and bool(os.listdir(staging))
+
+    _run_crash_trials(zygote, _trainer_run, tmp_path, 4, cut_short)
+
+
+# -- torchtitan through slipstream.dcp ---------------------------------------------------
+
+
+def _torchtitan_run(report, root: str, steps: int) -> None:
+    import torch.distributed as dist
+    import torchtitan.components.checkpointer.dcp as titan
+    from dist_utils import free_port
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    import slipstream.dcp
+
+    titan.dcp = slipstream.dcp  # the swap docs/integrations.md gives
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+
+    class TrainState:
+        step = 0
+
+        def state_dict(self) -> dict:
+            return {"step": torch.tensor(self.step)}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.step = int(state["step"])
+
+    model = _model()
+    optimizers = OptimizersContainer(
+        OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3}
+                )
+            ],
+            implementation="for-loop",
+        ),
+        model_parts=[model],
+    )
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+        optimizers=optimizers, training_steps=steps
+    )
+    train_state = TrainState()
+    manager = titan.CheckpointManager(
+        titan.CheckpointManager.Config(
+            enable=True,
+            folder="checkpoint",
+            interval=1,
+            async_mode="async",
+            keep_latest_k=3,
+            last_save_model_only=False,
+        ),
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=root,
+    )
+    manager.load()  # the newest step-<n> that holds a .metadata
+    if train_state.step:
+        path = os.path.join(root, "checkpoint", f"step-{train_state.step}")
+        complete = os.path.isfile(os.path.join(path, ".metadata"))
+        report("resumed", train_state.step, state_digest(model, optimizers), path, complete)
+    else:
+        report("resumed", 0, None, None, False)
+    try:
+        while train_state.step < steps:
+            train_state.step += 1
+            x, y = _batch(train_state.step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizers.step()
+            schedulers.step()
+            optimizers.zero_grad()
+            report("step", train_state.step, state_digest(model, optimizers))
+            manager.save(train_state.step, last_step=train_state.step == steps)
+            manager.maybe_wait_for_staging()
+            report("saved", train_state.step)
+        manager.maybe_wait_for_saving()
+    finally:
+        manager.close()
+    report("done", state_digest(model, optimizers))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("zygote", ["torchtitan"], indirect=True)
+def test_torchtitan_resumes_from_a_complete_step_after_any_kill(tmp_path, zygote):
+    _run_crash_trials(
+        zygote,
+        _torchtitan_run,
+        tmp_path,
+        5,
+        lambda root: _incomplete_under(os.path.join(root, "checkpoint")),
+    )
