@@ -219,7 +219,9 @@ def _accelerate_run(report, root: str, steps: int) -> None:
     checkpoints = os.path.join(root, "checkpoints")
     try:
         accelerator.load_state()  # the newest complete checkpoint_<i>
-    except (CheckpointError, FileNotFoundError):
+    except CheckpointError as error:
+        if "no complete checkpoint" not in str(error):  # the one way to start from nothing
+            raise
         report("resumed", 0, None, None, False)
     else:
         path = os.path.join(checkpoints, f"checkpoint_{counter.step}")

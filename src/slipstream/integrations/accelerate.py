@@ -294,7 +294,7 @@ class SlipstreamAccelerator(Accelerator):
         root = os.path.join(self.project_dir, "checkpoints")
         if self.is_main_process:
             self._ss_sweep(root, incomplete=False)
-        folders = _checkpoint_folders(root)
+        folders = _checkpoint_folders(root) if os.path.isdir(root) else []
         complete = [f for f in folders if not is_incomplete(f)]
         if not complete:
             raise CheckpointError(f"load_state: no complete checkpoint in {root}")
