@@ -1,15 +1,22 @@
 # Every target sets up what it needs from nothing: a venv with torch==2.13.0 (the CPU build
-# installed first and explicitly, so nothing pulls a multi-GB CUDA build), then slipstream.
+# installed first and explicitly, so nothing pulls a multi-GB CUDA build), then slipstream:
+# `demo` with only what the demo needs, every other target with the test and benchmark stack.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: setup demo check check-busy lint typecheck test bench report clean
 
-$(VENV)/.installed: pyproject.toml
+# The demo's venv: torch, slipstream and the demo's own dependencies (the `demo` extra), no more.
+$(VENV)/.demo: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[demo]"
+	touch $@
+
+# Everything the checks, tests and benchmarks use, on top of the demo's venv.
+$(VENV)/.installed: $(VENV)/.demo pyproject.toml
 	$(BIN)/pip install -q -e ".[test,bench]"
 	# torchtitan's and verl's own requirements would replace packages the tests pin (an older
 	# fsspec through datasets; an older transformers): they go in without them, plus exactly
@@ -20,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: $(VENV)/.demo
 	$(BIN)/python -m slipstream.demo
 
 # The check command of the README and of CI: lint, types, then the tests.

@@ -204,3 +204,19 @@ def test_checkpointer_beside_ss_save_in_one_job_keeps_its_own_coordination(tmp_p
         assert ck.load(target) == 1
     assert torch.equal(target["b"], torch.full((300,), 2.0))
     assert torch.equal(target["b0"], torch.zeros(3)) and torch.equal(target["b1"], torch.ones(3))
+
+
+def test_loading_a_step_that_never_committed_names_the_newest_complete_one(tmp_path):
+    with ss.Checkpointer(tmp_path, keep_last=None) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((4,), float(step))})
+            ckpt.wait()
+    os.remove(tmp_path / "step_2" / ".metadata")  # as a save killed before its commit leaves it
+    reader = ss.Checkpointer(tmp_path)
+    assert reader.latest() == 1
+    named = r"step 2 .*no \.metadata: its save did not commit.*the newest complete step is 1"
+    with pytest.raises(ss.CheckpointError, match=named):
+        reader.load({"w": torch.zeros(4)}, 2)
+    assert reader.load(target := {"w": torch.zeros(4)}) == 1
+    assert torch.equal(target["w"], torch.ones(4))
+    reader.close()

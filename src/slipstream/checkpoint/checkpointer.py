@@ -3,10 +3,14 @@
 Works the same on every storage backend (a directory, an object store prefix).
 
 Invariants: a step is listed by :meth:`Checkpointer.steps` only once committed (its
-``.metadata`` exists), so :meth:`latest` never names a checkpoint that was cut short;
-old steps are deleted only after a newer one has committed; steps that never committed,
-and multipart uploads cut short, are removed by the next save (never while a save into
-them may be running). With ``reuse_files`` on the local disk the data files of a deleted
+``.metadata`` exists), so :meth:`latest` never names a checkpoint that was cut short, and
+:meth:`load` of such a step raises, naming the newest complete one; old steps are deleted
+only after a newer one has committed; steps that never committed, temporary files of a
+commit cut short, and multipart uploads cut short, are removed by the next save (never
+while a save into them may be running: a reader in another process never deletes what a
+writer is writing); with a local tier, each node's uncommitted local steps are removed
+when the job's ``Checkpointer`` starts, before any rank can write one. With
+``reuse_files`` on the local disk the data files of a deleted
 step are kept aside, under invariants of their own (see :mod:`.storage.recycle`), for the next
 save to write over, and :meth:`Checkpointer.close` deletes what is left of them.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -25,7 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
-from .format.names import METADATA_FILE, SPARE_DIR, step_dir, step_dirs
+from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
 from .load import loader
@@ -34,8 +39,8 @@ from .save.job import AsyncSaveResponse
 from .save.messages import SkipDecision, Topics
 from .save.options import SaveOptions
 from .save.saver import CheckpointSaver
-from .storage import Location, Storage, resolve_storage
-from .tier.local_tier import LocalTierSaver
+from .storage import LocalStorage, Location, Storage, resolve_storage
+from .tier.local_tier import MARKER_FILE, LocalTierSaver
 from .tier.options import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -123,6 +128,7 @@ class Checkpointer:
         self.local_tier: LocalTierSaver | None = None
         if local_tier is not None:
             self.local_tier = LocalTierSaver(local_tier, self.root, process_group, opts)
+            self._sweep_local_tier()
         self.last_load_tier: Literal["local", "durable"] | None = None
         """Which tier served the last :meth:`load`."""
 
@@ -264,17 +270,55 @@ class Checkpointer:
         return self._health.snapshot()
 
     def _remove_uncommitted(self, except_step: int) -> None:
-        """Remove steps that never committed, and unfinished uploads, except ``except_step``
-        (the save about to start). Cleaning up is best effort: a failure is logged, and the
-        save goes on."""
+        """Remove steps that never committed, temporary files of a commit cut short, and
+        unfinished uploads, except ``except_step`` (the save about to start); what it
+        removes is logged in one line. Cleaning up is best effort: a failure is logged, and
+        the save goes on."""
+        removed = []
         try:
             for step, name in step_dirs(self.storage.list_children()).items():
+                if step == except_step:
+                    continue
                 location = self.storage.child(name)
-                if step != except_step and not location.exists(METADATA_FILE):
+                if not location.exists(METADATA_FILE):
                     location.delete_all()
+                    removed.append(name)
+                elif isinstance(location, LocalStorage):
+                    for leftover in _temporary_files(location):
+                        location.delete(leftover)
+                        removed.append(f"{name}/{leftover}")
             self.storage.cleanup_incomplete(keep=step_dir(except_step))
         except (OSError, SlipstreamError) as exc:
             logger.warning("could not clean up uncommitted saves under %s: %s", self.root, exc)
+        if removed:
+            logger.warning(
+                "removed what saves that never committed left under %s: %s",
+                self.root,
+                ", ".join(removed),
+            )
+
+    def _sweep_local_tier(self) -> None:
+        """Each node's lowest rank removes its node's uncommitted local steps (a killed
+        job's), at start: no rank of the job can write one yet, since a local save starts
+        on a node only after its lowest rank has cleared it in :meth:`save`."""
+        assert self.local_tier is not None
+        if not self.local_tier.is_leader:
+            return
+        storage, removed = self.local_tier.storage, []
+        try:
+            for _, name in sorted(step_dirs(storage.list_children()).items()):
+                location = storage.child(name)
+                if not location.exists(MARKER_FILE):
+                    location.delete_all()
+                    removed.append(name)
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("could not clean up uncommitted local steps in %s: %s", storage.url, exc)
+        if removed:
+            logger.warning(
+                "removed local steps a killed job never committed from %s: %s",
+                storage.url,
+                ", ".join(removed),
+            )
 
     def _retain(self) -> None:
         """Delete committed steps older than the last ``keep_last`` (runs after a commit).
@@ -321,6 +365,8 @@ class Checkpointer:
             step = max([*local, *durable[-1:]], default=None)
             if step is None:
                 raise CheckpointError(f"no committed checkpoint under {self.root}")
+        elif step not in local and not self._step(step).exists(METADATA_FILE):
+            raise self._not_committed(step, max([*local, *self.steps()[-1:]], default=None))
         found = local.get(step)
         tier: Literal["local", "durable"] = "durable"
         if found is not None:
@@ -353,6 +399,17 @@ class Checkpointer:
         self.last_load_tier = tier
         return step
 
+    def _not_committed(self, step: int, newest: int | None) -> CheckpointError:
+        found = (
+            f"the newest complete step is {newest}"
+            if newest is not None
+            else f"no step under {self.root} is complete"
+        )
+        return CheckpointError(
+            f"step {step} under {self.root} is not a complete checkpoint (no {METADATA_FILE}: "
+            f"its save did not commit, or it was never saved); {found}"
+        )
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the last save (of each tier) is committed; raise its error if it failed."""
         if self._last is not None:
@@ -375,3 +432,11 @@ class Checkpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _temporary_files(location: LocalStorage) -> list[str]:
+    """Temporary files of a commit cut short in a committed step on the local disk."""
+    try:
+        return [n for n in os.listdir(location.path) if is_temporary(n)]
+    except FileNotFoundError:
+        return []

@@ -19,6 +19,13 @@ Invariants:
   deletes a checkpoint still being written; a rotated-out directory leaves its name at once
   and is deleted on a thread of its own (:mod:`.removal`), which those waits join.
 - A directory accelerate wrote itself (no ``.metadata``) still loads through accelerate.
+- A resume never picks an incomplete checkpoint (a save that never committed: no
+  ``.metadata``, nothing but a save's own files): ``load_state()`` takes the newest
+  checkpoint that is not, and ``load_state(dir)`` of one raises, naming the newest
+  complete one. The first ``save_state`` under automatic naming removes what a killed
+  run left in ``checkpoints/`` (incomplete ``checkpoint_<i>``, hidden directories of a
+  rotation cut short, temporary files) before its rotation counts the checkpoints
+  (:func:`.removal.sweep`); the first ``load_state`` removes the last two only.
 
 Why a subclass and not accelerate's save/load pre-hooks: those hooks only see the model
 weights; the optimizer, scheduler, RNG and custom objects are written with ``torch.save``
@@ -55,8 +62,15 @@ from torch.distributed.checkpoint.state_dict import (
 from .. import AsyncSaveResponse, CheckpointError, async_save, load
 from ..core.flatten import flatten
 from . import rng
-from .removal import Remover, is_being_removed
-from .training_state import has_saved_buffers, is_checkpoint, saved_keys, torch_optimizer
+from .removal import Remover, is_being_removed, sweep
+from .training_state import (
+    has_saved_buffers,
+    incomplete_error,
+    is_checkpoint,
+    is_incomplete,
+    saved_keys,
+    torch_optimizer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +86,10 @@ def _checkpoint_folders(root: str) -> list[str]:
     """The checkpoint directories under ``root``, oldest first (none being deleted)."""
     names = [f for f in os.listdir(root) if not is_being_removed(f)]
     return sorted((os.path.join(root, f) for f in names), key=_iteration)
+
+
+def _is_automatic_name(name: str) -> bool:
+    return re.fullmatch(r"checkpoint_\d+", name) is not None
 
 
 def _iteration(folder: str) -> int:
@@ -109,6 +127,9 @@ class SlipstreamAccelerator(Accelerator):
         self._ss_pending_dir: str | None = None
         self._ss_fallback_logged = False
         self._ss_remover = Remover()
+        self._ss_swept: set[bool] = set()
+        """Which sweeps of ``checkpoints/`` this process ran: ``True`` the save's (with
+        incomplete checkpoints), ``False`` the load's."""
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -200,19 +221,28 @@ class SlipstreamAccelerator(Accelerator):
             return str(output_dir)
         root = os.path.join(self.project_dir, "checkpoints")
         os.makedirs(root, exist_ok=True)
-        limit = self.project_configuration.total_limit
-        if limit is not None and self.is_main_process:
-            folders = _checkpoint_folders(root)
-            for folder in folders[: max(0, len(folders) + 1 - limit)]:
-                self._ss_remover.remove(folder)
+        if self.is_main_process:
+            self._ss_sweep(root, incomplete=True)
+            limit = self.project_configuration.total_limit
+            if limit is not None:
+                folders = _checkpoint_folders(root)
+                for folder in folders[: max(0, len(folders) + 1 - limit)]:
+                    self._ss_remover.remove(folder)
+        self.wait_for_everyone()
         path = os.path.join(root, f"checkpoint_{self.save_iteration}")
         if os.path.exists(path):
             raise CheckpointError(
                 f"checkpoint directory {path} ({self.save_iteration}) already exists; set "
                 "project_configuration.iteration to the iteration to start from"
             )
-        self.wait_for_everyone()
         return path
+
+    def _ss_sweep(self, root: str, incomplete: bool) -> None:
+        """The first time: remove what a killed run left in ``root`` (main process only,
+        with no save of this run in flight)."""
+        if incomplete not in self._ss_swept:
+            self._ss_swept.add(incomplete)
+            sweep(root, _is_automatic_name if incomplete else None)
 
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any
@@ -254,16 +284,29 @@ class SlipstreamAccelerator(Accelerator):
             path = os.path.expanduser(str(input_dir))
             if not os.path.isdir(path):
                 raise CheckpointError(f"load_state: {path} is not a directory")
+            if is_incomplete(path):
+                raise incomplete_error(path)
             return path
         if not self.project_configuration.automatic_checkpoint_naming:
             raise CheckpointError(
                 "load_state needs an input_dir when automatic checkpoint naming is off"
             )
         root = os.path.join(self.project_dir, "checkpoints")
-        folders = _checkpoint_folders(root)
-        if not folders:
-            raise CheckpointError(f"load_state: no checkpoint in {root}")
-        return folders[-1]
+        if self.is_main_process:
+            self._ss_sweep(root, incomplete=False)
+        folders = _checkpoint_folders(root) if os.path.isdir(root) else []
+        complete = [f for f in folders if not is_incomplete(f)]
+        if not complete:
+            raise CheckpointError(f"load_state: no complete checkpoint in {root}")
+        skipped = [f for f in folders if _iteration(f) > _iteration(complete[-1])]
+        if skipped:
+            log.warning(
+                "load_state: skipped %s (incomplete: no .metadata, the save did not commit); "
+                "loading %s",
+                ", ".join(skipped),
+                complete[-1],
+            )
+        return complete[-1]
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any

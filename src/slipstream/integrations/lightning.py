@@ -21,12 +21,25 @@ invariants:
   ``save_checkpoint``, or ``teardown``.
 - ``load_checkpoint`` returns the dict Lightning saved, with its original types (int keys
   of optimizer state, hyper-parameter dataclasses, enums, omegaconf containers).
+- A resume never loads an incomplete checkpoint (a save that never committed: no
+  ``.metadata``, nothing but a save's own files): ``load_checkpoint`` of one raises, naming
+  the newest complete checkpoint beside it. ``ckpt_path="last"`` picks the newest
+  ``last*.ckpt`` that exists, complete or not: the first save to such a path (one that
+  does not exist yet) is written to a hidden sibling and renamed into place once
+  committed, before ``save_checkpoint`` returns; later saves over it go through
+  slipstream's generations, which keep the previous one committed until the new one is.
+  So a ``last*.ckpt`` is complete whenever it exists.
+- The plugin's first save or removal in a local directory removes what a killed run left
+  there (:func:`.removal.sweep`): incomplete ``*.ckpt`` directories, hidden directories of a
+  removal cut short, temporary files; its first load there, the last two only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +58,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
 import slipstream as ss
 from slipstream.errors import CheckpointError
 
-from .removal import Remover
+from .removal import Remover, saving_name, sweep
+from .training_state import incomplete_error, is_incomplete
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +95,8 @@ class SlipstreamCheckpointIO(CheckpointIO):
         self.trusted = trusted
         self._in_flight: dict[str, _Pending] = {}
         self._remover = Remover()
+        self._swept: set[tuple[str, bool]] = set()
+        """The (directory, with incomplete checkpoints) sweeps this plugin ran."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -89,6 +105,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         key = _key(path)
         self._raise_finished_failures()
         self._wait_for(key)  # a save over one in flight: the first's failure is not lost
+        self._sweep(key, incomplete=True)
         options = storage_options if storage_options is not None else self.storage_options
         fs = get_filesystem(key, **(options or {}))
         if fs.isfile(key):
@@ -98,6 +115,9 @@ class SlipstreamCheckpointIO(CheckpointIO):
                 "under another name"
             )
         created = not fs.exists(key)
+        if created and "://" not in key and _is_last_name(key):
+            self._save_in_place_once_committed(checkpoint, key)
+            return
         fs.makedirs(key, exist_ok=True)
         try:
             response = ss.async_save(
@@ -117,6 +137,20 @@ class SlipstreamCheckpointIO(CheckpointIO):
         except BaseException as exc:
             self._failed(key, exc)
 
+    def _save_in_place_once_committed(self, checkpoint: dict[str, Any], key: str) -> None:
+        """Save a new ``last*.ckpt`` before returning, into a hidden sibling renamed to
+        ``key`` once committed: ``ckpt_path="last"`` takes any such path that exists, so it
+        never exists unfinished (a kill leaves the hidden directory, which a sweep
+        removes)."""
+        hidden = saving_name(key)
+        try:
+            ss.async_save(checkpoint, checkpoint_id=hidden, no_dist=True).result(self.timeout)
+            os.rename(hidden, key)
+        except BaseException as exc:
+            if os.path.isdir(hidden):
+                shutil.rmtree(hidden, ignore_errors=True)
+            raise CheckpointError(f"saving the checkpoint {key} failed: {exc}") from exc
+
     def load_checkpoint(
         self,
         path: Any,
@@ -132,9 +166,12 @@ class SlipstreamCheckpointIO(CheckpointIO):
         """
         key = _key(path)
         self._wait_for(key)
+        self._sweep(key, incomplete=False)
         fs = get_filesystem(key, **(self.storage_options or {}))
         if not fs.exists(key):
             raise FileNotFoundError(f"Checkpoint not found: {key}")
+        if "://" not in key and is_incomplete(key):
+            raise incomplete_error(key)
         if fs.isfile(key):
             return TorchCheckpointIO().load_checkpoint(
                 key, map_location=map_location, weights_only=weights_only
@@ -152,6 +189,7 @@ class SlipstreamCheckpointIO(CheckpointIO):
         key = _key(path)
         self._wait_for(key)
         if "://" not in key:
+            self._sweep(key, incomplete=True)
             if os.path.lexists(key):
                 self._remover.remove(key)
                 logger.debug("removing checkpoint %s", key)
@@ -175,6 +213,20 @@ class SlipstreamCheckpointIO(CheckpointIO):
             if len(failures) > 1:
                 logger.error("further checkpoint failures: %s", failures[1:])
             raise failures[0]
+
+    def _sweep(self, key: str, incomplete: bool) -> None:
+        """The first time this plugin touches ``key``'s local directory (with
+        ``incomplete``: the first time it saves or removes there), remove what a killed
+        run left in it; never what a save of this plugin's own is writing."""
+        directory = os.path.dirname(key)
+        if "://" in key or (directory, incomplete) in self._swept:
+            return
+        if any(os.path.dirname(k) == directory for k in self._in_flight):
+            return  # until none of this plugin's saves is writing there
+        self._swept.add((directory, incomplete))
+        if incomplete:
+            self._swept.add((directory, False))
+        sweep(directory, _is_checkpoint_name if incomplete else None)
 
     def _wait_for(self, key: str) -> None:
         pending = self._in_flight.get(key)
@@ -206,6 +258,20 @@ class SlipstreamCheckpointIO(CheckpointIO):
         for key, pending in list(self._in_flight.items()):
             if pending.response.upload_completion.done():
                 self._wait_for(key)
+
+
+def _is_last_name(key: str) -> bool:
+    """Whether ``ModelCheckpoint``'s ``ckpt_path="last"`` looks for a checkpoint so named."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    name = os.path.basename(key.rstrip("/"))
+    last = re.escape(ModelCheckpoint.CHECKPOINT_NAME_LAST)
+    extension = re.escape(ModelCheckpoint.FILE_EXTENSION)
+    return re.match(rf"^{last}(-(\d+))?.*{extension}$", name) is not None
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    return name.endswith(".ckpt")
 
 
 def _key(path: Any) -> str:

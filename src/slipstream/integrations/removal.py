@@ -11,6 +11,11 @@ Invariants: a path :meth:`Remover.remove` was given no longer exists under its n
 the call returns; :meth:`Remover.wait` returns once every deletion started has ended and
 joins the thread (a later ``remove`` starts a new one), or raises naming what is still being
 deleted; a deletion that fails is logged with the hidden path, which stays where it is.
+
+A process killed mid-deletion leaves its hidden copy behind, and one killed mid-save its
+uncommitted checkpoint and temporary files: :func:`sweep`, which each integration runs when
+it starts in a run's checkpoint directory, deletes those, and only what slipstream itself
+named that way.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 
+from ..checkpoint.format.names import is_temporary
 from ..errors import CheckpointError
+from .training_state import is_incomplete
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +38,37 @@ HIDDEN_MARK = ".removing-"
 """Part of the name a checkpoint is renamed to while it is deleted."""
 
 
+SAVING_MARK = ".saving-"
+"""Part of the hidden name a checkpoint is written under before it is renamed into place."""
+
+
 def is_being_removed(name: str) -> bool:
     """Whether a directory entry is a checkpoint :class:`Remover` is deleting."""
     return name.startswith(".") and HIDDEN_MARK in name
+
+
+def saving_name(path: str) -> str:
+    """A hidden sibling of ``path`` to write a checkpoint into before renaming it to ``path``."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{SAVING_MARK}{uuid.uuid4().hex[:8]}")
+
+
+def _is_hidden_leftover(name: str) -> bool:
+    return name.startswith(".") and (HIDDEN_MARK in name or SAVING_MARK in name)
+
+
+def hide(path: str) -> str:
+    """Rename ``path`` to a hidden sibling that marks it as being deleted; return that."""
+    parent, name = os.path.split(os.path.abspath(path))
+    hidden = os.path.join(parent, f".{name}{HIDDEN_MARK}{uuid.uuid4().hex[:8]}")
+    os.rename(path, hidden)
+    return hidden
+
+
+def delete_now(path: str) -> None:
+    """Delete ``path`` (a file or a directory) on this thread, through a hidden name:
+    a deletion cut short never leaves a partial checkpoint under the original name."""
+    _delete(hide(path))
 
 
 class Remover:
@@ -44,9 +80,7 @@ class Remover:
 
     def remove(self, path: str) -> None:
         """Make ``path`` (a file or a directory) disappear now; delete it in the background."""
-        parent, name = os.path.split(os.path.abspath(path))
-        hidden = os.path.join(parent, f".{name}{HIDDEN_MARK}{uuid.uuid4().hex[:8]}")
-        os.rename(path, hidden)
+        hidden = hide(path)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="slipstream-remove")
         self._pending[self._executor.submit(_delete, hidden)] = hidden
@@ -64,6 +98,47 @@ class Remover:
         self._pending.clear()
         self._executor.shutdown(wait=True)
         self._executor = None
+
+
+def sweep(directory: str, checkpoint_name: Callable[[str], bool] | None = None) -> list[str]:
+    """Delete what a process killed mid-way left in ``directory`` (where a run keeps its
+    checkpoints) and return it, logged in one line: hidden ``.<name>.removing-<id>``
+    entries (a deletion cut short) and ``.<name>.saving-<id>`` ones (a save cut short
+    before its rename into place), slipstream's temporary files in it and in its
+    checkpoints, and, given ``checkpoint_name`` (which names the framework gives its
+    checkpoints), each checkpoint so named that a save started and never committed
+    (:func:`~.training_state.is_incomplete`). Call it only while this run has no save in
+    flight there."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if (
+            _is_hidden_leftover(name)
+            or is_temporary(name)
+            or (checkpoint_name is not None and checkpoint_name(name) and is_incomplete(path))
+        ):
+            removed.append(path)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            removed += [os.path.join(path, f) for f in _listing(path) if is_temporary(f)]
+    for path in removed:
+        _delete(path)
+    if removed:
+        log.warning(
+            "removed what an earlier run left when it stopped mid-save or mid-deletion: %s",
+            ", ".join(sorted(removed)),
+        )
+    return removed
+
+
+def _listing(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _delete(hidden: str) -> None:

@@ -20,6 +20,12 @@ Invariants:
   deletes, a checkpoint still being written. One save is in flight at a time: the next
   save waits for the previous one to finish.
 - ``train()`` returns (or raises) only after every save it started has finished.
+- A resume never picks an incomplete checkpoint: ``get_last_checkpoint`` sees complete
+  ones only (above), a save of a step that already has a directory (after a resume)
+  replaces it through a hidden name (:func:`.removal.delete_now`), and naming a
+  checkpoint whose ``slipstream/`` never committed raises, naming the newest complete one.
+  ``train()`` first removes what a killed run left (``.slipstream-staging/``, hidden
+  directories of a deletion cut short, temporary files) on the process that saves.
 - Resuming (``resume_from_checkpoint``) restores the model, optimizer, scheduler, scaler and
   random generators from ``slipstream/``; the Trainer itself restores its state, global
   step and the position in the data from ``trainer_state.json``. Directories the Trainer
@@ -81,7 +87,14 @@ from .. import (
 from ..core.flatten import flatten
 from ..core.threads import lower_thread_priority
 from . import rng
-from .training_state import has_saved_buffers, is_checkpoint, saved_keys, torch_optimizer
+from .removal import delete_now, sweep
+from .training_state import (
+    has_saved_buffers,
+    incomplete_error,
+    is_checkpoint,
+    saved_keys,
+    torch_optimizer,
+)
 
 STATE_DIR = "slipstream"
 """The subdirectory of ``checkpoint-N`` holding slipstream's checkpoint."""
@@ -202,7 +215,7 @@ class _PendingCheckpoint:
             )
         self.state.save_to_json(os.path.join(self.staged_dir, TRAINER_STATE_NAME))
         if os.path.exists(self.final):  # a save of the same step, after a resume
-            shutil.rmtree(self.final)
+            delete_now(self.final)
         os.replace(self.staged_dir, self.final)
         rotate_checkpoints(
             output_dir=os.path.dirname(self.final),
@@ -274,6 +287,14 @@ class SlipstreamTrainerMixin(_TrainerBase):
             pending.join(self.slipstream_options.timeout)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        output_dir = self.args.output_dir
+        if output_dir is not None and self.args.should_save and self._slipstream_supported():
+            # No save of this run is in flight yet: what is there was left by a killed one.
+            staging = os.path.join(output_dir, STAGING_DIR)
+            if os.path.isdir(staging) and os.listdir(staging):
+                log.warning("removing %s: saves an earlier run did not finish", staging)
+                shutil.rmtree(staging, ignore_errors=True)
+            sweep(output_dir)
         try:
             result = super().train(*args, **kwargs)
         except BaseException:
@@ -426,7 +447,10 @@ class SlipstreamTrainerMixin(_TrainerBase):
     def _slipstream_state(self, checkpoint: str | None) -> str | None:
         if checkpoint is None or not self._slipstream_supported():
             return None
-        return state_dir(checkpoint)
+        path = state_dir(checkpoint)
+        if path is None and os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
+            raise incomplete_error(str(checkpoint), inside=STATE_DIR)
+        return path
 
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: torch.nn.Module | None = None

@@ -69,6 +69,19 @@ def step_dirs(children: Iterable[str]) -> dict[int, str]:
     return found
 
 
+_TEMPORARY = re.compile(
+    r"^(\.metadata|\.slipstream(\.g\d+)?\.json|\.local_commit|model\.safetensors\.index\.json"
+    r"|\.[^/]+\.safetensors)\.tmp$"
+)
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a file slipstream writes under a temporary name and then renames
+    into place (a ``.metadata``, index or marker put, an exported safetensors file): one
+    found while no save is running was left by a process killed mid-write."""
+    return bool(_TEMPORARY.match(name))
+
+
 GENERATIONS = 3
 """Enough that one is always free: a committed checkpoint written by slipstream uses one;
 one written by ``dcp.save`` uses ``__{rank}_{n}.distcp`` names, the generation-0 names."""
