@@ -22,7 +22,7 @@ from slipstream.errors import MissingRanksError, PeerDiedError
 
 BUCKET = 64 * 1024
 SEPARATE = 4096
-TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if remote_reads_allowed() else [])]
+TRANSPORTS = ["relay", "broadcast", "shm", "ipc", *(["cma"] if remote_reads_allowed() else [])]
 NOTICED_WITHIN = 5.0
 
 

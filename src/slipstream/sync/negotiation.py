@@ -1,9 +1,10 @@
 """Choosing a transport, and building each epoch's senders and receivers.
 
 When a publisher starts, each trainer rank settles on one kind of transport with the
-rollouts (:func:`negotiate`, answered by :func:`read_offer`): ``cma`` only after every rollout
-read a few bytes of the trainer's memory, ``shm`` on one host, else ``relay`` (host
-weights) or ``broadcast`` (device weights). The kind never changes afterwards.
+rollouts (:func:`negotiate`, answered by :func:`read_offer`): ``ipc`` (torch's tensor
+sharing) on one host, else ``relay`` (host weights) or ``broadcast`` (device weights);
+``cma`` (only after every rollout read a few bytes of the trainer's memory) and ``shm`` on
+one host when asked for. The kind never changes afterwards.
 
 The transport itself belongs to an *epoch* (see :mod:`.protocol`): a sender or receiver is
 built for the members of the round that starts the epoch (:func:`build_sender`,
@@ -17,7 +18,6 @@ their buffers, segments and process groups match.
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -29,7 +29,17 @@ from ..errors import SyncError
 from .cma import CmaReceiver, CmaSender
 from .culprits import exited
 from .group import SyncGroup
-from .protocol import Keys, Probe, ProbeReply, ReceiverShape, RingInfo, TransportOffer, encode
+from .ipc import IpcReceiver, IpcSender
+from .protocol import (
+    Keys,
+    Probe,
+    ProbeReply,
+    ReceiverShape,
+    RingInfo,
+    SharedRing,
+    TransportOffer,
+    encode,
+)
 from .shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
 from .transport import (
     RELAY_SEPARATE_MIN_BYTES,
@@ -40,14 +50,14 @@ from .transport import (
     Sender,
 )
 
-logger = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma")
+TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma", "ipc")
 #: Transports over the sync group's process groups (the others need one host).
 NETWORK_TRANSPORTS = ("relay", "broadcast")
 #: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
-#: the trainer's memory).
-LOCAL_TRANSPORTS = ("cma", "shm")
+#: the trainer's memory); ``ipc`` alone carries device weights.
+LOCAL_TRANSPORTS = ("ipc", "cma", "shm")
+#: The colocated transports that carry host weights only.
+HOST_TRANSPORTS = ("cma", "shm")
 HEADER_CAP = 64 * 1024
 
 Watch = Callable[[], None]
@@ -55,10 +65,13 @@ Watch = Callable[[], None]
 
 def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -> list[str]:
     """The transports to try, best first: ``auto`` picks a colocated one when every rollout
-    shares this host (and the weights are in host memory), else relay (host memory) or
-    broadcast (device memory)."""
-    local = group.colocated(rollout_ranks) and group.device.type == "cpu"
-    if transport in LOCAL_TRANSPORTS and not local:
+    shares this host (``ipc`` first; for device weights ``ipc`` alone), else relay (host
+    memory) or broadcast (device memory)."""
+    colocated = group.colocated(rollout_ranks)
+    host = group.device.type == "cpu"
+    if transport == "ipc" and not colocated:
+        raise ValueError(f"transport='ipc' needs every rollout on trainer rank {group.rank}'s host")
+    if transport in HOST_TRANSPORTS and not (colocated and host):
         raise ValueError(
             f"transport={transport!r} needs every rollout on trainer rank {group.rank}'s "
             "host and host buffers"
@@ -70,9 +83,9 @@ def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -
         )
     if transport != "auto":
         return [transport]
-    if local and ORDERED_STORES:
-        return list(LOCAL_TRANSPORTS)
-    return ["relay" if group.device.type == "cpu" else "broadcast"]
+    if colocated and ORDERED_STORES:
+        return list(LOCAL_TRANSPORTS) if host else ["ipc"]
+    return ["relay" if host else "broadcast"]
 
 
 def separate_min_for(kind: str, asked: int | None | str) -> int | None:
@@ -99,20 +112,18 @@ def negotiate(
     """Agree with ``rollouts`` on the first of ``tried`` they can all use and post it
     (``transport/{rank}``); raise :class:`SyncError` (posted too) when none fits."""
     rank = group.rank
-    refused = probe_remote_reads(group, rollouts, timeout) if "cma" in tried else {}
-    if "cma" not in tried:
+    probing = tried == ["cma"]  # auto tries ipc first, which needs no probe
+    refused = probe_remote_reads(group, rollouts, timeout) if probing else {}
+    if not probing:
         group.post(Keys.probe(rank), "null")
     if refused:
         why = "; ".join(f"rollout rank {r}: {e}" for r, e in refused.items())
-        if tried == ["cma"]:
-            error = (
-                f"transport='cma': rollouts cannot read trainer rank {rank}'s memory "
-                f"({why}); they need ptrace access to it (docs/sync.md), else use 'shm'"
-            )
-            group.post(Keys.transport(rank), encode(TransportOffer(error=error)))
-            raise SyncError(error)
-        logger.info("trainer rank %d: no cross-memory reads (%s); using 'shm'", rank, why)
-        tried = [c for c in tried if c != "cma"]
+        error = (
+            f"transport='cma': rollouts cannot read trainer rank {rank}'s memory "
+            f"({why}); they need ptrace access to it (docs/sync.md), else use 'ipc'"
+        )
+        group.post(Keys.transport(rank), encode(TransportOffer(error=error)))
+        raise SyncError(error)
     kind = tried[0]
     shape = shape_of(bucket_bytes, num_slots, separate_min_for(kind, separate_min))
     offer = TransportOffer(kind, mode, shape)
@@ -221,21 +232,38 @@ def build_sender(
             group, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
         )
     rank = group.rank
-    path = new_ring_path(rank)
-    ring_sender = CmaSender if offer.kind == "cma" else ShmSender
-    sender = ring_sender(
-        path,
-        rank,
-        shape.bucket_bytes,
-        shape.header_cap,
-        shape.num_slots,
-        list(members),
-        [group.member(r).pid for r in members],
-        timeout,
-        watch,
-    )
+    pids = [group.member(r).pid for r in members]
+    sender: ShmSender
+    if offer.kind == "ipc":
+        sender = IpcSender(
+            rank,
+            shape.bucket_bytes,
+            shape.header_cap,
+            shape.num_slots,
+            list(members),
+            pids,
+            timeout,
+            group.device,
+            watch,
+        )
+        ring = encode(sender.shared(os.getpid()))
+    else:
+        path = new_ring_path(rank)
+        ring_sender = CmaSender if offer.kind == "cma" else ShmSender
+        sender = ring_sender(
+            path,
+            rank,
+            shape.bucket_bytes,
+            shape.header_cap,
+            shape.num_slots,
+            list(members),
+            pids,
+            timeout,
+            watch,
+        )
+        ring = encode(RingInfo(path, os.getpid()))
     try:
-        group.post(Keys.ring(epoch, rank), encode(RingInfo(path, os.getpid())))
+        group.post(Keys.ring(epoch, rank), ring)
         group.wait_keys(
             {r: Keys.ring_opened(epoch, rank, r) for r in members},
             f"rollouts to map trainer rank {rank}'s shared-memory ring (epoch {epoch})",
@@ -265,6 +293,21 @@ def build_receiver(
             group, trainer, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
         )
     what = f"trainer rank {trainer}'s shared-memory ring (epoch {epoch})"
+    if offer.kind == "ipc":
+        shared = SharedRing.read(group.get_text(Keys.ring(epoch, trainer), trainer, what, timeout))
+        receiver: Receiver = IpcReceiver(
+            shared,
+            list(members).index(group.rank),
+            len(members),
+            trainer,
+            shape.bucket_bytes,
+            shape.header_cap,
+            shape.num_slots,
+            timeout,
+            watch,
+        )
+        group.set_json(Keys.ring_opened(epoch, trainer, group.rank), True)
+        return receiver
     ring = RingInfo(**group.get_json(Keys.ring(epoch, trainer), trainer, what, timeout))
     ring_receiver = CmaReceiver if offer.kind == "cma" else ShmReceiver
     receiver = ring_receiver(

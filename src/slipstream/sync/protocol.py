@@ -47,6 +47,7 @@ import torch
 
 from ..core.control_plane import store_key
 from ..errors import PeerDiedError, SyncError
+from .shared_tensors import SharedBuffer
 
 _M = TypeVar("_M")
 
@@ -177,6 +178,25 @@ class RingInfo:
 
     path: str
     pid: int
+
+
+@dataclass
+class SharedRing:
+    """An epoch's ring of a trainer shared through torch (transport ``ipc``): its host
+    control block, its payload slots, and the trainer's pid."""
+
+    control: SharedBuffer | dict[str, Any]
+    payload: SharedBuffer | dict[str, Any]
+    pid: int
+
+    @classmethod
+    def read(cls, text: bytes | str) -> SharedRing:
+        ring = decode(cls, text)
+        if isinstance(ring.control, dict):
+            ring.control = SharedBuffer(**ring.control)
+        if isinstance(ring.payload, dict):
+            ring.payload = SharedBuffer(**ring.payload)
+        return ring
 
 
 @dataclass

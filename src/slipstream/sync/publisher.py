@@ -89,6 +89,9 @@ class PublishTimings:
     was diffed, e.g. the first publish or ``delta=False``)."""
     diff_seconds: float = 0.0
     """Time spent diffing against the base (on the caller's thread)."""
+    transport: str = ""
+    """The transport the publish went over (:attr:`WeightPublisher.transport`: ``ipc``,
+    ``cma``, ``shm``, ``relay`` or ``broadcast``)."""
 
 
 @dataclass
@@ -122,9 +125,12 @@ class WeightPublisher:
     to try reading this process's memory); the transport itself is built for the rollouts
     of the first round, and again whenever they change.
 
-    ``transport``: ``"auto"`` picks ``"cma"`` (rollouts copy straight out of this process's
-    memory) when every rollout shares this host and the kernel lets them read it, else
-    ``"shm"`` (a shared-memory ring) on one host; across hosts it picks ``"relay"`` (this
+    ``transport``: ``"auto"`` picks ``"ipc"`` when every rollout shares this host: this
+    rank's bucket slots are shared once through torch's tensor sharing (shared memory for
+    host weights, CUDA IPC for device weights) and the rollouts copy straight out of them.
+    ``"cma"`` (rollouts copy out of this process's memory, where the kernel lets them read
+    it) and ``"shm"`` (a ring in a shared-memory file) serve host weights on one host when
+    asked for. Across hosts ``"auto"`` picks ``"relay"`` (this
     rank sends each message once, to the first rollout, and each rollout passes it on to
     the next) for host tensors and ``"broadcast"`` (one collective per message) for device
     tensors. :attr:`transport` holds the choice. Over relay and broadcast, a slice of at
@@ -294,6 +300,7 @@ class WeightPublisher:
             )
         streamed = self._plan is not None and not isinstance(named_tensors, (Mapping, Sequence))
         handle = PublishHandle(version)
+        handle.timings.transport = self.transport
         self._wait_previous_round()
         sent_before = self._rounds.sent_bytes()
         snapshot = named_tensors if isinstance(named_tensors, Holdable) else None
