@@ -160,11 +160,11 @@ def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
         colocated=lambda ranks: True, device=torch.device("cpu"), rank=0
     )
     monkeypatch.setattr(negotiation, "ORDERED_STORES", True)
-    assert negotiation.candidates(colocated_host, "auto", [1]) == ["ipc", "cma", "shm"]
+    assert negotiation.candidates(colocated_host, "auto", [1]) == ["ipc", "shm"]
     colocated_gpu = SimpleNamespace(
         colocated=lambda ranks: True, device=torch.device("cuda"), rank=0
     )
-    assert negotiation.candidates(colocated_gpu, "auto", [1]) == ["ipc"]
+    assert negotiation.candidates(colocated_gpu, "auto", [1]) == ["ipc", "broadcast"]
     monkeypatch.setattr(negotiation, "ORDERED_STORES", False)  # e.g. an ARM host
     assert negotiation.candidates(colocated_host, "auto", [1]) == ["relay"]
     for transport in ("shm", "cma", "ipc"):

@@ -2,9 +2,11 @@
 
 When a publisher starts, each trainer rank settles on one kind of transport with the
 rollouts (:func:`negotiate`, answered by :func:`read_offer`): ``ipc`` (torch's tensor
-sharing) on one host, else ``relay`` (host weights) or ``broadcast`` (device weights);
-``cma`` (only after every rollout read a few bytes of the trainer's memory) and ``shm`` on
-one host when asked for. The kind never changes afterwards.
+sharing) on one host once every rollout opened a small buffer the trainer shared (else
+``shm`` for host weights, ``broadcast`` for device weights), across hosts ``relay`` (host
+weights) or ``broadcast`` (device weights); ``cma`` (only after every rollout read a few
+bytes of the trainer's memory) and ``shm`` on one host when asked for. The kind never
+changes afterwards.
 
 The transport itself belongs to an *epoch* (see :mod:`.protocol`): a sender or receiver is
 built for the members of the round that starts the epoch (:func:`build_sender`,
@@ -18,6 +20,7 @@ their buffers, segments and process groups match.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -40,6 +43,7 @@ from .protocol import (
     TransportOffer,
     encode,
 )
+from .shared_tensors import SharedBuffer, describe, shared_buffer
 from .shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
 from .transport import (
     RELAY_SEPARATE_MIN_BYTES,
@@ -50,23 +54,31 @@ from .transport import (
     Sender,
 )
 
+logger = logging.getLogger(__name__)
+
 TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma", "ipc")
 #: Transports over the sync group's process groups (the others need one host).
 NETWORK_TRANSPORTS = ("relay", "broadcast")
-#: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
-#: the trainer's memory); ``ipc`` alone carries device weights.
+#: The transports for ranks on one host (``ipc`` alone carries device weights).
 LOCAL_TRANSPORTS = ("ipc", "cma", "shm")
 #: The colocated transports that carry host weights only.
 HOST_TRANSPORTS = ("cma", "shm")
 HEADER_CAP = 64 * 1024
+#: Why an explicit transport cannot be used, when a rollout refused its probe.
+REFUSALS = {
+    "cma": "rollouts cannot read trainer rank {rank}'s memory ({why}); they need ptrace "
+    "access to it (docs/sync.md), else use 'ipc'",
+    "ipc": "rollouts cannot open the buffers trainer rank {rank} shares through torch ({why}); "
+    "on a GPU they must see its device under the same index (docs/sync.md)",
+}
 
 Watch = Callable[[], None]
 
 
 def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -> list[str]:
-    """The transports to try, best first: ``auto`` picks a colocated one when every rollout
-    shares this host (``ipc`` first; for device weights ``ipc`` alone), else relay (host
-    memory) or broadcast (device memory)."""
+    """The transports to try, best first: ``auto`` tries ``ipc`` when every rollout shares
+    this host (then ``shm`` for host memory, ``broadcast`` for device memory), else relay
+    (host memory) or broadcast (device memory)."""
     colocated = group.colocated(rollout_ranks)
     host = group.device.type == "cpu"
     if transport == "ipc" and not colocated:
@@ -84,7 +96,7 @@ def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -
     if transport != "auto":
         return [transport]
     if colocated and ORDERED_STORES:
-        return list(LOCAL_TRANSPORTS) if host else ["ipc"]
+        return ["ipc", "shm" if host else "broadcast"]
     return ["relay" if host else "broadcast"]
 
 
@@ -112,18 +124,21 @@ def negotiate(
     """Agree with ``rollouts`` on the first of ``tried`` they can all use and post it
     (``transport/{rank}``); raise :class:`SyncError` (posted too) when none fits."""
     rank = group.rank
-    probing = tried == ["cma"]  # auto tries ipc first, which needs no probe
-    refused = probe_remote_reads(group, rollouts, timeout) if probing else {}
-    if not probing:
+    refused: dict[int, str] = {}
+    if tried[0] == "cma":
+        refused = probe_remote_reads(group, rollouts, timeout)
+    elif tried[0] == "ipc":
+        refused = probe_sharing(group, rollouts, timeout)
+    else:
         group.post(Keys.probe(rank), "null")
     if refused:
         why = "; ".join(f"rollout rank {r}: {e}" for r, e in refused.items())
-        error = (
-            f"transport='cma': rollouts cannot read trainer rank {rank}'s memory "
-            f"({why}); they need ptrace access to it (docs/sync.md), else use 'ipc'"
-        )
-        group.post(Keys.transport(rank), encode(TransportOffer(error=error)))
-        raise SyncError(error)
+        if len(tried) == 1:
+            error = f"transport={tried[0]!r}: {REFUSALS[tried[0]].format(rank=rank, why=why)}"
+            group.post(Keys.transport(rank), encode(TransportOffer(error=error)))
+            raise SyncError(error)
+        logger.info("trainer rank %d: %s refused (%s); using %r", rank, tried[0], why, tried[1])
+        tried = tried[1:]
     kind = tried[0]
     shape = shape_of(bucket_bytes, num_slots, separate_min_for(kind, separate_min))
     offer = TransportOffer(kind, mode, shape)
@@ -137,14 +152,45 @@ def probe_remote_reads(group: SyncGroup, rollouts: Sequence[int], timeout: float
     rank = group.rank
     probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
     group.post(Keys.probe(rank), encode(Probe(os.getpid(), probe.data_ptr(), probe.tolist())))
-    replies = {r: Keys.probed(rank, r) for r in rollouts}
-    group.wait_keys(replies, f"rollouts to try reading trainer rank {rank}'s memory", timeout)
+    what = f"rollouts to try reading trainer rank {rank}'s memory"
+    return _probe_replies(group, rollouts, what, timeout)
+
+
+def probe_sharing(group: SyncGroup, rollouts: Sequence[int], timeout: float) -> dict[int, str]:
+    """Share a few random bytes on the group's device through torch and ask every rollout to
+    open them; return why each one that could not failed (empty when all could)."""
+    rank = group.rank
+    probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    buffer = shared_buffer(probe.numel(), group.device)
+    buffer.copy_(probe)
+    shared = describe(buffer, len(rollouts))
+    group.post(Keys.probe(rank), encode(Probe(os.getpid(), 0, probe.tolist(), shared)))
+    what = f"rollouts to open the buffer trainer rank {rank} shared"
+    return _probe_replies(group, rollouts, what, timeout)
+
+
+def _probe_replies(
+    group: SyncGroup, rollouts: Sequence[int], what: str, timeout: float
+) -> dict[int, str]:
+    """Every rollout's answer to this trainer's probe: why each one that failed did."""
+    replies = {r: Keys.probed(group.rank, r) for r in rollouts}
+    group.wait_keys(replies, what, timeout)
     refused = {}
     for r, key in replies.items():
-        error = ProbeReply(**group.get_json(key, r, "a memory-read probe")).error
+        error = ProbeReply(**group.get_json(key, r, "a transport probe")).error
         if error:
             refused[r] = error
     return refused
+
+
+def _open_probe(shared: SharedBuffer, expected: list[int]) -> str | None:
+    """Why the probe buffer ``shared`` could not be opened here or did not hold ``expected``
+    (``None`` when it did)."""
+    try:
+        found = shared.open().cpu().tolist()
+    except SyncError as exc:
+        return str(exc)
+    return None if found == expected else "the shared buffer held other bytes"
 
 
 def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer:
@@ -153,7 +199,11 @@ def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer
     probe = group.get_json(Keys.probe(trainer), trainer, what, timeout)
     if probe is not None:
         p = Probe(**probe)
-        error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
+        if p.shared is not None:
+            assert isinstance(p.shared, dict)
+            error = _open_probe(SharedBuffer(**p.shared), p.bytes)
+        else:
+            error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
         group.set_json(Keys.probed(trainer, group.rank), {"error": error})
     offer = TransportOffer.read(group.get_text(Keys.transport(trainer), trainer, what, timeout))
     if offer.error:

@@ -132,11 +132,14 @@ class Ack:
 
 @dataclass
 class Probe:
-    """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid``."""
+    """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid`` or, when
+    ``shared`` describes a buffer shared through torch (transport ``ipc``), to open it and
+    find ``bytes`` there."""
 
     pid: int
     addr: int
     bytes: list[int]
+    shared: SharedBuffer | dict[str, Any] | None = None
 
 
 @dataclass
