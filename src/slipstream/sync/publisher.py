@@ -121,13 +121,16 @@ class WeightPublisher:
 
     Every trainer rank constructs one (with the same arguments) and calls :meth:`publish`
     with the same names, shapes, dtypes and version. Construction settles the kind of
-    transport with the rollouts (over ``cma`` it waits, up to the group's timeout, for them
-    to try reading this process's memory); the transport itself is built for the rollouts
-    of the first round, and again whenever they change.
+    transport with the rollouts (over ``ipc`` and ``cma`` it waits, up to the group's
+    timeout, for them to try opening a buffer it shares or reading this process's memory);
+    the transport itself is built for the rollouts of the first round, and again whenever
+    they change.
 
-    ``transport``: ``"auto"`` picks ``"ipc"`` when every rollout shares this host: this
-    rank's bucket slots are shared once through torch's tensor sharing (shared memory for
-    host weights, CUDA IPC for device weights) and the rollouts copy straight out of them.
+    ``transport``: ``"auto"`` picks ``"ipc"`` when every rollout shares this host (and
+    could open a buffer this rank shared, else ``"shm"`` for host weights and
+    ``"broadcast"`` for device weights): this rank's bucket slots are shared once through
+    torch's tensor sharing (shared memory, or CUDA IPC when the group's device is a GPU)
+    and the rollouts copy straight out of them.
     ``"cma"`` (rollouts copy out of this process's memory, where the kernel lets them read
     it) and ``"shm"`` (a ring in a shared-memory file) serve host weights on one host when
     asked for. Across hosts ``"auto"`` picks ``"relay"`` (this
