@@ -113,11 +113,14 @@ class IpcSender(ShmSender):
         return _SharedRing(control, payload, num_slots, num_readers, bucket_bytes, header_cap)
 
     def shared(self, pid: int) -> SharedRing:
-        """What each reader opens: the control block and the slots, shared once per reader."""
+        """What the readers open: the control block and the slots, described once for each
+        reader (in member order)."""
         ring = self.ring
         assert isinstance(ring, _SharedRing)
-        readers = ring.num_readers
-        return SharedRing(describe(ring.buf, readers), describe(ring.slots, readers), pid)
+        readers = range(ring.num_readers)
+        return SharedRing(
+            [describe(ring.buf) for _ in readers], [describe(ring.slots) for _ in readers], pid
+        )
 
     @property
     def buffer_bytes(self) -> int:
@@ -152,6 +155,7 @@ class IpcReceiver(ShmReceiver):
         watch: Callable[[], None] | None = None,
     ) -> None:
         self._shared = shared
+        self.reader, self.root_rank = reader, root_rank  # _open_ring reads them
         super().__init__(
             "",
             reader,
@@ -168,8 +172,8 @@ class IpcReceiver(ShmReceiver):
     def _open_ring(
         self, path: str, num_slots: int, num_readers: int, bucket_bytes: int, header_cap: int
     ) -> _Ring:
-        control = self._shared.control
-        payload = self._shared.payload
+        control = self._shared.controls[self.reader]
+        payload = self._shared.payloads[self.reader]
         assert isinstance(control, SharedBuffer) and isinstance(payload, SharedBuffer)
         words, headers = _control_bytes(num_slots, num_readers, header_cap)
         need = (words + num_slots * headers, num_slots * round_up(bucket_bytes))

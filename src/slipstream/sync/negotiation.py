@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -163,7 +164,7 @@ def probe_sharing(group: SyncGroup, rollouts: Sequence[int], timeout: float) -> 
     probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
     buffer = shared_buffer(probe.numel(), group.device)
     buffer.copy_(probe)
-    shared = describe(buffer, len(rollouts))
+    shared: dict[str, SharedBuffer | dict[str, Any]] = {str(r): describe(buffer) for r in rollouts}
     group.post(Keys.probe(rank), encode(Probe(os.getpid(), 0, probe.tolist(), shared)))
     what = f"rollouts to open the buffer trainer rank {rank} shared"
     return _probe_replies(group, rollouts, what, timeout)
@@ -200,8 +201,9 @@ def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer
     if probe is not None:
         p = Probe(**probe)
         if p.shared is not None:
-            assert isinstance(p.shared, dict)
-            error = _open_probe(SharedBuffer(**p.shared), p.bytes)
+            mine = p.shared[str(group.rank)]
+            assert isinstance(mine, dict)
+            error = _open_probe(SharedBuffer(**mine), p.bytes)
         else:
             error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
         group.set_json(Keys.probed(trainer, group.rank), {"error": error})

@@ -133,13 +133,13 @@ class Ack:
 @dataclass
 class Probe:
     """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid`` or, when
-    ``shared`` describes a buffer shared through torch (transport ``ipc``), to open it and
-    find ``bytes`` there."""
+    ``shared`` holds a description of a buffer shared through torch for the rollout (by
+    rank, transport ``ipc``), to open it and find ``bytes`` there."""
 
     pid: int
     addr: int
     bytes: list[int]
-    shared: SharedBuffer | dict[str, Any] | None = None
+    shared: dict[str, SharedBuffer | dict[str, Any]] | None = None
 
 
 @dataclass
@@ -185,21 +185,24 @@ class RingInfo:
 
 @dataclass
 class SharedRing:
-    """An epoch's ring of a trainer shared through torch (transport ``ipc``): its host
-    control block, its payload slots, and the trainer's pid."""
+    """An epoch's ring of a trainer shared through torch (transport ``ipc``): for each
+    reader, in the epoch's member order, its description of the host control block and of
+    the payload slots; and the trainer's pid."""
 
-    control: SharedBuffer | dict[str, Any]
-    payload: SharedBuffer | dict[str, Any]
+    controls: list[SharedBuffer | dict[str, Any]]
+    payloads: list[SharedBuffer | dict[str, Any]]
     pid: int
 
     @classmethod
     def read(cls, text: bytes | str) -> SharedRing:
         ring = decode(cls, text)
-        if isinstance(ring.control, dict):
-            ring.control = SharedBuffer(**ring.control)
-        if isinstance(ring.payload, dict):
-            ring.payload = SharedBuffer(**ring.payload)
+        ring.controls = [_shared(c) for c in ring.controls]
+        ring.payloads = [_shared(p) for p in ring.payloads]
         return ring
+
+
+def _shared(value: SharedBuffer | dict[str, Any]) -> SharedBuffer:
+    return value if isinstance(value, SharedBuffer) else SharedBuffer(**value)
 
 
 @dataclass

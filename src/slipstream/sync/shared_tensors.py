@@ -3,13 +3,15 @@
 manager, accelerator memory as a CUDA IPC handle.
 
 One code path for both: :func:`shared_buffer` allocates a buffer that can be shared,
-:func:`describe` turns it into a :class:`SharedBuffer` (plain data, sent through the store as
-JSON, never a pickle), and :meth:`SharedBuffer.open` maps the same memory in another
-process. Only how the handle is made and opened differs by device, and torch does both.
+:func:`describe` turns it into a :class:`SharedBuffer` for one reader (plain data, sent
+through the store as JSON, never a pickle), and :meth:`SharedBuffer.open` maps the same
+memory in that reader's process. Only how the handle is made and opened differs by device,
+and torch does both.
 
-Invariants: the owner keeps the buffer referenced for as long as a reader may open it (it
-opens each one once per reader it described it for); a reader's tensor is the owner's
-memory (writes are seen both ways), on the owner's device.
+Invariants: as with torch's own pickling of a shared tensor, each description takes one
+reference for one reader, which that reader's open takes over; the owner keeps the buffer
+referenced for as long as a reader may open it; a reader's tensor is the owner's memory
+(writes are seen both ways), on the owner's device.
 """
 
 from __future__ import annotations
@@ -58,16 +60,14 @@ class SharedBuffer:
             ) from exc
 
 
-def describe(buffer: torch.Tensor, readers: int) -> SharedBuffer:
-    """Share ``buffer`` (from :func:`shared_buffer`) with ``readers`` processes, each to
-    :meth:`SharedBuffer.open` it once. On the host each reader's open takes over one
-    reference taken here, as torch's own pickling of a shared storage does."""
+def describe(buffer: torch.Tensor) -> SharedBuffer:
+    """Share ``buffer`` (from :func:`shared_buffer`) with one more process, which opens it
+    once with :meth:`SharedBuffer.open` (call once per reader)."""
     storage = buffer.untyped_storage()
     nbytes = buffer.numel()
     if buffer.device.type == "cpu":
         manager, handle, _size = storage._share_filename_cpu_()
-        for _ in range(readers):
-            storage._shared_incref()
+        storage._shared_incref()  # the reader's open takes it over
         return SharedBuffer(nbytes, "cpu", [manager.hex(), handle.hex()])
     _rebuild, args = reductions.reduce_tensor(buffer)
     (
