@@ -5,10 +5,10 @@ The ring and handshake are :mod:`.shm`'s (ready and acknowledgement words per sl
 liveness by the peer's process and the round's watch), over buffers shared with
 :mod:`.shared_tensors` (:mod:`torch.multiprocessing.reductions`) instead of a file of our
 own: a host control block (the words and each slot's bucket header) and the payload slots
-on the weights' device. On the host the slots are shared memory; on a GPU they are device
-memory the rollouts open through CUDA IPC, so a bucket goes from the trainer's weights to
-the rollout's by two device copies (the trainer packs, the rollout copies out) and never
-crosses the host. The code path is the same on both; on CPU the stream syncs are no-ops.
+on the sync group's device (the GPU of a ``nccl`` group, else the host). On the host the
+slots are shared memory; on a GPU they are device memory the rollouts open through CUDA
+IPC, so a bucket of device weights goes from the trainer's weights to the rollout's by two
+device copies (the trainer packs, the rollout copies out) and never crosses the host. The code path is the same on both; on CPU the stream syncs are no-ops.
 
 The slots are shared once per epoch (when the transport is built) and reused by every
 message; nothing is allocated or shared per message.
@@ -41,7 +41,7 @@ def _control_bytes(num_slots: int, num_readers: int, header_cap: int) -> tuple[i
 
 class _SharedRing(_Ring):
     """A ring whose words and headers lie in a shared host block, and whose payload slots lie
-    in a shared buffer on the weights' device."""
+    in a shared buffer on the sync group's device."""
 
     def __init__(
         self,
