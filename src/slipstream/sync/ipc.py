@@ -8,7 +8,8 @@ own: a host control block (the words and each slot's bucket header) and the payl
 on the sync group's device (the GPU of a ``nccl`` group, else the host). On the host the
 slots are shared memory; on a GPU they are device memory the rollouts open through CUDA
 IPC, so a bucket of device weights goes from the trainer's weights to the rollout's by two
-device copies (the trainer packs, the rollout copies out) and never crosses the host. The code path is the same on both; on CPU the stream syncs are no-ops.
+device copies (the trainer packs, the rollout copies out) and never crosses the host. The
+code path is the same on both; on CPU the stream syncs are no-ops.
 
 The slots are shared once per epoch (when the transport is built) and reused by every
 message; nothing is allocated or shared per message.
