@@ -436,6 +436,7 @@ def _sync_side(rank: int, port: int, opts: argparse.Namespace) -> dict:
 
     device = torch.device(opts.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"  # the transfer device: the GPU
     group = ss.sync.init_group("127.0.0.1", port, 2, rank, backend=backend, timeout=300)
@@ -483,19 +484,14 @@ def _sync_side(rank: int, port: int, opts: argparse.Namespace) -> dict:
             out["bytes"] = flat.numel() * 2
             out["sum"] = float(sum(t.double().sum().item() for t in named.values()))
         else:
-            target = {
-                f"w{i}": torch.zeros(n, dtype=torch.bfloat16, device=device)
-                for i, n in enumerate(sizes)
-            }
+            module = torch.nn.Module()  # the weights land straight in its buffers
+            for i, n in enumerate(sizes):
+                module.register_buffer(f"w{i}", torch.zeros(n, dtype=torch.bfloat16, device=device))
+            target = dict(module.named_buffers())
             subs = [ss.WeightSubscriber(group, [0], [1]) for _ in ("direct", "cached")]
-
-            def apply(batch) -> None:
-                for name, t in batch:
-                    target[name].copy_(t)
-
             for _ in range(1 + opts.sync_rounds):  # the warm-up, then each round
                 for sub in subs:  # in the trainer's order of the publishers
-                    sub.receive(apply)
+                    sub.receive(module)
             for sub in subs:
                 sub.close()
             out["sum"] = float(sum(t.double().sum().item() for t in target.values()))
