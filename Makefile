@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo check check-busy lint typecheck test bench report clean
+.PHONY: setup demo check check-busy lint typecheck test bench report gpu-check clean
 
 # The demo's venv: torch, slipstream and the demo's own dependencies (the `demo` extra), no more.
 $(VENV)/.demo: pyproject.toml
@@ -71,6 +71,13 @@ report: setup
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
 		benchmarks/results/two_tier.json \
 		--out BENCHMARKS.md
+
+# The device check on a host with a CUDA device: the CUDA tests, a profiler trace of the
+# training loop and benchmarks/gpu.py, everything written into GPU_CHECK_OUT (under 8 minutes).
+# `GPU_CHECK_ARGS=--dry-run` runs it on CPU with tiny sizes (what CI runs).
+GPU_CHECK_OUT ?= gpu_check
+gpu-check: setup
+	GPU_CHECK_PYTHON=$(BIN)/python benchmarks/gpu_check.sh $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo_out

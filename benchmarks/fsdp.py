@@ -4,8 +4,13 @@ Two ranks on gloo, the same model, initial weights, data and optimizer for both 
 (peer, device) configuration runs in a fresh pair of processes so peak memory is its own,
 and configurations are interleaved across repetitions.
 
-Two devices:
+Three devices:
 - ``real``: the demo's TinyGPT computing on the CPU (1 thread per rank).
+- ``host``: a TinyGPT so small (dim 64) that the host work around the compute dominates a
+  step, as it does on a GPU whose kernels are queued faster than they run: after the timed
+  steps, ``--profile-steps`` more run under ``torch.profiler``, which counts per step the
+  self CPU time of every recorded op and the calls of ``aten::slice``, ``aten::view`` and
+  the copy ops (:data:`COPY_OPS`).
 - ``standin``: an MLP stack whose Linear layers do their math on a few rows, then sleep for
   the time their FLOPs would take on a full batch at an assumed rate (``--standin-tflops``).
   Sleeping frees the CPU the way a GPU kernel frees the host, so this is what overlap can
@@ -16,7 +21,7 @@ gather; FSDP2: duration of its ``all_gather_single`` calls, synchronous on CPU);
 all-gather time (slipstream: time blocked waiting; FSDP2: all of it); peak RSS above the
 process's RSS before the model was built. Parity: the peers' final weights are compared.
 
-    python benchmarks/fsdp.py --out benchmarks/results/fsdp.json [--repeats 3] [--quick]
+    python benchmarks/fsdp.py --out benchmarks/results/fsdp.json [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import Result, Table, current_rss_mib, interleave, median, peak_rss_mib  # noqa: E402
 
 WORLD = 2
+#: The ops that copy tensor data between buffers in an FSDP step's host work.
+COPY_OPS = (
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::split_with_sizes_copy",
+    "aten::_foreach_copy_",
+    "aten::_chunk_cat",
+)
+#: Recorded ops whose self time is mostly waiting for the other rank (collectives, barrier),
+#: with the spans whose names end in ``.wait`` (slipstream's waits on async collectives).
+WAIT_PREFIXES = ("c10d::", "gloo:", "record_param_comms")
+#: What the host device's profile counts per step (op name -> metric name).
+COUNTED = {"aten::slice": "slice_ops", "aten::view": "view_ops"}
 
 
 class _SleepLinear(torch.autograd.Function):
@@ -112,7 +130,10 @@ def _build(device: str, args: argparse.Namespace) -> tuple[nn.Module, Callable[[
         return model, data
     from slipstream.demo.model import ModelConfig, TinyGPT, batch
 
-    cfg = ModelConfig(layers=args.layers)
+    if device == "host":
+        cfg = ModelConfig(vocab=256, dim=64, layers=args.layers, heads=4, seq_len=32)
+    else:
+        cfg = ModelConfig(layers=args.layers)
     model = TinyGPT(cfg)
     return model, lambda step, rank: batch(step, rank, args.batch, cfg)
 
@@ -196,6 +217,9 @@ def _worker(rank: int, port: int, device: str, peer: str, args, out_path: str, q
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
         gathered, exposed = stats_fn()
+        profiled = {}
+        if device == "host":
+            profiled = _profile_steps(model, opt, data, rank, args)
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
         if rank == 0 and out_path:
             torch.save(full, out_path)
@@ -208,10 +232,38 @@ def _worker(rank: int, port: int, device: str, peer: str, args, out_path: str, q
                     "allgather_s": gathered / args.steps,
                     "exposed_s": exposed / args.steps,
                     "peak_mib": float(peak.item()),
+                    **profiled,
                 }
             )
     finally:
         dist.destroy_process_group()
+
+
+def _profile_steps(model, opt, data, rank: int, args) -> dict[str, float]:
+    """Per-step host work of ``--profile-steps`` further steps under ``torch.profiler``: the
+    self CPU time of every recorded op, and the calls of the ops :data:`COUNTED` and
+    :data:`COPY_OPS` name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = args.profile_steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for step in range(n):
+            dist.barrier()
+            model.loss(data(1000 + step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    events = prof.key_averages()
+    calls = {e.key: e.count for e in events}
+    waits = [e for e in events if e.key.startswith(WAIT_PREFIXES) or e.key.endswith(".wait")]
+    total = sum(e.self_cpu_time_total for e in events)
+    out = {
+        "self_cpu_ms": total / 1000 / n,
+        "self_cpu_no_wait_ms": (total - sum(e.self_cpu_time_total for e in waits)) / 1000 / n,
+        "copy_ops": sum(calls.get(op, 0) for op in COPY_OPS) / n,
+    }
+    for op, metric in COUNTED.items():
+        out[metric] = calls.get(op, 0) / n
+    return out
 
 
 def _spawn(device: str, peer: str, args, out_path: str) -> dict[str, float]:
@@ -258,7 +310,7 @@ def _max_diff(a: str, b: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small and short, for a smoke run")
     parser.add_argument("--out", default="benchmarks/results/fsdp.json")
     parser.add_argument("--steps", type=int, default=6)
@@ -273,7 +325,8 @@ def main() -> None:
         default=0.25,
         help="stand-in device FLOP rate: a block's forward then takes ~2x its gather here",
     )
-    parser.add_argument("--devices", default="standin,real", help="comma-separated subset")
+    parser.add_argument("--profile-steps", type=int, default=5, help="host device")
+    parser.add_argument("--devices", default="standin,real,host", help="comma-separated subset")
     args = parser.parse_args()
     args.warmup = 2
     devices = tuple(args.devices.split(","))
@@ -311,6 +364,10 @@ def main() -> None:
             "layers": args.layers,
             "release_delay": args.release_delay,
             "real_model": f"TinyGPT dim 512, {args.layers} blocks, batch {args.batch} x 128",
+            "host_model": (
+                f"TinyGPT dim 64, {args.layers} blocks, batch {args.batch} x 32; "
+                f"{args.profile_steps} profiled steps after the timed ones"
+            ),
             "standin_model": (
                 f"MLP dim {args.standin_dim} (4x hidden), {args.layers} blocks, "
                 f"{args.standin_tokens} virtual tokens at {args.tflops} TFLOP/s"
@@ -342,6 +399,35 @@ def main() -> None:
             )
         result.tables.append(table)
 
+    if "host" in devices:
+        table = Table(
+            f"host device: host work per step under torch.profiler (medians over "
+            f"{args.repeats} runs, rank 0)",
+            [
+                "peer",
+                "step s",
+                "self CPU ms",
+                "self CPU ms, waits excluded",
+                "aten::slice",
+                "aten::view",
+                "copy ops",
+            ],
+        )
+        for peer in ("slipstream", "fsdp2"):
+            m = med[f"host/{peer}"]
+            table.rows.append(
+                [
+                    peer,
+                    round(m["step_s"], 4),
+                    round(m["self_cpu_ms"], 2),
+                    round(m["self_cpu_no_wait_ms"], 2),
+                    m["slice_ops"],
+                    m["view_ops"],
+                    m["copy_ops"],
+                ]
+            )
+        result.tables.append(table)
+
     for device in devices:
         result.floor(
             f"parity ({device}): max abs weight difference vs FSDP2 after "
@@ -350,8 +436,17 @@ def main() -> None:
             "<= 1e-4",
             parity[device] <= 1e-4,
         )
+
+    def paired(device: str, metric: str) -> float:
+        """Median over repetitions of slipstream's ``metric`` over FSDP2's in the same
+        repetition (run back to back, so the host's drift between repetitions cancels)."""
+        pairs = zip(
+            kept[f"{device}/slipstream"][metric], kept[f"{device}/fsdp2"][metric], strict=True
+        )
+        return median([a / b for a, b in pairs])
+
     if "standin" in devices:
-        ours, theirs = med["standin/slipstream"], med["standin/fsdp2"]
+        ours = med["standin/slipstream"]
         exposed_share = ours["exposed_s"] / ours["allgather_s"]
         result.floor(
             "stand-in device: exposed all-gather / all-gather time",
@@ -359,14 +454,49 @@ def main() -> None:
             "<= 0.20",
             exposed_share <= 0.20,
         )
-        ratio = ours["step_s"] / theirs["step_s"]
+        ratio = paired("standin", "step_s")
         result.floor("stand-in device: step time / FSDP2's", ratio, "<= 0.9", ratio <= 0.9)
     if "real" in devices:
-        ours, theirs = med["real/slipstream"], med["real/fsdp2"]
-        ratio = ours["step_s"] / theirs["step_s"]
+        ratio = paired("real", "step_s")
         result.floor("real compute: step time / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
-        ratio = ours["peak_mib"] / theirs["peak_mib"]
+        ratio = paired("real", "peak_mib")
         result.floor("real compute: peak memory / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
+    if "host" in devices:
+        ours, theirs = med["host/slipstream"], med["host/fsdp2"]
+        ratio = paired("host", "self_cpu_ms")
+        result.floor("host work: profiler self CPU per step / FSDP2's", ratio, "<= 1.0", ratio <= 1)
+        ratio = paired("host", "self_cpu_no_wait_ms")
+        result.floor(
+            "host work: profiler self CPU per step, waits excluded / FSDP2's",
+            ratio,
+            "<= 1.0",
+            ratio <= 1,
+        )
+        for metric, what in (
+            ("slice_ops", "aten::slice calls"),
+            ("view_ops", "aten::view calls"),
+            ("copy_ops", "copy op calls"),
+        ):
+            result.floor(
+                f"host work: {what} per step, slipstream vs FSDP2's {theirs[metric]:g}",
+                ours[metric],
+                f"<= {theirs[metric]:g}",
+                ours[metric] <= theirs[metric],
+            )
+        ratio = paired("host", "step_s")
+        result.floor("host-bound model: step time / FSDP2's", ratio, "<= 1.0", ratio <= 1.0)
+        result.notes.append(
+            "Copy ops are " + ", ".join(f"`{op}`" for op in COPY_OPS) + "; each counts the "
+            "calls the profiler recorded (nested ones included), per step. Self CPU counts "
+            "the time a rank blocked in a collective or a wait (gloo runs it on the caller's "
+            "thread or makes it wait); 'waits excluded' leaves out ops named "
+            + ", ".join(f"`{p}*`" for p in WAIT_PREFIXES)
+            + " and spans named `*.wait`."
+        )
+    result.notes.append(
+        "Ratios are medians of per-repetition ratios: each repetition runs both peers back "
+        "to back, so the ratio of the two cancels the host's drift between repetitions."
+    )
     result.notes.append(
         "FSDP2 on CPU issues its all-gathers synchronously, so all of its all-gather time is "
         "exposed; slipstream issues the next unit's gather as async gloo work before the "

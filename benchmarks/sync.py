@@ -9,7 +9,8 @@ Peers (run interleaved, median of ``--repeats`` after one warm-up):
 - ``slipstream direct`` / ``cached`` over the network: relayed (what ``transport="auto"``
   picks for host weights across hosts: the trainer sends once, the first rollout passes
   each message on) and broadcast; and ``direct`` / ``cached`` over each colocated transport
-  (the copying shared-memory ring, and cross-memory reads);
+  (the copying shared-memory ring, cross-memory reads, and ``ipc``: bucket slots shared
+  once through torch's tensor sharing, what ``auto`` picks on one host);
 - ``refetch``: one rollout asks a ``cached`` publisher (broadcast, cma) for its cached
   version again (no publish), beside a raw broadcast of the same bytes to that rollout alone.
 
@@ -69,6 +70,8 @@ SLIPSTREAM = [
     ("slipstream cached shm", "cached", "shm"),
     ("slipstream direct cma", "direct", "cma"),
     ("slipstream cached cma", "cached", "cma"),
+    ("slipstream direct ipc", "direct", "ipc"),
+    ("slipstream cached ipc", "cached", "ipc"),
 ]
 #: refetch peers: name -> index in SLIPSTREAM of the ``cached`` publisher that serves it
 REFETCHES = {
@@ -562,9 +565,9 @@ def main() -> None:
     result.floor(
         "direct over gloo (relay) >= 4x the per-tensor loop", vs_loop, ">= 4", vs_loop >= 4
     )
-    auto_vs_loop = paired("per-tensor loop", "slipstream direct cma")
+    auto_vs_loop = paired("per-tensor loop", "slipstream direct ipc")
     result.floor(
-        "direct, transport='auto' (cma on this one host) >= 4x the per-tensor loop",
+        "direct, transport='auto' (ipc on this one host) >= 4x the per-tensor loop",
         auto_vs_loop,
         ">= 4",
         auto_vs_loop >= 4,
@@ -578,13 +581,24 @@ def main() -> None:
     )
     cma = paired("raw broadcast", "slipstream direct cma")
     result.floor("colocated (cma, direct) >= 2x raw-broadcast throughput", cma, ">= 2", cma >= 2)
+    ipc_vs_cma = paired("slipstream direct cma", "slipstream direct ipc")
+    result.floor(
+        "colocated: ipc direct at least as fast as cma direct (cma time / ipc time)",
+        ipc_vs_cma,
+        ">= 1",
+        ipc_vs_cma >= 1,
+    )
+    ipc_vs_cma_cached = paired("slipstream cached cma", "slipstream cached ipc")
     shm = paired("raw broadcast", "slipstream direct shm")
+    ipc = paired("raw broadcast", "slipstream direct ipc")
     result.notes.append(
-        f"Colocated transports: 'cma' (what transport='auto' picks here: the rollouts copy "
-        f"straight out of the trainer's memory, one copy in all) ran at {cma:.2f}x the raw "
-        f"broadcast's throughput and {auto_vs_loop:.1f}x the per-tensor loop's; 'shm' (the "
-        f"copying ring auto falls back to where the kernel refuses cross-memory reads) at "
-        f"{shm:.2f}x."
+        f"Colocated transports: 'ipc' (what transport='auto' picks here: the trainer packs "
+        f"each bucket into slots it shared once through torch's tensor sharing, the rollouts "
+        f"copy straight out of them) ran at {ipc:.2f}x the raw broadcast's throughput, "
+        f"{auto_vs_loop:.1f}x the per-tensor loop's, and {ipc_vs_cma:.2f}x 'cma' direct "
+        f"({ipc_vs_cma_cached:.2f}x cached); 'cma' (the rollouts copy straight out of the "
+        f"trainer's memory, one copy in all) at {cma:.2f}x the raw broadcast's throughput, "
+        f"'shm' (the copying ring in a file of its own) at {shm:.2f}x."
     )
     result.notes.append(
         "Floors are medians of per-round ratios: every round runs each peer once, back to "
@@ -654,8 +668,8 @@ def main() -> None:
     )
     result.notes.append(
         "All peers run in the same three processes, so peak RSS is per side for the whole "
-        "run; the per-peer memory is the buffers column (for shm, the ring is shared memory "
-        "counted on the trainer's side; for cma, the rollout's bucket is reserved but its "
+        "run; the per-peer memory is the buffers column (for shm and ipc, the ring is shared "
+        "memory counted on the trainer's side; for cma, the rollout's bucket is reserved but its "
         "pages are touched only by tensors that cannot land in their parameter, none here)."
     )
     result.notes.append(

@@ -62,3 +62,21 @@ def test_copy_out_casts_to_the_compute_dtype():
     bufs[0].copy_out(gathered)
     for view, p in zip(views, params, strict=True):
         assert view.dtype == torch.bfloat16 and torch.equal(view, p.to(torch.bfloat16))
+
+
+def test_copy_in_lays_missing_gradients_out_as_zeros_and_pads_with_zeros():
+    world_size = 3
+    params, bufs = _buffers(world_size)
+    buf = bufs[0]
+    grads = [params[0], None, params[2], None]  # frozen or unused parameters give no gradient
+    reduce_input = torch.full((buf.layout.gathered_numel,), float("nan"))
+    buf.copy_in(grads, reduce_input)
+    segments = reduce_input.view(world_size, -1)
+    for rank in range(world_size):
+        for slot, grad in zip(buf.layout.slots, grads, strict=True):
+            block = segments[rank, slot.offset : slot.offset + slot.padded_numel]
+            rows = slot.local_rows(rank)
+            expected = torch.zeros(slot.padded_numel)
+            if grad is not None and rows:
+                expected[: rows * slot.row_numel] = grad.chunk(world_size)[rank].reshape(-1)
+            assert torch.equal(block, expected), (slot.name, rank)

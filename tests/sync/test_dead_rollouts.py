@@ -24,7 +24,7 @@ from slipstream.sync.group import SILENT_AFTER_SECONDS
 
 BUCKET = 64 * 1024
 SEPARATE = 4096
-TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if remote_reads_allowed() else [])]
+TRANSPORTS = ["relay", "broadcast", "shm", "ipc", *(["cma"] if remote_reads_allowed() else [])]
 NOTICED_WITHIN = 2 * (SILENT_AFTER_SECONDS + 1.0)
 """What noticing a death needs (the silence that marks a rank dead, and one look), twice."""
 

@@ -22,7 +22,7 @@ from slipstream.sync.group import STORE_PREFIX
 
 BUCKET = 64 * 1024
 SEPARATE = 4096
-TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if remote_reads_allowed() else [])]
+TRANSPORTS = ["relay", "broadcast", "shm", "ipc", *(["cma"] if remote_reads_allowed() else [])]
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:

@@ -160,10 +160,14 @@ def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
         colocated=lambda ranks: True, device=torch.device("cpu"), rank=0
     )
     monkeypatch.setattr(negotiation, "ORDERED_STORES", True)
-    assert negotiation.candidates(colocated_host, "auto", [1]) == ["cma", "shm"]
+    assert negotiation.candidates(colocated_host, "auto", [1]) == ["ipc", "shm"]
+    colocated_gpu = SimpleNamespace(
+        colocated=lambda ranks: True, device=torch.device("cuda"), rank=0
+    )
+    assert negotiation.candidates(colocated_gpu, "auto", [1]) == ["ipc", "broadcast"]
     monkeypatch.setattr(negotiation, "ORDERED_STORES", False)  # e.g. an ARM host
     assert negotiation.candidates(colocated_host, "auto", [1]) == ["relay"]
-    for transport in ("shm", "cma"):
+    for transport in ("shm", "cma", "ipc"):
         with pytest.raises(ValueError, match="needs an x86 CPU"):
             negotiation.candidates(colocated_host, transport, [1])
 
@@ -176,6 +180,8 @@ def test_auto_relays_host_weights_across_hosts_and_broadcasts_device_weights():
     for device, picked in (("cpu", "relay"), ("cuda", "broadcast")):
         remote = SimpleNamespace(colocated=lambda ranks: False, device=torch.device(device), rank=0)
         assert candidates(remote, "auto", [1, 2]) == [picked]
+        with pytest.raises(ValueError, match="needs every rollout on trainer rank 0's host"):
+            candidates(remote, "ipc", [1, 2])
 
 
 def test_a_process_that_exited_counts_as_gone_even_before_it_is_reaped():
@@ -198,7 +204,7 @@ def test_a_process_that_exited_counts_as_gone_even_before_it_is_reaped():
 
 
 # --------------------------------------------------------------------------- delivery
-TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if REMOTE_READS else [])]
+TRANSPORTS = ["relay", "broadcast", "shm", "ipc", *(["cma"] if REMOTE_READS else [])]
 CONFIGS = [(mode, transport) for transport in TRANSPORTS for mode in ("direct", "cached")]
 
 
@@ -721,11 +727,13 @@ def _local_transport_run(rank, port):
 
 
 def test_colocated_rollouts_read_the_trainers_memory_where_the_kernel_allows_it():
+    """auto picks torch's tensor sharing on one host; cma reads the trainer's memory where
+    the kernel lets the rollouts, and fails on both sides, clearly, where it does not."""
     out = spawn(_local_transport_run, 2, timeout=60)
     if REMOTE_READS:
-        assert out[0] == {"auto": "cma", "cma": "cma"}
+        assert out[0] == {"auto": "ipc", "cma": "cma"}
         assert out[1] == {}
-    else:  # auto falls back to the copying ring; asking for cma fails on both sides, clearly
-        assert out[0]["auto"] == "shm"
+    else:
+        assert out[0]["auto"] == "ipc"
         assert "cannot read trainer rank 0's memory" in out[0]["cma"]
         assert "ptrace" in out[1]["cma"]

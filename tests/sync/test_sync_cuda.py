@@ -68,3 +68,42 @@ def _deliver(rank: int, port: int) -> dict[str, bool]:
 def test_device_weights_reach_a_device_module_bit_exact():
     delivered = spawn(_deliver, 2, timeout=120)[1]
     assert delivered and all(delivered.values()), delivered
+
+
+def _deliver_over_ipc(rank: int, port: int) -> dict[str, object]:
+    """Both processes on the one GPU in a group whose transfer device is the GPU (backend
+    nccl: colocated ranks over ipc build no NCCL communicator at all)."""
+    torch.cuda.set_device(0)
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, backend="nccl", timeout=30)
+    out: dict[str, object] = {}
+    for mode in ("direct", "cached"):
+        if rank == 0:
+            with ss.WeightPublisher(group, [0], [1], bucket_bytes=1 << 20, mode=mode) as pub:
+                out[f"{mode} transport"] = pub.transport
+                for version in (1, 2, 3):
+                    named = _weights(version, "cuda")
+                    handle = pub.publish(named, version=version)
+                    for t in named.values():  # changes after staged never reach the rollout
+                        t.fill_(7)
+                    assert handle.delivered.result(timeout=30) == version
+                    out[f"{mode} v{version} timings"] = handle.timings.transport
+        else:
+            target = nn.Module()
+            for name, t in _weights(0, "cuda").items():
+                target.register_buffer(name, torch.zeros_like(t))
+            with ss.WeightSubscriber(group, [0], [1]) as sub:
+                for version in (1, 2, 3):
+                    assert sub.receive(target) == version
+                    want = _weights(version, "cpu")
+                    out[f"{mode} v{version}"] = all(
+                        target.get_buffer(k).is_cuda and torch.equal(target.get_buffer(k).cpu(), t)
+                        for k, t in want.items()
+                    )
+    group.close()
+    return out
+
+
+def test_colocated_device_weights_sync_exact_through_cuda_ipc():
+    out = spawn(_deliver_over_ipc, 2, timeout=120)
+    assert all(v == "ipc" for k, v in out[0].items()), out[0]
+    assert out[1] and all(out[1].values()), out[1]

@@ -81,12 +81,14 @@ class Staging:
     """Flat buffers keyed by role, one per key, each as large as its largest request.
 
     A key's last element is the buffer's dtype. Sizes are declared with :meth:`need` for
-    every unit before :meth:`allocate`; :meth:`take` then hands out a prefix.
+    every unit before :meth:`allocate`; :meth:`take` then hands out a prefix, made once per
+    ``(key, numel)`` and reused (no view is built per step).
     """
 
     device: torch.device
     _sizes: dict[tuple[Hashable, ...], int] = field(default_factory=dict)
     _buffers: dict[tuple[Hashable, ...], torch.Tensor] = field(default_factory=dict)
+    _prefixes: dict[tuple[tuple[Hashable, ...], int], torch.Tensor] = field(default_factory=dict)
 
     def need(self, key: tuple[Hashable, ...], numel: int) -> None:
         self._sizes[key] = max(self._sizes.get(key, 0), numel)
@@ -96,10 +98,14 @@ class Staging:
             key: torch.empty(numel, dtype=_key_dtype(key), device=self.device)
             for key, numel in self._sizes.items()
         }
+        self._prefixes = {}
 
     def take(self, key: tuple[Hashable, ...], numel: int) -> torch.Tensor:
         """The first ``numel`` elements of ``key``'s buffer."""
-        return self._buffers[key][:numel]
+        prefix = self._prefixes.get((key, numel))
+        if prefix is None:
+            prefix = self._prefixes[(key, numel)] = self._buffers[key][:numel]
+        return prefix
 
 
 def _key_dtype(key: tuple[Hashable, ...]) -> torch.dtype:

@@ -7,15 +7,19 @@ the dim-0 rows rank ``r`` owns under ``torch.chunk`` semantics (the rows ``DTens
 
 - a rank's shard is one contiguous segment, and each parameter's local rows inside it are a
   valid ``Shard(0)`` local tensor (a view, no copy);
-- an all-gather of the segments is rank-major; :meth:`FlatShardedBuffer.copy_out` fills the
-  unsharded, parameter-major storage from it with one strided copy per parameter;
-- a reduce-scatter input is filled by :meth:`FlatShardedBuffer.copy_in` (the inverse), and
-  its output lands in this rank's segment layout, i.e. straight in the sharded gradients.
+- the unsharded storage is parameter-major with each parameter padded to
+  ``world_size * rows_per_rank`` rows, so parameter ``i``'s region viewed as
+  ``(world_size, padded_numel)`` is column block ``i`` of the rank-major gathered buffer
+  viewed as ``(world_size, segment_numel)``: :meth:`FlatShardedBuffer.copy_out` is one
+  ``split_with_sizes_copy`` into views made once;
+- a reduce-scatter input is filled by :meth:`FlatShardedBuffer.copy_in` (the inverse, one
+  ``_chunk_cat`` of the gradients), and its output lands in this rank's segment layout, i.e.
+  straight in the sharded gradients.
 
-Invariant: the unsharded parameters are views of one storage that is released (resized to 0)
-and re-allocated in place, so the tensor objects autograd saved for backward stay valid; the
-storage is written only through ``.data`` aliases, so refilling it never bumps the version
-counter autograd checks.
+Invariant: the unsharded parameters (and the copy-out targets) are views of one storage that
+is released (resized to 0) and re-allocated in place, so the tensor objects autograd saved for
+backward stay valid and no view is rebuilt per step; the storage is written only through
+``.data`` aliases, so refilling it never bumps the version counter autograd checks.
 """
 
 from __future__ import annotations
@@ -88,33 +92,6 @@ class FlatLayout:
         return hashlib.sha1(text.encode()).hexdigest()
 
 
-def _rank_rows(buffer: torch.Tensor, layout: FlatLayout, slot: ParamSlot) -> torch.Tensor:
-    """``(world_size, rows_per_rank, row_numel)`` strided view of ``slot`` in a gathered buffer."""
-    segment = buffer.view(layout.world_size, layout.segment_numel)
-    rows = segment[:, slot.offset : slot.offset + slot.padded_numel]
-    return rows.view(layout.world_size, slot.rows_per_rank, slot.row_numel)
-
-
-def _copy_rows(rank_major: torch.Tensor, rows: torch.Tensor, slot: ParamSlot, out: bool) -> None:
-    """Copy between a ``_rank_rows`` view and a ``(dim0, row_numel)`` tensor.
-
-    ``out=True`` copies rank-major -> rows (copy-out), else rows -> rank-major (copy-in).
-    Padding rows of the rank-major side are not touched.
-    """
-    full = slot.shape[0] // slot.rows_per_rank
-    head = full * slot.rows_per_rank
-    rest = slot.shape[0] - head
-    dense = rows[:head].view(full, slot.rows_per_rank, slot.row_numel)
-    if out:
-        dense.copy_(rank_major[:full])
-        if rest:
-            rows[head:].copy_(rank_major[full, :rest])
-    else:
-        rank_major[:full].copy_(dense)
-        if rest:
-            rank_major[full, :rest].copy_(rows[head:])
-
-
 class FlatShardedBuffer:
     """The sharded main weights and gradients of one dtype group, and its unsharded storage.
 
@@ -139,6 +116,8 @@ class FlatShardedBuffer:
                 self.local_view(self.main, slot).copy_(self._my_rows(src.detach(), slot))
         self.compute_dtype = layout.dtype
         self.unsharded = torch.empty(0, dtype=layout.dtype, device=device)
+        self._split_sizes = [slot.padded_numel for slot in layout.slots]
+        self._copy_out_targets: list[torch.Tensor] = []
 
     def _my_rows(self, full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         start = self.rank * slot.rows_per_rank
@@ -154,21 +133,28 @@ class FlatShardedBuffer:
     def set_compute_dtype(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """Allocate the unsharded storage in ``dtype``; returns one full view per parameter.
 
-        The storage is released again before returning; views stay valid for later refills.
+        Also makes the copy-out targets (each parameter's padded region as
+        ``(world_size, padded_numel)``, through ``.data``). The storage is released again
+        before returning; every view stays valid for later refills.
         """
+        lay = self.layout
+        world = lay.world_size
         self.compute_dtype = dtype
-        self.unsharded = torch.empty(self.layout.total_numel, dtype=dtype, device=self.main.device)
+        self.unsharded = torch.empty(lay.gathered_numel, dtype=dtype, device=self.main.device)
+        alias = self.unsharded.data
         views = []
-        offset = 0
-        for slot in self.layout.slots:
-            views.append(self.unsharded[offset : offset + slot.numel].view(slot.shape))
-            offset += slot.numel
+        self._copy_out_targets = []
+        for slot in lay.slots:
+            start = world * slot.offset
+            views.append(self.unsharded[start : start + slot.numel].view(slot.shape))
+            region = alias[start : start + world * slot.padded_numel]
+            self._copy_out_targets.append(region.view(world, slot.padded_numel))
         release_storage(self.unsharded)
         return views
 
     @property
     def unsharded_nbytes(self) -> int:
-        return self.layout.total_numel * self.unsharded.element_size()
+        return self.layout.gathered_numel * self.unsharded.element_size()
 
     def is_unsharded(self) -> bool:
         return not storage_is_released(self.unsharded)
@@ -180,30 +166,52 @@ class FlatShardedBuffer:
         release_storage(self.unsharded)
 
     def send_buffer(self, staging: torch.Tensor | None) -> torch.Tensor:
-        """The all-gather input: the main shard, cast into ``staging`` when dtypes differ."""
+        """The all-gather input: the main shard, cast into ``staging`` (a segment-sized
+        buffer) when dtypes differ."""
         if staging is None or self.compute_dtype == self.layout.dtype:
             return self.main
-        send = staging[: self.layout.segment_numel]
-        send.copy_(self.main)
-        return send
+        staging.copy_(self.main)
+        return staging
 
     def copy_out(self, gathered: torch.Tensor) -> None:
-        """Fill the (re-allocated) unsharded storage from a rank-major gathered buffer."""
-        target = self.unsharded.data
-        offset = 0
-        for slot in self.layout.slots:
-            rows = target[offset : offset + slot.numel].view(slot.shape[0], slot.row_numel)
-            _copy_rows(_rank_rows(gathered, self.layout, slot), rows, slot, out=True)
-            offset += slot.numel
+        """Fill the (re-allocated) unsharded storage from a rank-major gathered buffer: one
+        ``split_with_sizes_copy`` of its ``(world_size, segment_numel)`` view."""
+        torch.split_with_sizes_copy(
+            gathered.view(self.layout.world_size, self.layout.segment_numel),
+            self._split_sizes,
+            dim=1,
+            out=self._copy_out_targets,
+        )
 
     def copy_in(self, grads: list[torch.Tensor | None], reduce_input: torch.Tensor) -> None:
         """Lay unsharded gradients out rank-major in ``reduce_input`` (casting as needed).
 
-        A ``None`` gradient (frozen or unused parameter) contributes zeros.
+        Padding is zero. A ``None`` gradient (frozen or unused parameter) contributes zeros:
+        the input is zeroed and each run of present gradients is laid out by one
+        ``_chunk_cat`` into its column block.
         """
-        for slot, grad in zip(self.layout.slots, grads, strict=True):
-            dst = _rank_rows(reduce_input, self.layout, slot)
-            if grad is None:
-                dst.zero_()
-            else:
-                _copy_rows(dst, grad.reshape(slot.shape[0], slot.row_numel), slot, out=False)
+        lay = self.layout
+        rank_major = reduce_input.view(lay.world_size, lay.segment_numel)
+        present = [g for g in grads if g is not None]
+        if len(present) == len(grads):
+            torch._chunk_cat(present, 0, lay.world_size, out=rank_major)
+            return
+        rank_major.zero_()
+        for first, stop in _runs(grads):
+            begin = lay.slots[first].offset
+            last = lay.slots[stop - 1]
+            block = rank_major[:, begin : last.offset + last.padded_numel]
+            torch._chunk_cat(grads[first:stop], 0, lay.world_size, out=block)  # type: ignore[arg-type]
+
+
+def _runs(items: list[torch.Tensor | None]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index ranges of the consecutive non-``None`` items."""
+    runs = []
+    start = None
+    for i, item in enumerate(items + [None]):
+        if item is not None and start is None:
+            start = i
+        elif item is None and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

@@ -1,9 +1,12 @@
 """Choosing a transport, and building each epoch's senders and receivers.
 
 When a publisher starts, each trainer rank settles on one kind of transport with the
-rollouts (:func:`negotiate`, answered by :func:`read_offer`): ``cma`` only after every rollout
-read a few bytes of the trainer's memory, ``shm`` on one host, else ``relay`` (host
-weights) or ``broadcast`` (device weights). The kind never changes afterwards.
+rollouts (:func:`negotiate`, answered by :func:`read_offer`): ``ipc`` (torch's tensor
+sharing) on one host once every rollout opened a small buffer the trainer shared (else
+``shm`` for host weights, ``broadcast`` for device weights), across hosts ``relay`` (host
+weights) or ``broadcast`` (device weights); ``cma`` (only after every rollout read a few
+bytes of the trainer's memory) and ``shm`` on one host when asked for. The kind never
+changes afterwards.
 
 The transport itself belongs to an *epoch* (see :mod:`.protocol`): a sender or receiver is
 built for the members of the round that starts the epoch (:func:`build_sender`,
@@ -21,6 +24,7 @@ import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +33,18 @@ from ..errors import SyncError
 from .cma import CmaReceiver, CmaSender
 from .culprits import exited
 from .group import SyncGroup
-from .protocol import Keys, Probe, ProbeReply, ReceiverShape, RingInfo, TransportOffer, encode
+from .ipc import IpcReceiver, IpcSender
+from .protocol import (
+    Keys,
+    Probe,
+    ProbeReply,
+    ReceiverShape,
+    RingInfo,
+    SharedRing,
+    TransportOffer,
+    encode,
+)
+from .shared_tensors import SharedBuffer, describe, shared_buffer
 from .shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
 from .transport import (
     RELAY_SEPARATE_MIN_BYTES,
@@ -42,23 +57,34 @@ from .transport import (
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma")
+TRANSPORTS = ("auto", "relay", "broadcast", "shm", "cma", "ipc")
 #: Transports over the sync group's process groups (the others need one host).
 NETWORK_TRANSPORTS = ("relay", "broadcast")
-#: What ``auto`` tries on one host, best first (``cma`` only where the rollouts may read
-#: the trainer's memory).
-LOCAL_TRANSPORTS = ("cma", "shm")
+#: The transports for ranks on one host (``ipc`` alone carries device weights).
+LOCAL_TRANSPORTS = ("ipc", "cma", "shm")
+#: The colocated transports that carry host weights only.
+HOST_TRANSPORTS = ("cma", "shm")
 HEADER_CAP = 64 * 1024
+#: Why an explicit transport cannot be used, when a rollout refused its probe.
+REFUSALS = {
+    "cma": "rollouts cannot read trainer rank {rank}'s memory ({why}); they need ptrace "
+    "access to it (docs/sync.md), else use 'ipc'",
+    "ipc": "rollouts cannot open the buffers trainer rank {rank} shares through torch ({why}); "
+    "on a GPU they must see its device under the same index (docs/sync.md)",
+}
 
 Watch = Callable[[], None]
 
 
 def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -> list[str]:
-    """The transports to try, best first: ``auto`` picks a colocated one when every rollout
-    shares this host (and the weights are in host memory), else relay (host memory) or
-    broadcast (device memory)."""
-    local = group.colocated(rollout_ranks) and group.device.type == "cpu"
-    if transport in LOCAL_TRANSPORTS and not local:
+    """The transports to try, best first: ``auto`` tries ``ipc`` when every rollout shares
+    this host (then ``shm`` for host memory, ``broadcast`` for device memory), else relay
+    (host memory) or broadcast (device memory)."""
+    colocated = group.colocated(rollout_ranks)
+    host = group.device.type == "cpu"
+    if transport == "ipc" and not colocated:
+        raise ValueError(f"transport='ipc' needs every rollout on trainer rank {group.rank}'s host")
+    if transport in HOST_TRANSPORTS and not (colocated and host):
         raise ValueError(
             f"transport={transport!r} needs every rollout on trainer rank {group.rank}'s "
             "host and host buffers"
@@ -70,9 +96,9 @@ def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -
         )
     if transport != "auto":
         return [transport]
-    if local and ORDERED_STORES:
-        return list(LOCAL_TRANSPORTS)
-    return ["relay" if group.device.type == "cpu" else "broadcast"]
+    if colocated and ORDERED_STORES:
+        return ["ipc", "shm" if host else "broadcast"]
+    return ["relay" if host else "broadcast"]
 
 
 def separate_min_for(kind: str, asked: int | None | str) -> int | None:
@@ -99,20 +125,21 @@ def negotiate(
     """Agree with ``rollouts`` on the first of ``tried`` they can all use and post it
     (``transport/{rank}``); raise :class:`SyncError` (posted too) when none fits."""
     rank = group.rank
-    refused = probe_remote_reads(group, rollouts, timeout) if "cma" in tried else {}
-    if "cma" not in tried:
+    refused: dict[int, str] = {}
+    if tried[0] == "cma":
+        refused = probe_remote_reads(group, rollouts, timeout)
+    elif tried[0] == "ipc":
+        refused = probe_sharing(group, rollouts, timeout)
+    else:
         group.post(Keys.probe(rank), "null")
     if refused:
         why = "; ".join(f"rollout rank {r}: {e}" for r, e in refused.items())
-        if tried == ["cma"]:
-            error = (
-                f"transport='cma': rollouts cannot read trainer rank {rank}'s memory "
-                f"({why}); they need ptrace access to it (docs/sync.md), else use 'shm'"
-            )
+        if len(tried) == 1:
+            error = f"transport={tried[0]!r}: {REFUSALS[tried[0]].format(rank=rank, why=why)}"
             group.post(Keys.transport(rank), encode(TransportOffer(error=error)))
             raise SyncError(error)
-        logger.info("trainer rank %d: no cross-memory reads (%s); using 'shm'", rank, why)
-        tried = [c for c in tried if c != "cma"]
+        logger.info("trainer rank %d: %s refused (%s); using %r", rank, tried[0], why, tried[1])
+        tried = tried[1:]
     kind = tried[0]
     shape = shape_of(bucket_bytes, num_slots, separate_min_for(kind, separate_min))
     offer = TransportOffer(kind, mode, shape)
@@ -126,14 +153,45 @@ def probe_remote_reads(group: SyncGroup, rollouts: Sequence[int], timeout: float
     rank = group.rank
     probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
     group.post(Keys.probe(rank), encode(Probe(os.getpid(), probe.data_ptr(), probe.tolist())))
-    replies = {r: Keys.probed(rank, r) for r in rollouts}
-    group.wait_keys(replies, f"rollouts to try reading trainer rank {rank}'s memory", timeout)
+    what = f"rollouts to try reading trainer rank {rank}'s memory"
+    return _probe_replies(group, rollouts, what, timeout)
+
+
+def probe_sharing(group: SyncGroup, rollouts: Sequence[int], timeout: float) -> dict[int, str]:
+    """Share a few random bytes on the group's device through torch and ask every rollout to
+    open them; return why each one that could not failed (empty when all could)."""
+    rank = group.rank
+    probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    buffer = shared_buffer(probe.numel(), group.device)
+    buffer.copy_(probe)
+    shared: dict[str, SharedBuffer | dict[str, Any]] = {str(r): describe(buffer) for r in rollouts}
+    group.post(Keys.probe(rank), encode(Probe(os.getpid(), 0, probe.tolist(), shared)))
+    what = f"rollouts to open the buffer trainer rank {rank} shared"
+    return _probe_replies(group, rollouts, what, timeout)
+
+
+def _probe_replies(
+    group: SyncGroup, rollouts: Sequence[int], what: str, timeout: float
+) -> dict[int, str]:
+    """Every rollout's answer to this trainer's probe: why each one that failed did."""
+    replies = {r: Keys.probed(group.rank, r) for r in rollouts}
+    group.wait_keys(replies, what, timeout)
     refused = {}
     for r, key in replies.items():
-        error = ProbeReply(**group.get_json(key, r, "a memory-read probe")).error
+        error = ProbeReply(**group.get_json(key, r, "a transport probe")).error
         if error:
             refused[r] = error
     return refused
+
+
+def _open_probe(shared: SharedBuffer, expected: list[int]) -> str | None:
+    """Why the probe buffer ``shared`` could not be opened here or did not hold ``expected``
+    (``None`` when it did)."""
+    try:
+        found = shared.open().cpu().tolist()
+    except SyncError as exc:
+        return str(exc)
+    return None if found == expected else "the shared buffer held other bytes"
 
 
 def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer:
@@ -142,7 +200,12 @@ def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer
     probe = group.get_json(Keys.probe(trainer), trainer, what, timeout)
     if probe is not None:
         p = Probe(**probe)
-        error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
+        if p.shared is not None:
+            mine = p.shared[str(group.rank)]
+            assert isinstance(mine, dict)
+            error = _open_probe(SharedBuffer(**mine), p.bytes)
+        else:
+            error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
         group.set_json(Keys.probed(trainer, group.rank), {"error": error})
     offer = TransportOffer.read(group.get_text(Keys.transport(trainer), trainer, what, timeout))
     if offer.error:
@@ -221,21 +284,38 @@ def build_sender(
             group, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
         )
     rank = group.rank
-    path = new_ring_path(rank)
-    ring_sender = CmaSender if offer.kind == "cma" else ShmSender
-    sender = ring_sender(
-        path,
-        rank,
-        shape.bucket_bytes,
-        shape.header_cap,
-        shape.num_slots,
-        list(members),
-        [group.member(r).pid for r in members],
-        timeout,
-        watch,
-    )
+    pids = [group.member(r).pid for r in members]
+    sender: ShmSender
+    if offer.kind == "ipc":
+        sender = IpcSender(
+            rank,
+            shape.bucket_bytes,
+            shape.header_cap,
+            shape.num_slots,
+            list(members),
+            pids,
+            timeout,
+            group.device,
+            watch,
+        )
+        ring = encode(sender.shared(os.getpid()))
+    else:
+        path = new_ring_path(rank)
+        ring_sender = CmaSender if offer.kind == "cma" else ShmSender
+        sender = ring_sender(
+            path,
+            rank,
+            shape.bucket_bytes,
+            shape.header_cap,
+            shape.num_slots,
+            list(members),
+            pids,
+            timeout,
+            watch,
+        )
+        ring = encode(RingInfo(path, os.getpid()))
     try:
-        group.post(Keys.ring(epoch, rank), encode(RingInfo(path, os.getpid())))
+        group.post(Keys.ring(epoch, rank), ring)
         group.wait_keys(
             {r: Keys.ring_opened(epoch, rank, r) for r in members},
             f"rollouts to map trainer rank {rank}'s shared-memory ring (epoch {epoch})",
@@ -265,6 +345,21 @@ def build_receiver(
             group, trainer, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
         )
     what = f"trainer rank {trainer}'s shared-memory ring (epoch {epoch})"
+    if offer.kind == "ipc":
+        shared = SharedRing.read(group.get_text(Keys.ring(epoch, trainer), trainer, what, timeout))
+        receiver: Receiver = IpcReceiver(
+            shared,
+            list(members).index(group.rank),
+            len(members),
+            trainer,
+            shape.bucket_bytes,
+            shape.header_cap,
+            shape.num_slots,
+            timeout,
+            watch,
+        )
+        group.set_json(Keys.ring_opened(epoch, trainer, group.rank), True)
+        return receiver
     ring = RingInfo(**group.get_json(Keys.ring(epoch, trainer), trainer, what, timeout))
     ring_receiver = CmaReceiver if offer.kind == "cma" else ShmReceiver
     receiver = ring_receiver(

@@ -47,6 +47,7 @@ import torch
 
 from ..core.control_plane import store_key
 from ..errors import PeerDiedError, SyncError
+from .shared_tensors import SharedBuffer
 
 _M = TypeVar("_M")
 
@@ -131,11 +132,14 @@ class Ack:
 
 @dataclass
 class Probe:
-    """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid``."""
+    """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid`` or, when
+    ``shared`` holds a description of a buffer shared through torch for the rollout (by
+    rank, transport ``ipc``), to open it and find ``bytes`` there."""
 
     pid: int
     addr: int
     bytes: list[int]
+    shared: dict[str, SharedBuffer | dict[str, Any]] | None = None
 
 
 @dataclass
@@ -177,6 +181,28 @@ class RingInfo:
 
     path: str
     pid: int
+
+
+@dataclass
+class SharedRing:
+    """An epoch's ring of a trainer shared through torch (transport ``ipc``): for each
+    reader, in the epoch's member order, its description of the host control block and of
+    the payload slots; and the trainer's pid."""
+
+    controls: list[SharedBuffer | dict[str, Any]]
+    payloads: list[SharedBuffer | dict[str, Any]]
+    pid: int
+
+    @classmethod
+    def read(cls, text: bytes | str) -> SharedRing:
+        ring = decode(cls, text)
+        ring.controls = [_shared(c) for c in ring.controls]
+        ring.payloads = [_shared(p) for p in ring.payloads]
+        return ring
+
+
+def _shared(value: SharedBuffer | dict[str, Any]) -> SharedBuffer:
+    return value if isinstance(value, SharedBuffer) else SharedBuffer(**value)
 
 
 @dataclass

@@ -93,6 +93,9 @@ class PublishTimings:
     was diffed, e.g. the first publish or ``delta=False``)."""
     diff_seconds: float = 0.0
     """Time spent diffing against the base (on the caller's thread)."""
+    transport: str = ""
+    """The transport the publish went over (:attr:`WeightPublisher.transport`: ``ipc``,
+    ``cma``, ``shm``, ``relay`` or ``broadcast``)."""
 
 
 @dataclass
@@ -122,13 +125,19 @@ class WeightPublisher:
 
     Every trainer rank constructs one (with the same arguments) and calls :meth:`publish`
     with the same names, shapes, dtypes and version. Construction settles the kind of
-    transport with the rollouts (over ``cma`` it waits, up to the group's timeout, for them
-    to try reading this process's memory); the transport itself is built for the rollouts
-    of the first round, and again whenever they change.
+    transport with the rollouts (over ``ipc`` and ``cma`` it waits, up to the group's
+    timeout, for them to try opening a buffer it shares or reading this process's memory);
+    the transport itself is built for the rollouts of the first round, and again whenever
+    they change.
 
-    ``transport``: ``"auto"`` picks ``"cma"`` (rollouts copy straight out of this process's
-    memory) when every rollout shares this host and the kernel lets them read it, else
-    ``"shm"`` (a shared-memory ring) on one host; across hosts it picks ``"relay"`` (this
+    ``transport``: ``"auto"`` picks ``"ipc"`` when every rollout shares this host (and
+    could open a buffer this rank shared, else ``"shm"`` for host weights and
+    ``"broadcast"`` for device weights): this rank's bucket slots are shared once through
+    torch's tensor sharing (shared memory, or CUDA IPC when the group's device is a GPU)
+    and the rollouts copy straight out of them.
+    ``"cma"`` (rollouts copy out of this process's memory, where the kernel lets them read
+    it) and ``"shm"`` (a ring in a shared-memory file) serve host weights on one host when
+    asked for. Across hosts ``"auto"`` picks ``"relay"`` (this
     rank sends each message once, to the first rollout, and each rollout passes it on to
     the next) for host tensors and ``"broadcast"`` (one collective per message) for device
     tensors. :attr:`transport` holds the choice. Over relay and broadcast, a slice of at
@@ -309,6 +318,7 @@ class WeightPublisher:
                 layout = GrowingLayout(self.bucket_bytes, self.trainer_ranks)
             named_tensors = items
         handle = PublishHandle(version)
+        handle.timings.transport = self.transport
         self._wait_previous_round()
         sent_before = self._rounds.sent_bytes()
         snapshot = named_tensors if isinstance(named_tensors, Holdable) else None

@@ -197,11 +197,16 @@ class ShmSender:
         self.timeout = timeout
         self.header_cap = header_cap
         self.bucket_bytes = bucket_bytes
-        self.ring = _Ring(
-            path, num_slots, len(reader_ranks), *ring_shape(self, bucket_bytes, header_cap), True
-        )
+        self.ring = self._open_ring(path, num_slots, len(reader_ranks), bucket_bytes, header_cap)
         self._count = 0
         self.bytes_sent = 0
+
+    def _open_ring(
+        self, path: str, num_slots: int, num_readers: int, bucket_bytes: int, header_cap: int
+    ) -> _Ring:
+        """The ring this end writes: created here, as a file at ``path``."""
+        shape = ring_shape(self, bucket_bytes, header_cap)
+        return _Ring(path, num_slots, num_readers, *shape, True)
 
     @property
     def buffer_bytes(self) -> int:
@@ -303,9 +308,7 @@ class ShmReceiver:
         watch: Callable[[], None] | None = None,
     ) -> None:
         self.watch = watch
-        self.ring = _Ring(
-            path, num_slots, num_readers, *ring_shape(self, bucket_bytes, header_cap), False
-        )
+        self.ring = self._open_ring(path, num_slots, num_readers, bucket_bytes, header_cap)
         self.header_cap = header_cap
         self.bucket_bytes = bucket_bytes
         self.reader = reader
@@ -313,6 +316,13 @@ class ShmReceiver:
         self.root_pid = root_pid
         self.timeout = timeout
         self._count = 0
+
+    def _open_ring(
+        self, path: str, num_slots: int, num_readers: int, bucket_bytes: int, header_cap: int
+    ) -> _Ring:
+        """The trainer's ring, mapped from its file at ``path``."""
+        shape = ring_shape(self, bucket_bytes, header_cap)
+        return _Ring(path, num_slots, num_readers, *shape, False)
 
     @property
     def buffer_bytes(self) -> int:

@@ -1,0 +1,97 @@
+"""The colocated transport on torch's tensor sharing (``ipc``): the shared buffers are the
+same memory in every process, ``auto`` picks it for colocated ranks, every version arrives
+exact while a slow rollout holds the ring's slots, the trainer's changes after ``staged``
+never reach a rollout, and the buffers are shared once and reused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+from sync_procs import spawn
+
+import slipstream as ss
+from slipstream.sync.shared_tensors import SharedBuffer, describe, shared_buffer
+
+#: small buckets and the default two slots: every version wraps the ring many times
+BUCKET = 16 * 1024
+VERSIONS = (1, 2, 3, 4)
+
+
+def _open_and_write(rank, port, description):
+    shared = SharedBuffer(**json.loads(description))
+    buf = shared.open()
+    seen = buf[:4].tolist()
+    buf[:2] = 5
+    return seen, buf.numel(), str(buf.device)
+
+
+def test_a_shared_host_buffer_is_the_same_memory_in_another_process():
+    buf = shared_buffer(4096, torch.device("cpu"))
+    buf.fill_(9)
+    description = json.dumps(dataclasses.asdict(describe(buf)))
+    seen, numel, device = spawn(_open_and_write, 1, description, timeout=60)[0]
+    assert (seen, numel, device) == ([9, 9, 9, 9], 4096, "cpu")
+    assert buf[:4].tolist() == [5, 5, 9, 9]  # the other process's write is seen here
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    """Tensors of several dtypes and sizes, most larger than a bucket, new every version."""
+    g = torch.Generator().manual_seed(version)
+    out = {}
+    for i, (n, dtype) in enumerate(
+        [(3000, torch.float32), (17, torch.bfloat16), (9000, torch.bfloat16), (5, torch.int64)] * 3
+    ):
+        t = torch.randn(n, generator=g) * 100
+        out[f"w{i}"] = t.to(dtype)
+    return out
+
+
+def _run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=30)
+    if rank == 0:
+        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET)
+        out = {"transport": pub.transport, "timings": [], "buffers": []}
+        with pub:
+            for version in VERSIONS:
+                named = weights(version)
+                h = pub.publish(named, version=version)
+                assert h.staged.done()
+                for t in named.values():  # after staged the trainer may change its weights
+                    t.fill_(-1)
+                assert h.delivered.result(timeout=30) == version
+                out["timings"].append(h.timings.transport)
+                out["buffers"].append(pub.buffer_bytes)
+        group.close()
+        return out
+    received = {}
+    with ss.WeightSubscriber(group, [0], [1, 2]) as sub:
+        for version in VERSIONS:
+            held: dict[str, torch.Tensor] = {}
+
+            def load(batch, held=held):
+                if rank == 2:
+                    time.sleep(0.002)  # a slow rollout: the trainer must wait for its slots
+                for name, t in batch:
+                    held[name] = t.clone()
+
+            assert sub.receive(load) == version
+            want = weights(version)
+            received[version] = held.keys() == want.keys() and all(
+                torch.equal(held[n], t) for n, t in want.items()
+            )
+    group.close()
+    return received
+
+
+def test_auto_picks_ipc_on_one_host_and_every_version_arrives_exact_in_reused_buffers():
+    out = spawn(_run, 3, timeout=120)
+    trainer = out[0]
+    assert trainer["transport"] == "ipc"
+    assert trainer["timings"] == ["ipc"] * len(VERSIONS)  # named in each publish's timings
+    # the slots were shared once and reused: the same buffers for every version
+    assert len(set(trainer["buffers"])) == 1 and trainer["buffers"][0] >= 2 * BUCKET
+    for rank in (1, 2):
+        assert out[rank] == dict.fromkeys(VERSIONS, True), (rank, out[rank])
