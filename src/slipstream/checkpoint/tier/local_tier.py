@@ -42,10 +42,11 @@ from typing import Any
 import torch.distributed as dist
 
 from ...core.handles import fail_unfinished
+from ...core.peer_auth import HmacAuth, new_secret
 from ...core.peer_link import PeerServer
 from ...core.threads import lower_thread_priority
 from ...core.waits import Deadline
-from ...errors import CheckpointError, PeerDiedError, SlipstreamError
+from ...errors import CheckpointError, CorruptCheckpointError, PeerDiedError, SlipstreamError
 from ..format.names import (
     METADATA_FILE,
     SPARE_DIR,
@@ -64,6 +65,7 @@ from ..storage import LocalStorage, Storage
 from .messages import (
     HeldStep,
     HostAnnouncement,
+    LinkSecret,
     LoadReport,
     LocalCommitMarker,
     NodeCleared,
@@ -76,6 +78,7 @@ from .nodes import NodeMap
 from .options import LocalTier, default_host, default_root
 from .peer_storage import PeerStepStorage
 from .replication import PeerDirectory, TierFiles
+from .sealing import mac_matches, manifest_mac, node_key
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +87,13 @@ MARKER_FILE = ".local_commit"
 
 @dataclass(frozen=True)
 class Rebuildable:
-    """A local step the job can load: its manifest (file: size) and, per file, the ranks
-    whose nodes hold it."""
+    """A local step the job can load: its manifest (file: size, file: digest) and, per
+    file, the ranks whose nodes hold it."""
 
     step: int
     manifest: dict[str, int]
     holders: dict[str, list[int]]
+    digests: dict[str, str]
 
 
 class LocalTierSaver:
@@ -130,15 +134,19 @@ class LocalTierSaver:
             else LocalStorage(root, spare_dir=Path(root) / SPARE_DIR, direct_io=False)
         )
         self.storage.prepare()
+        if self.is_leader:
+            node_key(self.storage, create=True)
         self._files = TierFiles(self.storage)
         priority = (self.options.thread_nice, self.options.idle_threads)
+        auth = HmacAuth(self._job_secret())
         self._server = PeerServer(
             tier.host or default_host(),
             self._files,
             self.timeout,
+            auth,
             thread_start=lambda: lower_thread_priority(*priority),
         )
-        self._peers = PeerDirectory(self.channel, self._server.address, self.timeout)
+        self._peers = PeerDirectory(self.channel, self._server.address, self.timeout, auth)
         self._thread = ThreadPoolExecutor(
             1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
         )
@@ -156,6 +164,19 @@ class LocalTierSaver:
         """Called on the replication thread with the step, before this rank sends any
         replica of it (instrumentation, and tests that stop a node mid-replication); an
         exception it raises fails this rank's part of the save."""
+
+    def _job_secret(self) -> bytes:
+        """The peer link's secret: made by rank 0, handed to every rank through the job's
+        store (the job's trust root), never written anywhere else."""
+        topic = TierTopics.secret()
+        if self.rank == 0:
+            secret = new_secret()
+            self.channel.post(topic, LinkSecret(secret))
+            return secret
+        message = self.channel.receive(
+            topic, LinkSecret.from_json, 0, Deadline(self.timeout), "publish the peer link secret"
+        )
+        return message.secret
 
     # -- saving -----------------------------------------------------------------------
 
@@ -262,7 +283,7 @@ class LocalTierSaver:
         try:
             if self.before_replication is not None:
                 self.before_replication(step)
-            report = ReplicationReport(self._send_own(location, step_name, written))
+            report = ReplicationReport(*self._send_own(location, step_name, written))
         except BaseException as exc:
             report = ReplicationReport(
                 error=f"rank {self.rank}: {type(exc).__name__}: {exc}",
@@ -286,18 +307,26 @@ class LocalTierSaver:
                 raise PeerDiedError(message, dead, f"local step {step}")
             raise CheckpointError(message)
         if self.is_leader:
-            marker = LocalCommitMarker(step, self.nodes.world_size, outcome.files)
-            location.put_atomic(MARKER_FILE, marker.to_json())
+            location.put_atomic(MARKER_FILE, self._marker(step, outcome).to_json())
             self._retain()
             # every rank of the node read it before its part of the save that just committed
             self.channel.forget(TierTopics.clear(step), [self.rank])
         self._committed_steps.append(step)
         self._files.forget(step_name)  # no file handle keeps a retired step's files
 
+    def _marker(self, step: int, outcome: TierCommitOutcome) -> LocalCommitMarker:
+        """The step's marker, its manifest sealed with this node's key."""
+        key = node_key(self.storage, create=True)
+        assert key is not None
+        world = self.nodes.world_size
+        mac = manifest_mac(key, step, world, outcome.files, outcome.digests)
+        return LocalCommitMarker(step, world, outcome.files, outcome.digests, mac)
+
     def _send_own(
         self, location: Storage, step_name: str, written: AsyncSaveResponse
-    ) -> dict[str, int]:
-        """Send this rank's files of the step to their replica ranks; return their sizes."""
+    ) -> tuple[dict[str, int], dict[str, str]]:
+        """Send this rank's files of the step to their replica ranks; return their sizes
+        and digests."""
         own = [data_file_name(self.rank)]
         targets = {own[0]: list(self.peers)}
         if self.rank == 0:
@@ -310,14 +339,13 @@ class LocalTierSaver:
             leaders = [self.nodes.leader(n) for n in range(self.nodes.nodes) if n != self.node]
             for small in (METADATA_FILE, index_file(0)):
                 targets[small] = sorted(set(self.peers) | set(leaders))
-        sizes = {}
+        sizes, digests = {}, {}
         for file, ranks in targets.items():
             if not location.exists(file):
                 raise CheckpointError(f"{location.url}/{file}: this rank's local save is missing")
             sizes[file] = location.size(file)
-            for peer in ranks:
-                self._peers.send(peer, location, step_name, file)
-        return sizes
+            digests[file] = self._peers.send(ranks, location, step_name, file)
+        return sizes, digests
 
     def _decide(self, step: int, deadline: Deadline) -> None:
         topic = TierTopics.replicated(step)
@@ -331,9 +359,11 @@ class LocalTierSaver:
                 outcome = TierCommitOutcome(error="; ".join(errors), dead=dead)
             else:
                 files: dict[str, int] = {}
+                digests: dict[str, str] = {}
                 for m in reports:
                     files.update(m.files)
-                outcome = TierCommitOutcome(files)
+                    digests.update(m.digests)
+                outcome = TierCommitOutcome(files, digests)
         except BaseException as exc:
             dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
             outcome = TierCommitOutcome(error=str(exc), dead=dead)
@@ -368,29 +398,51 @@ class LocalTierSaver:
     # -- recovery ---------------------------------------------------------------------
 
     def _inventory(self) -> StepInventory:
-        """This node's committed steps: each one's manifest and the files held whole."""
+        """This node's committed steps whose marker verifies under the node's key: each
+        one's manifest and the files held whole (a marker that does not verify is logged
+        and left out, as a corrupt one is)."""
         steps: dict[int, HeldStep] = {}
+        try:
+            key = node_key(self.storage, create=False)
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("no local step of %s can be verified: %s", self.storage.url, exc)
+            return StepInventory(steps)
         for step, name in step_dirs(self.storage.list_children()).items():
             location = self.storage.child(name)
             try:
-                data = location.get(MARKER_FILE)
-                if data is None:
-                    continue
-                manifest = LocalCommitMarker.from_json(data, f"{location.url}/{MARKER_FILE}").files
-                held = [
-                    f for f, n in manifest.items() if location.exists(f) and location.size(f) == n
-                ]
+                held_step = self._held(step, location, key)
             except (OSError, SlipstreamError) as exc:
                 logger.warning("skipped local step %s: %s", location.url, exc)
                 continue
             finally:
                 location.close()
-            steps[step] = HeldStep(manifest, held)
+            if held_step is not None:
+                steps[step] = held_step
         return StepInventory(steps)
+
+    def _held(self, step: int, location: Storage, key: bytes | None) -> HeldStep | None:
+        """What this node holds of ``step`` under its verified marker; ``None`` where it
+        has no marker. Raises where the marker is refused."""
+        where = f"{location.url}/{MARKER_FILE}"
+        data = location.get(MARKER_FILE)
+        if data is None:
+            return None
+        marker = LocalCommitMarker.from_json(data, where)
+        if key is None:
+            raise CorruptCheckpointError(f"{where}: the node has no key to verify it with")
+        want = manifest_mac(key, marker.step, marker.world_size, marker.files, marker.digests)
+        if marker.step != step or not mac_matches(marker.mac, want):
+            raise CorruptCheckpointError(
+                f"{where}: refused, its MAC does not verify under this node's key (a marker "
+                "this job did not write)"
+            )
+        held = [f for f, n in marker.files.items() if location.exists(f) and location.size(f) == n]
+        return HeldStep(marker.files, marker.digests, held)
 
     def rebuildable(self) -> dict[int, Rebuildable]:
         """The local steps the job can load, by step (every rank calls this together and
-        gets the same answer)."""
+        gets the same answer). A node whose manifest of a step differs from the lowest
+        rank's that reported it is not counted as holding any of its files."""
         number = self._rounds
         self._rounds += 1
         topic = TierTopics.inventory(number)
@@ -399,31 +451,42 @@ class LocalTierSaver:
             topic, StepInventory.from_json, Deadline(self.timeout), "list their local steps"
         )
         self._forget_round(number - 2)
-        manifests: dict[int, dict[str, int]] = {}
+        manifests: dict[int, HeldStep] = {}
         holders: dict[int, dict[str, list[int]]] = {}
         for rank, inventory in enumerate(found):
             for step, entry in inventory.steps.items():
-                manifests.setdefault(step, entry.files)
+                first = manifests.setdefault(step, entry)
+                if (first.files, first.digests) != (entry.files, entry.digests):
+                    logger.warning(
+                        "rank %d's node holds a manifest of local step %d that differs from "
+                        "the one rank %d's node holds: its files of that step are not read",
+                        rank,
+                        step,
+                        min(r for r, i in enumerate(found) if step in i.steps),
+                    )
+                    continue
                 for file in entry.held:
                     holders.setdefault(step, {}).setdefault(file, []).append(rank)
         return {
-            step: Rebuildable(step, manifest, holders.get(step, {}))
-            for step, manifest in manifests.items()
-            if all(f in holders.get(step, {}) for f in manifest)
+            step: Rebuildable(step, m.files, holders.get(step, {}), m.digests)
+            for step, m in manifests.items()
+            if all(f in holders.get(step, {}) for f in m.files)
         }
 
     def load(
         self, state_dict: dict[str, Any], found: Rebuildable, strict: bool, trusted: Trusted
     ) -> int:
-        """Load ``found`` into ``state_dict``, files this node lacks read from peers; every
-        rank waits for every other before returning (so each keeps serving its files
-        until all have read them), and all raise if any failed. Returns how many files
-        this rank read from peers."""
+        """Load ``found`` into ``state_dict``, files this node lacks (or holds with the wrong
+        digest) read from peers, each file taken only where its digest matches the
+        manifest's; every rank waits for every other before returning (so each keeps
+        serving its files until all have read them), and all raise if any failed. Returns
+        how many files this rank read from peers."""
         step_name = step_dir(found.step)
         storage = PeerStepStorage(
             self.storage.child(step_name),
             step_name,
             found.manifest,
+            found.digests,
             found.holders,
             self.rank,
             self._peers.client,
@@ -435,18 +498,21 @@ class LocalTierSaver:
             error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         finally:
             storage.close()
+        errors = self.agree(f"load local step {found.step}", error)
+        if errors:
+            raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
+        return len(storage.fetched)
+
+    def agree(self, what: str, error: str | None) -> list[str]:
+        """Every rank's outcome of ``what`` (``error``: this rank's failure, or ``None``),
+        gathered through the store: every rank gets the same list of errors."""
         number = self._rounds
         self._rounds += 1
         topic = TierTopics.loaded(number)
         self.channel.post(topic, LoadReport(error))
-        reports = self.channel.gather(
-            topic, LoadReport.from_json, Deadline(self.timeout), f"load local step {found.step}"
-        )
+        reports = self.channel.gather(topic, LoadReport.from_json, Deadline(self.timeout), what)
         self._forget_round(number - 2)
-        errors = [m.error for m in reports if m.error is not None]
-        if errors:
-            raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
-        return len(storage.remote)
+        return [m.error for m in reports if m.error is not None]
 
     def _forget_round(self, number: int) -> None:
         """Drop this rank's messages of round ``number``: every rank has read them once

@@ -1,18 +1,27 @@
 """One step of the local tier as a read-only :class:`Storage`: each file from this node
-when it holds it, otherwise from a peer rank whose node holds a replica.
+when it holds it with the manifest's digest, otherwise from a peer rank whose node holds a
+replica that has it.
 
 Invariant: only files named by the step's committed manifest are served, each with the
-manifest's size; a peer that fails is replaced by the next rank holding the file, and
-the error names every rank tried.
+manifest's size and only once its whole contents hash to the manifest's digest (a file
+of this node is hashed in place; a peer's is fetched whole and hashed before any byte of
+it is used). A copy that does not match, and a peer that fails, are logged (the file, the
+peer's rank and address, why) and replaced by the next rank holding the file; the error
+where none is left names every copy tried.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 
 from ...core.peer_link import PeerClient
 from ...errors import CheckpointError, CorruptCheckpointError, SlipstreamError
 from ..storage import DataWriter, Storage
+from .sealing import bytes_digest, file_digest
+
+logger = logging.getLogger(__name__)
 
 
 class PeerStepStorage(Storage):
@@ -24,6 +33,7 @@ class PeerStepStorage(Storage):
         local: Storage,
         step_name: str,
         manifest: dict[str, int],
+        digests: dict[str, str],
         holders: dict[str, list[int]],
         rank: int,
         client: Callable[[int], PeerClient],
@@ -31,41 +41,80 @@ class PeerStepStorage(Storage):
         self.local = local
         self.step_name = step_name
         self.manifest = manifest
+        self.digests = digests
         self.holders = holders
         self.rank = rank
         self._client = client
         self.url = f"{local.url} (local tier, with peer replicas)"
-        self.remote = sorted(f for f in manifest if rank not in holders.get(f, []))
-        """The files this rank reads from peers."""
-        self.small_reads_are_cheap = not self.remote
+        self.fetched: dict[str, memoryview] = {}
+        """The files this rank read from peers, whole and verified."""
+        self._verified: set[str] = set()
+        self._locks: dict[str, threading.Lock] = {name: threading.Lock() for name in manifest}
+        self.small_reads_are_cheap = all(rank in holders.get(f, []) for f in manifest)
 
     def _known(self, name: str) -> None:
         if name not in self.manifest:
             raise CorruptCheckpointError(f"{self.url}: {name} is not in the step's manifest")
 
-    def _remote(self, name: str, what: str, call: Callable[[PeerClient], None]) -> None:
-        tried = []
-        for rank in self.holders.get(name, []):
-            if rank == self.rank:
-                continue
-            try:
-                call(self._client(rank))
-                return
-            except SlipstreamError as exc:
-                tried.append(f"rank {rank}: {exc}")
-        raise CheckpointError(
-            f"{self.url}: no peer could serve {what} of {name}: "
-            + ("; ".join(tried) or "none holds it")
-        )
+    def _source(self, name: str) -> memoryview | None:
+        """Where ``name``'s verified bytes are: ``None`` for this node's file, else a
+        peer's copy fetched whole."""
+        with self._locks[name]:
+            if name in self._verified:
+                return self.fetched.get(name)
+            refused = []
+            size, want = self.manifest[name], self.digests[name]
+            if self.rank in self.holders.get(name, []):
+                try:
+                    found = file_digest(self.local, name, size)
+                except (OSError, SlipstreamError, ValueError) as exc:
+                    found = f"unreadable ({type(exc).__name__}: {exc})"
+                if found == want:
+                    self._verified.add(name)
+                    return None
+                refused.append(self._refuse(name, "this node's copy", self.local.url, found))
+            for rank in self.holders.get(name, []):
+                if rank == self.rank:
+                    continue
+                client = self._client(rank)
+                data = memoryview(bytearray(size))
+                try:
+                    client.read_into(f"{self.step_name}/{name}", 0, data)
+                except SlipstreamError as exc:
+                    refused.append(f"{client.who}: {exc}")
+                    logger.warning(
+                        "could not read %s/%s from %s: %s", self.step_name, name, client.who, exc
+                    )
+                    continue
+                found = bytes_digest(data)
+                if found == want:
+                    self.fetched[name] = data
+                    self._verified.add(name)
+                    return data
+                refused.append(self._refuse(name, "the replica", client.who, found))
+            raise CorruptCheckpointError(
+                f"{self.url}: no copy of {name} matches the manifest's digest: "
+                + ("; ".join(refused) or "none holds it")
+            )
+
+    def _refuse(self, name: str, copy: str, where: str, found: str) -> str:
+        why = f"its SHA-256 is {found[:16]}..., the manifest's {self.digests[name][:16]}..."
+        logger.warning("refused %s of %s/%s on %s: %s", copy, self.step_name, name, where, why)
+        return f"{copy} on {where}: {why}"
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self._known(name)
-        if name not in self.remote:
+        size = self.manifest[name]
+        if offset < 0 or offset + len(out) > size:
+            raise CorruptCheckpointError(
+                f"{self.url}: [{offset}, {offset + len(out)}) is past the end of {name} "
+                f"({size} bytes)"
+            )
+        source = self._source(name)
+        if source is None:
             self.local.read_into(name, offset, out)
         else:
-            self._remote(
-                name, "a read", lambda c: c.read_into(f"{self.step_name}/{name}", offset, out)
-            )
+            out.cast("B")[:] = source[offset : offset + len(out)]
 
     def size(self, name: str) -> int:
         self._known(name)

@@ -19,13 +19,16 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+from ...core.peer_auth import LinkAuth
 from ...core.peer_link import CHUNK_BYTES, PeerClient
 from ...core.waits import Deadline
 from ..save.channel import RankChannel
 from ..storage import LocalStorage, Storage
 from ..storage.recycle import claim
 from .messages import PeerAddress, TierTopics
+from .sealing import file_digest
 
 _NAME = re.compile(r"^(step_\d+)/([^/]+)$")
 
@@ -132,13 +135,41 @@ def _receive_mapped(
         os.close(fd)
 
 
+def send_file(client: PeerClient, location: Storage, name: str, file: str, size: int) -> None:
+    """Put ``size`` bytes of ``file`` of ``location`` to ``client``'s peer as ``name``."""
+    if isinstance(location, LocalStorage):
+        client.put_file(name, os.path.join(location.path, file), size)
+    else:
+        client.put(name, size, lambda offset, buf: location.read_into(file, offset, buf))
+
+
+def replicate(
+    location: Storage, step_name: str, file: str, clients: list[PeerClient]
+) -> tuple[int, str]:
+    """Send ``file`` of ``location`` to every client's peer as ``step_name/file`` while its
+    SHA-256 digest is computed on a thread of this call's own (joined before it returns);
+    returns its size and digest once every peer has stored it whole."""
+    size = location.size(file)
+    with ThreadPoolExecutor(1, "slipstream-digest") as hashing:
+        digest = hashing.submit(file_digest, location, file, size)
+        try:
+            for client in clients:
+                send_file(client, location, f"{step_name}/{file}", file, size)
+        finally:
+            found = digest.result()
+    return size, found
+
+
 class PeerDirectory:
     """Every rank's peer link address, posted once to the channel and read when first
-    needed; one pooled client per peer."""
+    needed; one pooled client per peer, authenticated by ``auth``."""
 
-    def __init__(self, channel: RankChannel, address: tuple[str, int], timeout: float) -> None:
+    def __init__(
+        self, channel: RankChannel, address: tuple[str, int], timeout: float, auth: LinkAuth
+    ) -> None:
         self.channel = channel
         self.timeout = timeout
+        self._auth = auth
         self._clients: dict[int, PeerClient] = {}
         self._lock = threading.Lock()
         channel.post(TierTopics.address(), PeerAddress(address[0], address[1]))
@@ -156,22 +187,15 @@ class PeerDirectory:
             "publish its local-tier address",
         )
         address = (posted.host, posted.port)
-        client = PeerClient(address, f"rank {rank} ({address[0]}:{address[1]})", rank, self.timeout)
+        who = f"rank {rank} ({address[0]}:{address[1]})"
+        client = PeerClient(address, who, rank, self.timeout, self._auth)
         with self._lock:
             return self._clients.setdefault(rank, client)
 
-    def send(self, rank: int, location: Storage, step_name: str, file: str) -> int:
-        """Copy ``file`` of ``location`` to ``rank``'s node as ``step_name/file``; returns
-        its size once the peer has stored it whole."""
-        size = location.size(file)
-        name = f"{step_name}/{file}"
-        if isinstance(location, LocalStorage):
-            self.client(rank).put_file(name, os.path.join(location.path, file), size)
-        else:
-            self.client(rank).put(
-                name, size, lambda offset, buf: location.read_into(file, offset, buf)
-            )
-        return size
+    def send(self, ranks: list[int], location: Storage, step_name: str, file: str) -> str:
+        """Copy ``file`` of ``location`` to each of ``ranks``' nodes as ``step_name/file``;
+        returns its digest once every peer has stored it whole."""
+        return replicate(location, step_name, file, [self.client(r) for r in ranks])[1]
 
     def close(self) -> None:
         with self._lock:
