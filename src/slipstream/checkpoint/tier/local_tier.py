@@ -165,6 +165,11 @@ class LocalTierSaver:
         replica of it (instrumentation, and tests that stop a node mid-replication); an
         exception it raises fails this rank's part of the save."""
 
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where this rank's peer link listens (host, port)."""
+        return self._server.address
+
     def _job_secret(self) -> bytes:
         """The peer link's secret: made by rank 0, handed to every rank through the job's
         store (the job's trust root), never written anywhere else."""
