@@ -2,7 +2,8 @@
 over a step's manifest that its ``.local_commit`` carries.
 
 A node's key (:data:`KEY_FILE`, 256 random bits, mode 0600 in the node's local-tier root)
-is created by the first job that uses the root and read by every later one on that node.
+is created by the first job that uses the root and read by every later one on that node
+(a root given as another :class:`Storage` keeps it as that backend keeps any object).
 A marker's MAC is HMAC-SHA256 with that key over the step, the world size, and every
 file's name, size and SHA-256 digest (:func:`manifest_mac`); a file is taken only where
 its bytes hash to the manifest's digest (:func:`file_digest`).
