@@ -8,7 +8,8 @@ ranks as 2 nodes of 2 (the setup and the reference run of ``test_two_tier``).
   one value changed, its block checksums recomputed so that the ordinary reader takes it,
   its own ``.local_commit``) is never loaded: the job resumes from the newest genuine step.
 - A bogus replica under a genuine name, on the only node left holding that file: the job
-  resumes from the previous committed step, every rank the same, bit for bit.
+  resumes from the previous committed step, every rank the same, bit for bit; where every
+  local step has one, from the durable tier.
 """
 
 from __future__ import annotations
@@ -279,3 +280,19 @@ def test_a_bogus_replica_falls_back_to_the_previous_step_bit_for_bit(tmp_path):
     assert any(refusal in w and "SHA-256" in w for w in loaded(base, 2)["warnings"]), loaded(
         base, 2
     )["warnings"]
+
+
+def test_bogus_replicas_of_every_local_step_fall_back_to_the_durable_tier(tmp_path):
+    base = str(tmp_path)
+    run_workers(_save_steps, WORLD, base, 5, timeout=90)  # durable: step 5; local: 4 and 5
+    shutil.rmtree(node_dir(base, RANKS_PER_NODE))
+    for step in (4, 5):
+        replica = os.path.join(base, "node0", f"step_{step}", "__2_0.distcp")
+        size = os.path.getsize(replica)
+        with open(replica, "wb") as f:
+            f.write(os.urandom(size))
+    run_workers(_resume_and_check, WORLD, base, 5, timeout=90)
+    for rank in range(WORLD):
+        got = loaded(base, rank)
+        assert (got["step"], got["tier"]) == (5, "durable")  # bit for bit, in the ranks
+    assert any("the local tier could not serve step 5" in w for w in loaded(base, 0)["warnings"])
