@@ -248,7 +248,7 @@ def test_a_malformed_rank_message_fails_naming_the_message_and_field(cls, text, 
 # -- the local tier's messages ----------------------------------------------------------------
 
 
-A, B = "a" * 64, "b" * 64
+A, B = "xxh3-blocks:" + "a" * 64, "sha256:" + "b" * 64
 
 
 def test_every_local_tier_message_reads_back_what_it_wrote():
@@ -259,6 +259,7 @@ def test_every_local_tier_message_reads_back_what_it_wrote():
         ReplicationReport(
             {"__1_0.distcp": 4096, ".metadata": 120}, {"__1_0.distcp": A, ".metadata": B}
         ),
+        ReplicationReport({"__1_0.distcp": 4096}, {}),  # a data file's digest: rank 0's part
         LinkSecret(bytes(range(32))),
         ReplicationReport(error="rank 1: PeerDiedError: gone", dead=[3]),
         TierCommitOutcome(
@@ -305,14 +306,24 @@ def test_every_local_tier_message_reads_back_what_it_wrote():
         (TierCommitOutcome, '{"error": null}', "field 'files' is missing"),
         (
             TierCommitOutcome,
-            '{"error": null, "files": {"a": 1}, "digests": {"b": "' + "0" * 64 + '"}}',
+            '{"error": null, "files": {"a": 1}, "digests": {"b": "sha256:' + "0" * 64 + '"}}',
+            "field 'digests' does not name the same files",
+        ),
+        (
+            TierCommitOutcome,
+            '{"error": null, "files": {"a": 1}, "digests": {"a": "' + "0" * 64 + '"}}',
+            "field 'digests' entry 'a' is not a digest of a kind it knows",
+        ),
+        (
+            ReplicationReport,
+            '{"error": null, "files": {"a": 1}, "digests": {"b": "sha256:' + "0" * 64 + '"}}',
             "field 'digests' does not name the same files",
         ),
         (LinkSecret, '{"secret": "zz"}', "field 'secret' is not hex"),
         (StepInventory, '{"steps": {"x": {}}}', "field 'steps' key 'x' is not a step number"),
         (
             StepInventory,
-            '{"steps": {"4": {"files": {"a": 1}, "digests": {"a": "' + "0" * 64 + '"}, '
+            '{"steps": {"4": {"files": {"a": 1}, "digests": {"a": "sha256:' + "0" * 64 + '"}, '
             '"held": ["b"]}}}',
             "steps['4']: field 'held' names 'b'",
         ),

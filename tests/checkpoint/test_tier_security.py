@@ -38,7 +38,9 @@ from test_two_tier import (
     train_step,
 )
 
+from slipstream.checkpoint.format.index import CheckpointIndex
 from slipstream.checkpoint.load.contents import read_all
+from slipstream.checkpoint.tier.sealing import blocks_digests
 
 STRANGER = r"""
 import json, os, socket, struct, sys
@@ -228,9 +230,14 @@ def forge(source: str, target: str, step: int) -> None:
         for n in os.listdir(target)
         if n != ".local_commit"
     }
-    digests = {
-        n: hashlib.sha256(open(os.path.join(target, n), "rb").read()).hexdigest() for n in files
-    }
+    # the manifest's digests as the job computes them (the forger knows the format; it
+    # lacks only the key)
+    with open(index_path, "rb") as f:
+        digests = blocks_digests(CheckpointIndex.from_json(f.read(), index_path), list(files))
+    for n in (".metadata", ".slipstream.json"):
+        digests[n] = (
+            "sha256:" + hashlib.sha256(open(os.path.join(target, n), "rb").read()).hexdigest()
+        )
     marker = {"step": step, "world_size": WORLD, "files": files, "digests": digests}
     marker["mac"] = hashlib.sha256(os.urandom(32)).hexdigest()  # no key: a guess
     with open(os.path.join(target, ".local_commit"), "w") as f:
@@ -276,8 +283,9 @@ def test_a_bogus_replica_falls_back_to_the_previous_step_bit_for_bit(tmp_path):
     # rank 2 read its file of step 4 from rank 0, the only holder left, and refused it,
     # naming the file, the peer and its address, and why
     host, port = loaded(base, 0)["address"]
-    refusal = f"refused the replica of step_4/__2_0.distcp on rank 0 ({host}:{port})"
-    assert any(refusal in w and "SHA-256" in w for w in loaded(base, 2)["warnings"]), loaded(
+    source = f"step_4/__2_0.distcp from rank 0 ({host}:{port})"
+    refusals = [w for w in loaded(base, 2)["warnings"] if "could not load local step 4" in w]
+    assert any(source in w and "__2_0.distcp: checksum mismatch" in w for w in refusals), loaded(
         base, 2
     )["warnings"]
 

@@ -345,7 +345,9 @@ class Checkpointer:
         Each candidate, newest first: the local tier where it can rebuild it, then the
         durable tier where it holds it; an attempt that fails on any rank fails on all
         (their outcomes are gathered through the store), is logged, and the next is
-        tried. Raises, listing every attempt, only when none loads."""
+        tried; an attempt that succeeds has written every value of ``target``, so what a
+        failed one left is overwritten. Raises, listing every attempt, only when none
+        loads; the error then says that ``target`` may hold part of a failed attempt."""
         assert self.local_tier is not None
         local = self.local_tier.rebuildable()
         durable = self.steps()
@@ -358,9 +360,11 @@ class Checkpointer:
         else:
             candidates = [step]
         tried = []
+        attempted = False
         for candidate in candidates:
             found = local.get(candidate)
             if found is not None:
+                attempted = True
                 try:
                     remote = self.local_tier.load(target, found, strict, trusted)
                 except CheckpointError as exc:
@@ -375,6 +379,7 @@ class Checkpointer:
                     )
                     return candidate, "local"
             if candidate in durable:
+                attempted = True
                 error = None
                 try:
                     loader.load(target, self._step(candidate), strict=strict, trusted=trusted)
@@ -390,8 +395,14 @@ class Checkpointer:
                 logger.warning("could not load step %d from %s: %s", candidate, self.root, errors)
             elif found is None:
                 tried.append(f"step {candidate}: neither tier holds it")
+        partial = (
+            "; the state dict may hold part of a failed attempt (some of its tensors loaded, "
+            "others not): do not train from it"
+            if attempted
+            else ""
+        )
         raise CheckpointError(
-            "no checkpoint could be loaded on every rank; tried " + " | ".join(tried)
+            "no checkpoint could be loaded on every rank; tried " + " | ".join(tried) + partial
         )
 
     def wait(self, timeout: float | None = None) -> None:

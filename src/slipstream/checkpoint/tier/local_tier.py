@@ -47,6 +47,7 @@ from ...core.peer_link import PeerServer
 from ...core.threads import lower_thread_priority
 from ...core.waits import Deadline
 from ...errors import CheckpointError, CorruptCheckpointError, PeerDiedError, SlipstreamError
+from ..format.index import CheckpointIndex
 from ..format.names import (
     METADATA_FILE,
     SPARE_DIR,
@@ -56,8 +57,9 @@ from ..format.names import (
     step_dir,
     step_dirs,
 )
-from ..format.safe_types import Trusted
+from ..format.safe_types import Trust, Trusted
 from ..load import loader
+from ..load.reader import CheckpointReader
 from ..save.job import AsyncSaveResponse
 from ..save.options import SaveOptions
 from ..save.saver import CheckpointSaver
@@ -78,7 +80,15 @@ from .nodes import NodeMap
 from .options import LocalTier, default_host, default_root
 from .peer_storage import PeerStepStorage
 from .replication import PeerDirectory, TierFiles
-from .sealing import mac_matches, manifest_mac, node_key
+from .sealing import (
+    blocks_digests,
+    bytes_digest,
+    check_blocks,
+    file_digest,
+    mac_matches,
+    manifest_mac,
+    node_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +306,7 @@ class LocalTierSaver:
             )
         self.channel.post(TierTopics.replicated(step), report)
         if self.rank == 0:
-            self._decide(step, deadline)
+            self._decide(step, location, deadline)
         outcome = self.channel.receive(
             TierTopics.commit(step),
             TierCommitOutcome.from_json,
@@ -331,7 +341,7 @@ class LocalTierSaver:
         self, location: Storage, step_name: str, written: AsyncSaveResponse
     ) -> tuple[dict[str, int], dict[str, str]]:
         """Send this rank's files of the step to their replica ranks; return their sizes
-        and digests."""
+        and the contents digests of the small ones (rank 0's ``.metadata`` and index)."""
         own = [data_file_name(self.rank)]
         targets = {own[0]: list(self.peers)}
         if self.rank == 0:
@@ -348,11 +358,15 @@ class LocalTierSaver:
         for file, ranks in targets.items():
             if not location.exists(file):
                 raise CheckpointError(f"{location.url}/{file}: this rank's local save is missing")
-            sizes[file] = location.size(file)
-            digests[file] = self._peers.send(ranks, location, step_name, file)
+            sizes[file] = self._peers.send(ranks, location, step_name, file)
+            if file != own[0]:
+                digests[file] = file_digest(location, file, sizes[file])
         return sizes, digests
 
-    def _decide(self, step: int, deadline: Deadline) -> None:
+    def _decide(self, step: int, location: Storage, deadline: Deadline) -> None:
+        """Gather every rank's :class:`ReplicationReport` and post the outcome: the
+        manifest, each data file's digest taken from the index (:mod:`.sealing`), or why
+        the step failed."""
         topic = TierTopics.replicated(step)
         try:
             reports = self.channel.gather(
@@ -368,6 +382,8 @@ class LocalTierSaver:
                 for m in reports:
                     files.update(m.files)
                     digests.update(m.digests)
+                data = sorted(set(files) - set(digests))
+                digests.update(blocks_digests(self._index(location, digests), data))
                 outcome = TierCommitOutcome(files, digests)
         except BaseException as exc:
             dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
@@ -377,6 +393,15 @@ class LocalTierSaver:
         if self._committed_steps:
             previous = self._committed_steps[-1]
             self.channel.forget(TierTopics.commit(previous), [0])
+
+    @staticmethod
+    def _index(location: Storage, digests: dict[str, str]) -> CheckpointIndex:
+        """The step's index, as rank 0 wrote it and digested it for the manifest."""
+        name = index_file(0)
+        data = location.get(name)
+        if data is None or bytes_digest(data) != digests.get(name):
+            raise CheckpointError(f"{location.url}/{name} changed while it was replicated")
+        return CheckpointIndex.from_json(data, f"{location.url}/{name}")
 
     def _retain(self) -> None:
         """Delete this node's committed steps older than the last ``keep_last``."""
@@ -481,11 +506,15 @@ class LocalTierSaver:
     def load(
         self, state_dict: dict[str, Any], found: Rebuildable, strict: bool, trusted: Trusted
     ) -> int:
-        """Load ``found`` into ``state_dict``, files this node lacks (or holds with the wrong
-        digest) read from peers, each file taken only where its digest matches the
-        manifest's; every rank waits for every other before returning (so each keeps
-        serving its files until all have read them), and all raise if any failed. Returns
-        how many files this rank read from peers."""
+        """Load ``found`` into ``state_dict``, files this node lacks read from peers; every
+        rank waits for every other before returning (so each keeps serving its files until
+        all have read them), and all raise if any failed. Returns how many files this rank
+        read from peers.
+
+        A small file is taken only where its contents match the manifest's digest; the
+        index's checksums of each data file must match the manifest's digest of it before
+        any byte is read, and every byte read is verified against them. A file refused is
+        logged on this rank with the peer that served it (rank and address) and why."""
         step_name = step_dir(found.step)
         storage = PeerStepStorage(
             self.storage.child(step_name),
@@ -498,15 +527,22 @@ class LocalTierSaver:
         )
         error = None
         try:
-            loader.load(state_dict, storage, strict=strict, trusted=trusted)
+            reader = CheckpointReader(storage, trust=Trust.of(trusted))
+            try:
+                check_blocks(reader.index, found.digests, reader.path)
+            except BaseException:
+                reader.close()
+                raise
+            loader.load_from(reader, state_dict, strict=strict)
         except Exception as exc:
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}{storage.sources()}"
+            logger.warning("rank %d could not load local step %d: %s", self.rank, found.step, error)
         finally:
             storage.close()
         errors = self.agree(f"load local step {found.step}", error)
         if errors:
             raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
-        return len(storage.fetched)
+        return len(storage.remote)
 
     def agree(self, what: str, error: str | None) -> list[str]:
         """Every rank's outcome of ``what`` (``error``: this rank's failure, or ``None``),

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ...core.control_plane import store_key
 from ...errors import CheckpointError, CorruptCheckpointError
 from ..format.fields import Fields, decode_json, int_list
+from .sealing import digest_kind
 
 
 class TierTopics:
@@ -78,13 +79,14 @@ def _sizes(f: Fields, name: str) -> dict[str, int]:
     return dict(raw)
 
 
-def _digests(f: Fields, name: str, files: dict[str, int]) -> dict[str, str]:
-    """The object at ``name`` as every file's SHA-256 digest (hex), one per file of ``files``."""
+def _digests(f: Fields, name: str, files: dict[str, int], every: bool = True) -> dict[str, str]:
+    """The object at ``name`` as file digests (:mod:`.sealing`), one per file of ``files``
+    (``every``) or for some of them."""
     raw = f.get(name, dict)
     for file, digest in raw.items():
-        if not isinstance(digest, str) or len(digest) != 64:
-            raise f.fail(name, f"entry {file!r:.80} is not a SHA-256 digest")
-    if set(raw) != set(files):
+        if not isinstance(digest, str) or not digest_kind(digest):
+            raise f.fail(name, f"entry {file!r:.80} is not a digest of a kind it knows")
+    if set(raw) - set(files) or (every and set(raw) != set(files)):
         raise f.fail(name, "does not name the same files as the manifest")
     return dict(raw)
 
@@ -160,9 +162,11 @@ class NodeCleared:
 
 @dataclass(frozen=True)
 class _FilesOrError:
-    """Files, their sizes (``files``) and SHA-256 digests (``digests``), or why there are
-    none (``error``, and the ranks found ``dead``): a message reads back as one or the
-    other, never both."""
+    """Files, their sizes (``files``) and digests (``digests``, :mod:`.sealing`; for each
+    file where :attr:`every_digest`), or why there are none (``error``, and the ranks
+    found ``dead``): a message reads back as one or the other, never both."""
+
+    every_digest: ClassVar[bool] = True
 
     files: dict[str, int] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
@@ -181,7 +185,7 @@ class _FilesOrError:
             dead = int_list(f.get("dead", list), f"{what}: field 'dead'", CheckpointError)
             return cls(error=error, dead=dead)
         files = _sizes(f, "files")
-        return cls(files, _digests(f, "digests", files))
+        return cls(files, _digests(f, "digests", files, cls.every_digest))
 
 
 _F = TypeVar("_F", bound=_FilesOrError)
@@ -190,7 +194,10 @@ _F = TypeVar("_F", bound=_FilesOrError)
 @dataclass(frozen=True)
 class ReplicationReport(_FilesOrError):
     """A rank's files of a local step are on their replica ranks (``files``: each one's
-    size), or why not (``error``, and the ranks found ``dead``)."""
+    size; ``digests``: the contents digests of the small ones), or why not (``error``, and
+    the ranks found ``dead``). Rank 0 adds the data files' digests when it decides."""
+
+    every_digest: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)

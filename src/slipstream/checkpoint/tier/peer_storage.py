@@ -1,13 +1,16 @@
 """One step of the local tier as a read-only :class:`Storage`: each file from this node
-when it holds it with the manifest's digest, otherwise from a peer rank whose node holds a
-replica that has it.
+when it holds it, otherwise from a peer rank whose node holds a replica.
 
 Invariant: only files named by the step's committed manifest are served, each with the
-manifest's size and only once its whole contents hash to the manifest's digest (a file
-of this node is hashed in place; a peer's is fetched whole and hashed before any byte of
-it is used). A copy that does not match, and a peer that fails, are logged (the file, the
-peer's rank and address, why) and replaced by the next rank holding the file; the error
-where none is left names every copy tried.
+manifest's size. A small file (contents digest, :mod:`.sealing`) is served only once its
+whole contents hash to the manifest's digest (this node's copy hashed in place, a peer's
+fetched whole and hashed before any byte of it is used); a copy that does not match is
+logged (the file, the peer's rank and address, why) and the next holder tried. A data
+file is served as it is read, range by range, from this node or a peer: the loader
+verifies every byte against the index's checksums, which the manifest binds, and
+:meth:`PeerStepStorage.sources` names the peers that served each file for its errors. A
+peer that fails is replaced by the next rank holding the file, and the error where none
+is left names every rank tried.
 """
 
 from __future__ import annotations
@@ -19,14 +22,13 @@ from collections.abc import Callable
 from ...core.peer_link import PeerClient
 from ...errors import CheckpointError, CorruptCheckpointError, SlipstreamError
 from ..storage import DataWriter, Storage
-from .sealing import bytes_digest, file_digest
+from .sealing import CONTENT, bytes_digest, digest_kind, file_digest
 
 logger = logging.getLogger(__name__)
 
 
 class PeerStepStorage(Storage):
-    """``local`` is this node's location of the step; ``holders[file]`` the ranks whose
-    nodes hold ``file`` (this rank among them where this node does)."""
+    """Reads of one local step (``step_name``), local files first, the rest from peers."""
 
     def __init__(
         self,
@@ -46,22 +48,43 @@ class PeerStepStorage(Storage):
         self.rank = rank
         self._client = client
         self.url = f"{local.url} (local tier, with peer replicas)"
-        self.fetched: dict[str, memoryview] = {}
-        """The files this rank read from peers, whole and verified."""
+        self.remote = sorted(f for f in manifest if rank not in holders.get(f, []))
+        """The files this rank reads from peers."""
+        self.small_reads_are_cheap = not self.remote
+        self._fetched: dict[str, memoryview] = {}
         self._verified: set[str] = set()
+        self._served: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {name: threading.Lock() for name in manifest}
-        self.small_reads_are_cheap = all(rank in holders.get(f, []) for f in manifest)
 
     def _known(self, name: str) -> None:
         if name not in self.manifest:
             raise CorruptCheckpointError(f"{self.url}: {name} is not in the step's manifest")
 
-    def _source(self, name: str) -> memoryview | None:
-        """Where ``name``'s verified bytes are: ``None`` for this node's file, else a
+    def sources(self) -> str:
+        """Which peers served which files (for an error's end; empty where none did)."""
+        with self._lock:
+            served = {name: sorted(who) for name, who in sorted(self._served.items())}
+        if not served:
+            return ""
+        return (
+            " (read from peers: "
+            + "; ".join(
+                f"{self.step_name}/{name} from {', '.join(who)}" for name, who in served.items()
+            )
+            + ")"
+        )
+
+    def _note(self, name: str, who: str) -> None:
+        with self._lock:
+            self._served.setdefault(name, set()).add(who)
+
+    def _verified_copy(self, name: str) -> memoryview | None:
+        """Where a small file's verified bytes are: ``None`` for this node's file, else a
         peer's copy fetched whole."""
         with self._locks[name]:
             if name in self._verified:
-                return self.fetched.get(name)
+                return self._fetched.get(name)
             refused = []
             size, want = self.manifest[name], self.digests[name]
             if self.rank in self.holders.get(name, []):
@@ -88,8 +111,9 @@ class PeerStepStorage(Storage):
                     continue
                 found = bytes_digest(data)
                 if found == want:
-                    self.fetched[name] = data
+                    self._fetched[name] = data
                     self._verified.add(name)
+                    self._note(name, client.who)
                     return data
                 refused.append(self._refuse(name, "the replica", client.who, found))
             raise CorruptCheckpointError(
@@ -98,9 +122,31 @@ class PeerStepStorage(Storage):
             )
 
     def _refuse(self, name: str, copy: str, where: str, found: str) -> str:
-        why = f"its SHA-256 is {found[:16]}..., the manifest's {self.digests[name][:16]}..."
+        why = f"its digest is {found[:23]}..., the manifest's {self.digests[name][:23]}..."
         logger.warning("refused %s of %s/%s on %s: %s", copy, self.step_name, name, where, why)
         return f"{copy} on {where}: {why}"
+
+    def _read_remote(self, name: str, offset: int, out: memoryview) -> None:
+        """Read a data file's range from the first peer holding it that answers."""
+        tried = []
+        for rank in self.holders.get(name, []):
+            if rank == self.rank:
+                continue
+            client = self._client(rank)
+            try:
+                client.read_into(f"{self.step_name}/{name}", offset, out)
+            except SlipstreamError as exc:
+                tried.append(f"{client.who}: {exc}")
+                logger.warning(
+                    "could not read %s/%s from %s: %s", self.step_name, name, client.who, exc
+                )
+                continue
+            self._note(name, client.who)
+            return
+        raise CheckpointError(
+            f"{self.url}: no peer could serve a read of {name}: "
+            + ("; ".join(tried) or "none holds it")
+        )
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self._known(name)
@@ -110,11 +156,15 @@ class PeerStepStorage(Storage):
                 f"{self.url}: [{offset}, {offset + len(out)}) is past the end of {name} "
                 f"({size} bytes)"
             )
-        source = self._source(name)
-        if source is None:
-            self.local.read_into(name, offset, out)
-        else:
-            out.cast("B")[:] = source[offset : offset + len(out)]
+        if digest_kind(self.digests[name]) == CONTENT:
+            source = self._verified_copy(name)
+            if source is not None:
+                out.cast("B")[:] = source[offset : offset + len(out)]
+                return
+        elif name in self.remote:
+            self._read_remote(name, offset, out)
+            return
+        self.local.read_into(name, offset, out)
 
     def size(self, name: str) -> int:
         self._known(name)

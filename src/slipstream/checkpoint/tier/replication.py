@@ -19,7 +19,6 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from ...core.peer_auth import LinkAuth
 from ...core.peer_link import CHUNK_BYTES, PeerClient
@@ -28,7 +27,6 @@ from ..save.channel import RankChannel
 from ..storage import LocalStorage, Storage
 from ..storage.recycle import claim
 from .messages import PeerAddress, TierTopics
-from .sealing import file_digest
 
 _NAME = re.compile(r"^(step_\d+)/([^/]+)$")
 
@@ -143,23 +141,6 @@ def send_file(client: PeerClient, location: Storage, name: str, file: str, size:
         client.put(name, size, lambda offset, buf: location.read_into(file, offset, buf))
 
 
-def replicate(
-    location: Storage, step_name: str, file: str, clients: list[PeerClient]
-) -> tuple[int, str]:
-    """Send ``file`` of ``location`` to every client's peer as ``step_name/file`` while its
-    SHA-256 digest is computed on a thread of this call's own (joined before it returns);
-    returns its size and digest once every peer has stored it whole."""
-    size = location.size(file)
-    with ThreadPoolExecutor(1, "slipstream-digest") as hashing:
-        digest = hashing.submit(file_digest, location, file, size)
-        try:
-            for client in clients:
-                send_file(client, location, f"{step_name}/{file}", file, size)
-        finally:
-            found = digest.result()
-    return size, found
-
-
 class PeerDirectory:
     """Every rank's peer link address, posted once to the channel and read when first
     needed; one pooled client per peer, authenticated by ``auth``."""
@@ -192,10 +173,13 @@ class PeerDirectory:
         with self._lock:
             return self._clients.setdefault(rank, client)
 
-    def send(self, ranks: list[int], location: Storage, step_name: str, file: str) -> str:
+    def send(self, ranks: list[int], location: Storage, step_name: str, file: str) -> int:
         """Copy ``file`` of ``location`` to each of ``ranks``' nodes as ``step_name/file``;
-        returns its digest once every peer has stored it whole."""
-        return replicate(location, step_name, file, [self.client(r) for r in ranks])[1]
+        returns its size once every peer has stored it whole."""
+        size = location.size(file)
+        for rank in ranks:
+            send_file(self.client(rank), location, f"{step_name}/{file}", file, size)
+        return size
 
     def close(self) -> None:
         with self._lock:
