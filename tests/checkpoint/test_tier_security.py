@@ -9,7 +9,10 @@ ranks as 2 nodes of 2 (the setup and the reference run of ``test_two_tier``).
   its own ``.local_commit``) is never loaded: the job resumes from the newest genuine step.
 - A bogus replica under a genuine name, on the only node left holding that file: the job
   resumes from the previous committed step, every rank the same, bit for bit; where every
-  local step has one, from the durable tier.
+  local step has one, from the durable tier; where the durable step is bogus too, every
+  rank raises, listing each attempt and saying the state dict may hold part of one.
+- A data file's manifest digest (from the index's block checksums) binds exactly that
+  file's index entries, and a load refuses an index that does not give it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import struct
 import subprocess
 import sys
 
+import pytest
 import torch.distributed as dist
 import xxhash
 from dist_utils import run_workers
@@ -38,9 +42,10 @@ from test_two_tier import (
     train_step,
 )
 
-from slipstream.checkpoint.format.index import CheckpointIndex
+from slipstream.checkpoint.format.index import CheckpointIndex, IndexRecord, ValueEntry
 from slipstream.checkpoint.load.contents import read_all
-from slipstream.checkpoint.tier.sealing import blocks_digests
+from slipstream.checkpoint.tier.sealing import blocks_digests, check_blocks
+from slipstream.errors import CheckpointError, CorruptCheckpointError
 
 STRANGER = r"""
 import json, os, socket, struct, sys
@@ -304,3 +309,70 @@ def test_bogus_replicas_of_every_local_step_fall_back_to_the_durable_tier(tmp_pa
         got = loaded(base, rank)
         assert (got["step"], got["tier"]) == (5, "durable")  # bit for bit, in the ranks
     assert any("the local tier could not serve step 5" in w for w in loaded(base, 0)["warnings"])
+
+
+def _resume_fails(rank: int, world: int, base: str) -> None:
+    with checkpointer(base, rank) as ck:
+        state = initial_state(rank)
+        try:
+            ck.load(state, strict=False)
+        except CheckpointError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError("a load where no step loads on every rank returned")
+        with open(os.path.join(base, f"failed{rank}.txt"), "w") as f:
+            f.write(message)
+
+
+def test_where_nothing_loads_the_error_lists_every_attempt_and_says_the_state_is_partial(
+    tmp_path,
+):
+    base = str(tmp_path)
+    run_workers(_save_steps, WORLD, base, 5, timeout=90)  # durable: step 5; local: 4 and 5
+    shutil.rmtree(node_dir(base, RANKS_PER_NODE))
+    for where in ("node0/step_4", "node0/step_5", "durable/step_5"):
+        bogus = os.path.join(base, where, "__2_0.distcp")
+        size = os.path.getsize(bogus)
+        with open(bogus, "wb") as f:
+            f.write(os.urandom(size))
+    run_workers(_resume_fails, WORLD, base, timeout=90)
+    for rank in range(WORLD):
+        with open(os.path.join(base, f"failed{rank}.txt")) as f:
+            message = f.read()
+        for attempt in ("step 5 from the local tier", "step 5 from", "step 4 from the local tier"):
+            assert attempt in message, message
+        assert "checksum mismatch" in message and "may hold part of a failed attempt" in message
+
+
+# -- the manifest's digests ------------------------------------------------------------------
+
+
+def _index(blocks: list[int], value_checksum: int) -> CheckpointIndex:
+    return CheckpointIndex(
+        {
+            "__0_0.distcp": {"w@0": IndexRecord(0, 100, 64, 3 << 20, blocks)},
+            "__1_0.distcp": {"v@0": IndexRecord(0, 100, 64, 1 << 20, [7])},
+        },
+        {"step": ValueEntry("__0_0.distcp", 200, 10, value_checksum)},
+    )
+
+
+def test_a_data_files_digest_binds_its_index_entries_and_only_them():
+    files = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    genuine = blocks_digests(_index([1, 2, 3], 9), files)
+    assert all(d.startswith("xxh3-blocks:") for d in genuine.values())
+    assert len(set(genuine.values())) == 3  # an empty file has a digest of its own
+    # one block checksum, or a value's checksum, of rank 0's file changes its digest only
+    for other in (_index([1, 2, 4], 9), _index([1, 2, 3], 8)):
+        changed = blocks_digests(other, files)
+        assert changed["__0_0.distcp"] != genuine["__0_0.distcp"]
+        assert {f: changed[f] for f in files[1:]} == {f: genuine[f] for f in files[1:]}
+    # an index read back from its bytes gives the same digests (the manifest's are taken
+    # from the bytes rank 0 wrote; a load's from the index it reads)
+    read = CheckpointIndex.from_json(_index([1, 2, 3], 9).to_json(), "index")
+    assert blocks_digests(read, files) == genuine
+    check_blocks(read, genuine, "step_4")
+    with pytest.raises(CorruptCheckpointError, match=r"step_4: refused, the index's .* __0_0"):
+        check_blocks(_index([1, 2, 4], 9), genuine, "step_4")
+    with pytest.raises(CorruptCheckpointError, match="step_4: refused, the step has no index"):
+        check_blocks(None, genuine, "step_4")
