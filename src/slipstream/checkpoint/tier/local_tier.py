@@ -8,7 +8,8 @@ a thread this tier owns, each rank streams its file to its replica ranks
 (:mod:`.nodes`), and rank 0 its ``.metadata`` and index to those and to one rank of every
 other node, over the peer link (:mod:`.replication`). Rank 0 gathers every rank's report
 through the store and decides; only then does each node's lowest rank write the step's
-marker (``.local_commit``, the step's manifest: every file and its size).
+marker (``.local_commit``, the step's manifest: every file, its size and its digest,
+under a MAC with the node's key; :mod:`.sealing`).
 
 Invariants:
 
