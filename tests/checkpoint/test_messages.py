@@ -29,6 +29,7 @@ from slipstream.checkpoint.save.messages import (
 from slipstream.checkpoint.tier.messages import (
     HeldStep,
     HostAnnouncement,
+    LinkSecret,
     LoadReport,
     LocalCommitMarker,
     NodeCleared,
@@ -249,6 +250,9 @@ def test_a_malformed_rank_message_fails_naming_the_message_and_field(cls, text, 
 # -- the local tier's messages ----------------------------------------------------------------
 
 
+A, B = "xxh3-blocks:" + "a" * 64, "sha256:" + "b" * 64
+
+
 def test_every_local_tier_message_reads_back_what_it_wrote():
     messages = [
         HostAnnouncement("node-3"),
@@ -257,24 +261,42 @@ def test_every_local_tier_message_reads_back_what_it_wrote():
         NodeMarked(7),
         NodeMarked(7, "/dev/shm/x/step_7/.local_commit: OSError: No space left on device"),
         TierRoot("/dev/shm/slipstream/ab12"),
-        ReplicationReport({"__1_0.distcp": 4096, ".metadata": 120}),
+        ReplicationReport(
+            {"__1_0.distcp": 4096, ".metadata": 120}, {"__1_0.distcp": A, ".metadata": B}
+        ),
+        ReplicationReport({"__1_0.distcp": 4096}, {}),  # a data file's digest: rank 0's part
+        LinkSecret(bytes(range(32))),
         ReplicationReport(error="rank 1: PeerDiedError: gone", dead=[3]),
-        TierCommitOutcome({"__0_0.distcp": 10, "__1_0.distcp": 12}),
+        TierCommitOutcome(
+            {"__0_0.distcp": 10, "__1_0.distcp": 12}, {"__0_0.distcp": A, "__1_0.distcp": B}
+        ),
         TierCommitOutcome(error="rank 2 timed out", dead=[]),
-        StepInventory({4: HeldStep({"__0_0.distcp": 10, ".metadata": 3}, ["__0_0.distcp"])}),
+        StepInventory(
+            {
+                4: HeldStep(
+                    {"__0_0.distcp": 10, ".metadata": 3},
+                    {"__0_0.distcp": A, ".metadata": B},
+                    ["__0_0.distcp"],
+                )
+            }
+        ),
         LoadReport(),
         LoadReport("rank 1: CorruptCheckpointError: block 3"),
     ]
     for message in messages:
         assert type(message).from_json(message.to_json(), "m") == message
-    marker = LocalCommitMarker(9, 4, {"__0_0.distcp": 10})
+    marker = LocalCommitMarker(9, 4, {"__0_0.distcp": 10}, {"__0_0.distcp": A}, "c" * 64)
     assert LocalCommitMarker.from_json(marker.to_json(), "m") == marker
-    # the marker keeps the shape it had on disk before it had a class
+    # the marker keeps the shape it had on disk before it had a class, plus the manifest's
+    # digests and its MAC
     assert json.loads(marker.to_json()) == {
         "step": 9,
         "world_size": 4,
         "files": {"__0_0.distcp": 10},
+        "digests": {"__0_0.distcp": A},
+        "mac": "c" * 64,
     }
+    assert repr(LinkSecret(bytes(32))) == "LinkSecret()"  # the secret never shows
 
 
 @pytest.mark.parametrize(
@@ -289,10 +311,27 @@ def test_every_local_tier_message_reads_back_what_it_wrote():
         (ReplicationReport, '{"files": {"a": -1}, "error": null}', "field 'files' entry 'a'"),
         (ReplicationReport, '{"error": "x", "dead": ["r1"]}', "field 'dead'"),
         (TierCommitOutcome, '{"error": null}', "field 'files' is missing"),
+        (
+            TierCommitOutcome,
+            '{"error": null, "files": {"a": 1}, "digests": {"b": "sha256:' + "0" * 64 + '"}}',
+            "field 'digests' does not name the same files",
+        ),
+        (
+            TierCommitOutcome,
+            '{"error": null, "files": {"a": 1}, "digests": {"a": "' + "0" * 64 + '"}}',
+            "field 'digests' entry 'a' is not a digest of a kind it knows",
+        ),
+        (
+            ReplicationReport,
+            '{"error": null, "files": {"a": 1}, "digests": {"b": "sha256:' + "0" * 64 + '"}}',
+            "field 'digests' does not name the same files",
+        ),
+        (LinkSecret, '{"secret": "zz"}', "field 'secret' is not hex"),
         (StepInventory, '{"steps": {"x": {}}}', "field 'steps' key 'x' is not a step number"),
         (
             StepInventory,
-            '{"steps": {"4": {"files": {"a": 1}, "held": ["b"]}}}',
+            '{"steps": {"4": {"files": {"a": 1}, "digests": {"a": "sha256:' + "0" * 64 + '"}, '
+            '"held": ["b"]}}}',
             "steps['4']: field 'held' names 'b'",
         ),
         (LoadReport, '{"error": 5}', "field 'error' should be str"),

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from slipstream.core.peer_auth import HmacAuth, new_secret
 from slipstream.core.peer_link import PeerClient, PeerLinkError, PeerServer
 from slipstream.errors import PeerDiedError
 
@@ -42,8 +43,9 @@ class DictHandler:
 @pytest.fixture
 def served():
     handler = DictHandler()
-    server = PeerServer("127.0.0.1", handler, timeout=5.0)
-    client = PeerClient(server.address, "rank 1 (test)", 1, timeout=5.0)
+    auth = HmacAuth(new_secret())
+    server = PeerServer("127.0.0.1", handler, timeout=5.0, auth=auth)
+    client = PeerClient(server.address, "rank 1 (test)", 1, timeout=5.0, auth=auth)
     yield handler, server, client
     client.close()
     server.close()

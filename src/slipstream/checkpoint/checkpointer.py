@@ -356,48 +356,102 @@ class Checkpointer:
 
         With a local tier (every rank calling together), a step the local tiers can
         rebuild is read from them, each rank's missing files from peer replicas; otherwise,
-        or where that load fails on any rank, from the durable tier. The tier that served
-        it is logged and kept in :attr:`last_load_tier`."""
+        or where that load fails on any rank, from the durable tier. Without ``step``, a
+        step that no tier can load on every rank is passed over for the next older one
+        (each refusal logged); every rank loads the same step, and this raises, listing
+        what was tried, only when none loads. The tier that served it is logged and kept
+        in :attr:`last_load_tier`."""
         target = state_dict if isinstance(state_dict, dict) else state_dict.state_dict()
-        local = self.local_tier.rebuildable() if self.local_tier is not None else {}
-        if step is None:
-            durable = self.steps()
-            step = max([*local, *durable[-1:]], default=None)
+        if self.local_tier is None:
             if step is None:
-                raise CheckpointError(f"no committed checkpoint under {self.root}")
-        elif step not in local and not self._step(step).exists(METADATA_FILE):
-            raise self._not_committed(step, max([*local, *self.steps()[-1:]], default=None))
-        found = local.get(step)
-        tier: Literal["local", "durable"] = "durable"
-        if found is not None:
-            assert self.local_tier is not None
-            try:
-                remote = self.local_tier.load(target, found, strict, trusted)
-                tier = "local"
-                logger.info(
-                    "rank %d loaded step %d from the local tier (%d file(s) from peer replicas)",
-                    self._saver.rank,
-                    step,
-                    remote,
-                )
-            except CheckpointError as exc:
-                if step not in self.steps():
-                    raise
-                logger.warning(
-                    "the local tier could not serve step %d, loading it from %s: %s",
-                    step,
-                    self.root,
-                    exc,
-                )
-        if tier == "durable":
+                durable = self.steps()
+                if not durable:
+                    raise CheckpointError(f"no committed checkpoint under {self.root}")
+                step = durable[-1]
+            elif not self._step(step).exists(METADATA_FILE):
+                raise self._not_committed(step, max(self.steps()[-1:], default=None))
             loader.load(target, self._step(step), strict=strict, trusted=trusted)
             logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
+            tier: Literal["local", "durable"] = "durable"
+        else:
+            step, tier = self._load_two_tier(target, step, strict, trusted)
         if not isinstance(state_dict, dict):
             state_dict.load_state_dict(target)
         if self.local_tier is not None:
             self.local_tier.discard_newer(step)
         self.last_load_tier = tier
         return step
+
+    def _load_two_tier(
+        self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
+    ) -> tuple[int, Literal["local", "durable"]]:
+        """Load ``step`` (``None``: the newest step either tier can serve, falling back to
+        older ones) into ``target``, every rank the same step from the same tier.
+
+        Each candidate, newest first: the local tier where it can rebuild it, then the
+        durable tier where it holds it; an attempt that fails on any rank fails on all
+        (their outcomes are gathered through the store), is logged, and the next is
+        tried; an attempt that succeeds has written every value of ``target``, so what a
+        failed one left is overwritten. Raises, listing every attempt, only when none
+        loads; the error then says that ``target`` may hold part of a failed attempt."""
+        assert self.local_tier is not None
+        local = self.local_tier.rebuildable()
+        durable = self.steps()
+        if step is None:
+            candidates = sorted(set(local) | set(durable), reverse=True)
+            if not candidates:
+                raise CheckpointError(
+                    f"no committed checkpoint under {self.root} or its local tier"
+                )
+        elif step not in local and step not in durable:
+            raise self._not_committed(step, max([*local, *durable[-1:]], default=None))
+        else:
+            candidates = [step]
+        tried = []
+        attempted = False
+        for candidate in candidates:
+            found = local.get(candidate)
+            if found is not None:
+                attempted = True
+                try:
+                    remote = self.local_tier.load(target, found, strict, trusted)
+                except CheckpointError as exc:
+                    tried.append(f"step {candidate} from the local tier: {exc}")
+                    logger.warning("the local tier could not serve step %d: %s", candidate, exc)
+                else:
+                    logger.info(
+                        "rank %d loaded step %d from the local tier (%d file(s) from peers)",
+                        self._saver.rank,
+                        candidate,
+                        remote,
+                    )
+                    return candidate, "local"
+            if candidate in durable:
+                attempted = True
+                error = None
+                try:
+                    loader.load(target, self._step(candidate), strict=strict, trusted=trusted)
+                except Exception as exc:
+                    error = f"rank {self._saver.rank}: {type(exc).__name__}: {exc}"
+                errors = self.local_tier.agree(f"load durable step {candidate}", error)
+                if not errors:
+                    logger.info(
+                        "rank %d loaded step %d from %s", self._saver.rank, candidate, self.root
+                    )
+                    return candidate, "durable"
+                tried.append(f"step {candidate} from {self.root}: " + "; ".join(errors))
+                logger.warning("could not load step %d from %s: %s", candidate, self.root, errors)
+            elif found is None:
+                tried.append(f"step {candidate}: neither tier holds it")
+        partial = (
+            "; the state dict may hold part of a failed attempt (some of its tensors loaded, "
+            "others not): do not train from it"
+            if attempted
+            else ""
+        )
+        raise CheckpointError(
+            "no checkpoint could be loaded on every rank; tried " + " | ".join(tried) + partial
+        )
 
     def _not_committed(self, step: int, newest: int | None) -> CheckpointError:
         found = (

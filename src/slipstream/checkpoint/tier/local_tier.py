@@ -8,7 +8,8 @@ a thread this tier owns, each rank streams its file to its replica ranks
 (:mod:`.nodes`), and rank 0 its ``.metadata`` and index to those and to one rank of every
 other node, over the peer link (:mod:`.replication`). Rank 0 gathers every rank's report
 through the store and decides; only then does each node's lowest rank write the step's
-marker (``.local_commit``, the step's manifest: every file and its size).
+marker (``.local_commit``, the step's manifest: every file, its size and its digest,
+under a MAC with the node's key; :mod:`.sealing`).
 
 Invariants:
 
@@ -72,10 +73,12 @@ import torch.distributed as dist
 
 from ...core.control_plane import ranks_text
 from ...core.handles import fail_unfinished
+from ...core.peer_auth import HmacAuth, new_secret
 from ...core.peer_link import PeerServer
 from ...core.threads import lower_thread_priority
 from ...core.waits import Deadline
 from ...errors import CheckpointError, CorruptCheckpointError, PeerDiedError, SlipstreamError
+from ..format.index import CheckpointIndex
 from ..format.names import (
     METADATA_FILE,
     SPARE_DIR,
@@ -85,8 +88,9 @@ from ..format.names import (
     step_dir,
     step_dirs,
 )
-from ..format.safe_types import Trusted
+from ..format.safe_types import Trust, Trusted
 from ..load import loader
+from ..load.reader import CheckpointReader
 from ..save.channel import LIVENESS_CHECK_SECONDS, SILENT_AFTER_SECONDS
 from ..save.job import AsyncSaveResponse
 from ..save.options import SaveOptions
@@ -95,6 +99,7 @@ from ..storage import LocalStorage, Storage
 from .messages import (
     HeldStep,
     HostAnnouncement,
+    LinkSecret,
     LoadReport,
     LocalCommitMarker,
     NodeCleared,
@@ -109,6 +114,15 @@ from .nodes import NodeMap
 from .options import LocalTier, default_host, default_root
 from .peer_storage import PeerStepStorage
 from .replication import PeerDirectory, TierFiles
+from .sealing import (
+    blocks_digests,
+    bytes_digest,
+    check_blocks,
+    file_digest,
+    mac_matches,
+    manifest_mac,
+    node_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +135,13 @@ named together)."""
 
 @dataclass(frozen=True)
 class Rebuildable:
-    """A local step the job can load: its manifest (file: size) and, per file, the ranks
-    whose nodes hold it."""
+    """A local step the job can load: its manifest (file: size, file: digest) and, per
+    file, the ranks whose nodes hold it."""
 
     step: int
     manifest: dict[str, int]
     holders: dict[str, list[int]]
+    digests: dict[str, str]
 
 
 class LocalTierSaver:
@@ -168,15 +183,19 @@ class LocalTierSaver:
         )
         self.storage.prepare()
         self.channel.post(TierTopics.root(), TierRoot(self.storage.url))
+        if self.is_leader:
+            node_key(self.storage, create=True)
         self._files = TierFiles(self.storage)
         priority = (self.options.thread_nice, self.options.idle_threads)
+        auth = HmacAuth(self._job_secret())
         self._server = PeerServer(
             tier.host or default_host(),
             self._files,
             self.timeout,
+            auth,
             thread_start=lambda: lower_thread_priority(*priority),
         )
-        self._peers = PeerDirectory(self.channel, self._server.address, self.timeout)
+        self._peers = PeerDirectory(self.channel, self._server.address, self.timeout, auth)
         self._thread = ThreadPoolExecutor(
             1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
         )
@@ -199,6 +218,24 @@ class LocalTierSaver:
         """Called on the replication thread with the step, before this rank sends any
         replica of it (instrumentation, and tests that stop a node mid-replication); an
         exception it raises fails this rank's part of the save."""
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where this rank's peer link listens (host, port)."""
+        return self._server.address
+
+    def _job_secret(self) -> bytes:
+        """The peer link's secret: made by rank 0, handed to every rank through the job's
+        store (the job's trust root), never written anywhere else."""
+        topic = TierTopics.secret()
+        if self.rank == 0:
+            secret = new_secret()
+            self.channel.post(topic, LinkSecret(secret))
+            return secret
+        message = self.channel.receive(
+            topic, LinkSecret.from_json, 0, Deadline(self.timeout), "publish the peer link secret"
+        )
+        return message.secret
 
     # -- saving -----------------------------------------------------------------------
 
@@ -308,7 +345,7 @@ class LocalTierSaver:
             written.upload_completion.result()
             if self.before_replication is not None:
                 self.before_replication(step)
-            report = ReplicationReport(self._send_own(location, step_name, written))
+            report = ReplicationReport(*self._send_own(location, step_name, written))
         except BaseException as exc:
             save_failed = written.upload_completion.exception() is not None
             if save_failed and not isinstance(exc, PeerDiedError):
@@ -324,7 +361,9 @@ class LocalTierSaver:
         self.channel.post(TierTopics.replicated(step), report)
         if self.rank == 0:
             failed = written.upload_completion.exception()
-            self._decide(step, deadline, str(failed) if isinstance(failed, PeerDiedError) else None)
+            self._decide(
+                step, location, deadline, str(failed) if isinstance(failed, PeerDiedError) else None
+            )
         try:
             outcome = self.channel.receive(
                 TierTopics.commit(step),
@@ -341,7 +380,7 @@ class LocalTierSaver:
                     raise PeerDiedError(message, dead, f"local step {step}")
                 raise CheckpointError(message)
             if self.is_leader:
-                self._mark(seq, step, location, outcome.files)
+                self._mark(seq, step, location, outcome)
         except BaseException as exc:
             if self.is_leader:
                 self._post_marked(seq, NodeMarked(step, str(exc)))
@@ -355,9 +394,9 @@ class LocalTierSaver:
         self._committed_steps.append(step)
         self._files.forget(step_name)  # no file handle keeps a retired step's files
 
-    def _mark(self, seq: int, step: int, location: Storage, files: dict[str, int]) -> None:
+    def _mark(self, seq: int, step: int, location: Storage, outcome: TierCommitOutcome) -> None:
         """Write the step's marker on this node (its lowest rank), then tell the node."""
-        marker = LocalCommitMarker(step, self.nodes.world_size, files)
+        marker = self._marker(step, outcome)
         with self._dir_lock:
             location.put_atomic(MARKER_FILE, marker.to_json())
         self._post_marked(seq, NodeMarked(step))
@@ -386,10 +425,19 @@ class LocalTierSaver:
                 f"({leader}) could not write the marker: {marked.error}"
             )
 
+    def _marker(self, step: int, outcome: TierCommitOutcome) -> LocalCommitMarker:
+        """The step's marker, its manifest sealed with this node's key."""
+        key = node_key(self.storage, create=True)
+        assert key is not None
+        world = self.nodes.world_size
+        mac = manifest_mac(key, step, world, outcome.files, outcome.digests)
+        return LocalCommitMarker(step, world, outcome.files, outcome.digests, mac)
+
     def _send_own(
         self, location: Storage, step_name: str, written: AsyncSaveResponse
-    ) -> dict[str, int]:
-        """Send this rank's files of the step to their replica ranks; return their sizes."""
+    ) -> tuple[dict[str, int], dict[str, str]]:
+        """Send this rank's files of the step to their replica ranks; return their sizes
+        and the contents digests of the small ones (rank 0's ``.metadata`` and index)."""
         own = [data_file_name(self.rank)]
         targets = {own[0]: list(self.peers)}
         if self.rank == 0:
@@ -402,21 +450,24 @@ class LocalTierSaver:
             leaders = [self.nodes.leader(n) for n in range(self.nodes.nodes) if n != self.node]
             for small in (METADATA_FILE, index_file(0)):
                 targets[small] = sorted(set(self.peers) | set(leaders))
-        sizes = {}
+        sizes, digests = {}, {}
         for file, ranks in targets.items():
             if not location.exists(file):
                 raise CheckpointError(f"{location.url}/{file}: this rank's local save is missing")
-            sizes[file] = location.size(file)
-            for peer in ranks:
-                self._peers.send(peer, location, step_name, file)
-        return sizes
+            sizes[file] = self._peers.send(ranks, location, step_name, file)
+            if file != own[0]:
+                digests[file] = file_digest(location, file, sizes[file])
+        return sizes, digests
 
-    def _decide(self, step: int, deadline: Deadline, save_death: str | None) -> None:
-        """Rank 0: gather every rank's report on ``step`` and post the outcome. Where a
-        rank is found dead, wait on (:data:`LATE_DEATHS_SECONDS` at most) for the others
-        to report or be found dead too, so that the outcome names every dead rank.
-        ``save_death``: the error of the local save itself, where it failed by a death
-        (the same text on every rank)."""
+    def _decide(
+        self, step: int, location: Storage, deadline: Deadline, save_death: str | None
+    ) -> None:
+        """Rank 0: gather every rank's report on ``step`` and post the outcome: the manifest,
+        each data file's digest taken from the index (:mod:`.sealing`), or why the step
+        failed. Where a rank is found dead, wait on (:data:`LATE_DEATHS_SECONDS` at most) for
+        the others to report or be found dead too, so that the outcome names every dead rank.
+        ``save_death``: the error of the local save itself, where it failed by a death (the
+        same text on every rank)."""
         topic = TierTopics.replicated(step)
         what = f"replicate local step {step}"
         try:
@@ -432,7 +483,7 @@ class LocalTierSaver:
                 reports, found, missing = self.channel.gather_living(
                     topic, ReplicationReport.from_json, Deadline(LATE_DEATHS_SECONDS), what
                 )
-            outcome = self._outcome(step, reports, found, missing, save_death)
+            outcome = self._outcome(step, location, reports, found, missing, save_death)
         except BaseException as exc:
             dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []
             outcome = TierCommitOutcome(error=str(exc), dead=dead)
@@ -445,6 +496,7 @@ class LocalTierSaver:
     def _outcome(
         self,
         step: int,
+        location: Storage,
         reports: dict[int, ReplicationReport],
         found: dict[int, str],
         missing: list[int],
@@ -478,9 +530,13 @@ class LocalTierSaver:
         if errors:
             return TierCommitOutcome(error="; ".join(errors))
         files: dict[str, int] = {}
+        digests: dict[str, str] = {}
         for m in reports.values():
             files.update(m.files)
-        return TierCommitOutcome(files)
+            digests.update(m.digests)
+        data = sorted(set(files) - set(digests))
+        digests.update(blocks_digests(self._index(location, digests), data))
+        return TierCommitOutcome(files, digests)
 
     def _where(self, ranks: list[int], step: int | None = None) -> str:
         """The nodes of ``ranks`` and their local-tier directories (of ``step``), as each
@@ -509,6 +565,15 @@ class LocalTierSaver:
     def _reasons(dead: Mapping[int, str]) -> str:
         return "; ".join(f"rank {r}: {why}" for r, why in sorted(dead.items()))
 
+    @staticmethod
+    def _index(location: Storage, digests: dict[str, str]) -> CheckpointIndex:
+        """The step's index, as rank 0 wrote it and digested it for the manifest."""
+        name = index_file(0)
+        data = location.get(name)
+        if data is None or bytes_digest(data) != digests.get(name):
+            raise CheckpointError(f"{location.url}/{name} changed while it was replicated")
+        return CheckpointIndex.from_json(data, f"{location.url}/{name}")
+
     def _retain(self) -> None:
         """Delete this node's committed steps older than the last ``keep_last``."""
         try:
@@ -534,29 +599,52 @@ class LocalTierSaver:
     # -- recovery ---------------------------------------------------------------------
 
     def _inventory(self) -> StepInventory:
-        """This node's committed steps: each one's manifest and the files held whole."""
+        """This node's committed steps whose marker verifies under the node's key: each
+        one's manifest and the files held whole (a marker that does not verify is logged
+        and left out, as a corrupt one is)."""
         steps: dict[int, HeldStep] = {}
+        try:
+            key = node_key(self.storage, create=False)
+        except (OSError, SlipstreamError) as exc:
+            logger.warning("no local step of %s can be verified: %s", self.storage.url, exc)
+            return StepInventory(steps)
         for step, name in step_dirs(self.storage.list_children()).items():
             location = self.storage.child(name)
             try:
-                data = location.get(MARKER_FILE)
-                if data is None:
-                    continue
-                manifest = LocalCommitMarker.from_json(data, f"{location.url}/{MARKER_FILE}").files
-                held = [
-                    f for f, n in manifest.items() if location.exists(f) and location.size(f) == n
-                ]
+                held_step = self._held(step, location, key)
             except (OSError, SlipstreamError) as exc:
                 logger.warning("skipped local step %s: %s", location.url, exc)
                 continue
             finally:
                 location.close()
-            steps[step] = HeldStep(manifest, held)
+            if held_step is not None:
+                steps[step] = held_step
         return StepInventory(steps)
+
+    def _held(self, step: int, location: Storage, key: bytes | None) -> HeldStep | None:
+        """What this node holds of ``step`` under its verified marker; ``None`` where it
+        has no marker. Raises where the marker is refused."""
+        where = f"{location.url}/{MARKER_FILE}"
+        data = location.get(MARKER_FILE)
+        if data is None:
+            return None
+        marker = LocalCommitMarker.from_json(data, where)
+        if key is None:
+            raise CorruptCheckpointError(f"{where}: the node has no key to verify it with")
+        want = manifest_mac(key, marker.step, marker.world_size, marker.files, marker.digests)
+        if marker.step != step or not mac_matches(marker.mac, want):
+            raise CorruptCheckpointError(
+                f"{where}: refused, its MAC does not verify under this node's key (a marker "
+                "this job did not write)"
+            )
+        held = [f for f, n in marker.files.items() if location.exists(f) and location.size(f) == n]
+        return HeldStep(marker.files, marker.digests, held)
 
     def rebuildable(self) -> dict[int, Rebuildable]:
         """The local steps the job can load, by step (every rank calls this together and
-        gets the same answer), once the local saves in flight have committed or failed."""
+        gets the same answer). A node whose manifest of a step differs from the lowest
+        rank's that reported it is not counted as holding any of its files. Answered once
+        the local saves in flight have committed or failed."""
         self.wait_previous()
         number = self._rounds
         self._rounds += 1
@@ -566,60 +654,81 @@ class LocalTierSaver:
             topic, StepInventory.from_json, Deadline(self.timeout), "list their local steps"
         )
         self._forget_round(number - 2)
-        manifests: dict[int, dict[str, int]] = {}
+        manifests: dict[int, HeldStep] = {}
         holders: dict[int, dict[str, list[int]]] = {}
         for rank, inventory in enumerate(found):
             for step, entry in inventory.steps.items():
-                manifests.setdefault(step, entry.files)
+                first = manifests.setdefault(step, entry)
+                if (first.files, first.digests) != (entry.files, entry.digests):
+                    logger.warning(
+                        "rank %d's node holds a manifest of local step %d that differs from "
+                        "the one rank %d's node holds: its files of that step are not read",
+                        rank,
+                        step,
+                        min(r for r, i in enumerate(found) if step in i.steps),
+                    )
+                    continue
                 for file in entry.held:
                     holders.setdefault(step, {}).setdefault(file, []).append(rank)
         return {
-            step: Rebuildable(step, manifest, holders.get(step, {}))
-            for step, manifest in manifests.items()
-            if all(f in holders.get(step, {}) for f in manifest)
+            step: Rebuildable(step, m.files, holders.get(step, {}), m.digests)
+            for step, m in manifests.items()
+            if all(f in holders.get(step, {}) for f in m.files)
         }
 
     def load(
         self, state_dict: dict[str, Any], found: Rebuildable, strict: bool, trusted: Trusted
     ) -> int:
         """Load ``found`` into ``state_dict``, files this node lacks read from peers; every
-        rank waits for every other before returning (so each keeps serving its files
-        until all have read them), and all raise if any failed. Returns how many files
-        this rank read from peers."""
+        rank waits for every other before returning (so each keeps serving its files until
+        all have read them), and all raise if any failed. Returns how many files this rank
+        read from peers.
+
+        A small file is taken only where its contents match the manifest's digest; the
+        index's checksums of each data file must match the manifest's digest of it before
+        any byte is read, and every byte read is verified against them. A file refused is
+        logged on this rank with the peer that served it (rank and address) and why. Waits
+        first for the local saves in flight."""
         self.wait_previous()
         step_name = step_dir(found.step)
         storage = PeerStepStorage(
             self.storage.child(step_name),
             step_name,
             found.manifest,
+            found.digests,
             found.holders,
             self.rank,
             self._peers.client,
         )
         error = None
         try:
-            loader.load(state_dict, storage, strict=strict, trusted=trusted)
+            reader = CheckpointReader(storage, trust=Trust.of(trusted))
+            try:
+                check_blocks(reader.index, found.digests, reader.path)
+            except BaseException:
+                reader.close()
+                raise
+            loader.load_from(reader, state_dict, strict=strict)
         except Exception as exc:
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-            if isinstance(exc, CorruptCheckpointError):
-                served = [f"{f} from {who}" for f, who in sorted(storage.served.items())]
-                named = [f for f in served if f.split(" ", 1)[0] in str(exc)]
-                if named or served:
-                    error += f" (read from peers: {', '.join(named or served)})"
+            error = f"rank {self.rank}: {type(exc).__name__}: {exc}{storage.sources()}"
+            logger.warning("rank %d could not load local step %d: %s", self.rank, found.step, error)
         finally:
             storage.close()
+        errors = self.agree(f"load local step {found.step}", error)
+        if errors:
+            raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
+        return len(storage.remote)
+
+    def agree(self, what: str, error: str | None) -> list[str]:
+        """Every rank's outcome of ``what`` (``error``: this rank's failure, or ``None``),
+        gathered through the store: every rank gets the same list of errors."""
         number = self._rounds
         self._rounds += 1
         topic = TierTopics.loaded(number)
         self.channel.post(topic, LoadReport(error))
-        reports = self.channel.gather(
-            topic, LoadReport.from_json, Deadline(self.timeout), f"load local step {found.step}"
-        )
+        reports = self.channel.gather(topic, LoadReport.from_json, Deadline(self.timeout), what)
         self._forget_round(number - 2)
-        errors = [m.error for m in reports if m.error is not None]
-        if errors:
-            raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
-        return len(storage.remote)
+        return [m.error for m in reports if m.error is not None]
 
     def _forget_round(self, number: int) -> None:
         """Drop this rank's messages of round ``number``: every rank has read them once

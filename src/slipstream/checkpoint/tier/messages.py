@@ -13,6 +13,7 @@ local save of step ``s``, round by round:
    posts :class:`NodeMarked` at ``tier/marked/{s}``; its node's other ranks wait for it.
 
 Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name),
+:class:`LinkSecret` at ``tier/secret`` (rank 0's, the peer link's shared secret),
 :class:`PeerAddress` at ``tier/address`` (where a rank's peer link listens) and
 :class:`TierRoot` at ``tier/root`` (where its node keeps the tier, for errors). Recovery:
 :class:`StepInventory` at ``tier/inventory/{n}``, then :class:`LoadReport` at
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ...core.control_plane import store_key
 from ...errors import CheckpointError, CorruptCheckpointError
 from ..format.fields import Fields, decode_json, int_list
+from .sealing import digest_kind
 
 
 class TierTopics:
@@ -40,6 +42,10 @@ class TierTopics:
     @staticmethod
     def host() -> str:
         return store_key("tier", "host")
+
+    @staticmethod
+    def secret() -> str:
+        return store_key("tier", "secret")
 
     @staticmethod
     def address() -> str:
@@ -83,6 +89,18 @@ def _sizes(f: Fields, name: str) -> dict[str, int]:
     return dict(raw)
 
 
+def _digests(f: Fields, name: str, files: dict[str, int], every: bool = True) -> dict[str, str]:
+    """The object at ``name`` as file digests (:mod:`.sealing`), one per file of ``files``
+    (``every``) or for some of them."""
+    raw = f.get(name, dict)
+    for file, digest in raw.items():
+        if not isinstance(digest, str) or not digest_kind(digest):
+            raise f.fail(name, f"entry {file!r:.80} is not a digest of a kind it knows")
+    if set(raw) - set(files) or (every and set(raw) != set(files)):
+        raise f.fail(name, "does not name the same files as the manifest")
+    return dict(raw)
+
+
 def _message(text: str | bytes, what: str) -> Fields:
     return Fields(decode_json(text, what, CheckpointError), what, CheckpointError)
 
@@ -99,6 +117,24 @@ class HostAnnouncement:
     @classmethod
     def from_json(cls, text: str | bytes, what: str) -> HostAnnouncement:
         return cls(_message(text, what).get("host", str))
+
+
+@dataclass(frozen=True)
+class LinkSecret:
+    """The secret every rank's peer link proves it holds (hex; never shown in a ``repr``)."""
+
+    secret: bytes = field(repr=False)
+
+    def to_json(self) -> str:
+        return json.dumps({"secret": self.secret.hex()})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> LinkSecret:
+        f = _message(text, what)
+        try:
+            return cls(bytes.fromhex(f.get("secret", str)))
+        except ValueError:
+            raise f.fail("secret", "is not hex") from None
 
 
 @dataclass(frozen=True)
@@ -167,15 +203,20 @@ class TierRoot:
 
 @dataclass(frozen=True)
 class _FilesOrError:
-    """Files and their sizes (``files``), or why there are none (``error``, and the ranks
+    """Files, their sizes (``files``) and digests (``digests``, :mod:`.sealing`; for each
+    file where :attr:`every_digest`), or why there are none (``error``, and the ranks
     found ``dead``): a message reads back as one or the other, never both."""
 
+    every_digest: ClassVar[bool] = True
+
     files: dict[str, int] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
     error: str | None = None
     dead: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps({"files": self.files, "error": self.error, "dead": self.dead})
+        body = {"files": self.files, "digests": self.digests, "error": self.error}
+        return json.dumps({**body, "dead": self.dead})
 
     @classmethod
     def from_json(cls: type[_F], text: str | bytes, what: str) -> _F:
@@ -184,7 +225,8 @@ class _FilesOrError:
         if error is not None:
             dead = int_list(f.get("dead", list), f"{what}: field 'dead'", CheckpointError)
             return cls(error=error, dead=dead)
-        return cls(_sizes(f, "files"))
+        files = _sizes(f, "files")
+        return cls(files, _digests(f, "digests", files, cls.every_digest))
 
 
 _F = TypeVar("_F", bound=_FilesOrError)
@@ -193,7 +235,10 @@ _F = TypeVar("_F", bound=_FilesOrError)
 @dataclass(frozen=True)
 class ReplicationReport(_FilesOrError):
     """A rank's files of a local step are on their replica ranks (``files``: each one's
-    size), or why not (``error``, and the ranks found ``dead``)."""
+    size; ``digests``: the contents digests of the small ones), or why not (``error``, and
+    the ranks found ``dead``). Rank 0 adds the data files' digests when it decides."""
+
+    every_digest: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -204,32 +249,39 @@ class TierCommitOutcome(_FilesOrError):
 
 @dataclass(frozen=True)
 class LocalCommitMarker:
-    """``.local_commit``: a local step is committed; its manifest (every file and its
-    size) and the world size that wrote it."""
+    """``.local_commit``: a local step is committed; its manifest (every file, its size and
+    its digest), the world size that wrote it, and the manifest's MAC under the node's key
+    (:mod:`.sealing`)."""
 
     step: int
     world_size: int
     files: dict[str, int]
+    digests: dict[str, str]
+    mac: str
 
     def to_json(self) -> bytes:
         body = {"step": self.step, "world_size": self.world_size, "files": self.files}
-        return json.dumps(body).encode()
+        return json.dumps({**body, "digests": self.digests, "mac": self.mac}).encode()
 
     @classmethod
     def from_json(cls, text: str | bytes, what: str) -> LocalCommitMarker:
         f = Fields(decode_json(text, what, CorruptCheckpointError), what, CorruptCheckpointError)
-        return cls(f.get("step", int), f.get("world_size", int), _sizes(f, "files"))
+        files = _sizes(f, "files")
+        step, world_size = f.get("step", int), f.get("world_size", int)
+        return cls(step, world_size, files, _digests(f, "digests", files), f.get("mac", str))
 
 
 @dataclass(frozen=True)
 class HeldStep:
-    """One committed local step on a node: its manifest and the files the node holds whole."""
+    """One committed local step on a node: its manifest (sizes and digests) and the files
+    the node holds whole."""
 
     files: dict[str, int]
+    digests: dict[str, str]
     held: list[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"files": self.files, "held": self.held}
+        return {"files": self.files, "digests": self.digests, "held": self.held}
 
     @classmethod
     def from_dict(cls, raw: object, what: str) -> HeldStep:
@@ -239,7 +291,7 @@ class HeldStep:
         for file in held:
             if file not in files:
                 raise f.fail("held", f"names {file!r:.80}, which the manifest does not list")
-        return cls(files, [str(x) for x in held])
+        return cls(files, _digests(f, "digests", files), [str(x) for x in held])
 
 
 @dataclass(frozen=True)

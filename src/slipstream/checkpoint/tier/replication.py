@@ -20,6 +20,7 @@ import re
 import threading
 from collections.abc import Callable
 
+from ...core.peer_auth import LinkAuth
 from ...core.peer_link import CHUNK_BYTES, PeerClient
 from ...core.waits import Deadline
 from ..save.channel import RankChannel
@@ -132,13 +133,24 @@ def _receive_mapped(
         os.close(fd)
 
 
+def send_file(client: PeerClient, location: Storage, name: str, file: str, size: int) -> None:
+    """Put ``size`` bytes of ``file`` of ``location`` to ``client``'s peer as ``name``."""
+    if isinstance(location, LocalStorage):
+        client.put_file(name, os.path.join(location.path, file), size)
+    else:
+        client.put(name, size, lambda offset, buf: location.read_into(file, offset, buf))
+
+
 class PeerDirectory:
     """Every rank's peer link address, posted once to the channel and read when first
-    needed; one pooled client per peer."""
+    needed; one pooled client per peer, authenticated by ``auth``."""
 
-    def __init__(self, channel: RankChannel, address: tuple[str, int], timeout: float) -> None:
+    def __init__(
+        self, channel: RankChannel, address: tuple[str, int], timeout: float, auth: LinkAuth
+    ) -> None:
         self.channel = channel
         self.timeout = timeout
+        self._auth = auth
         self._clients: dict[int, PeerClient] = {}
         self._lock = threading.Lock()
         channel.post(TierTopics.address(), PeerAddress(address[0], address[1]))
@@ -156,21 +168,17 @@ class PeerDirectory:
             "publish its local-tier address",
         )
         address = (posted.host, posted.port)
-        client = PeerClient(address, f"rank {rank} ({address[0]}:{address[1]})", rank, self.timeout)
+        who = f"rank {rank} ({address[0]}:{address[1]})"
+        client = PeerClient(address, who, rank, self.timeout, self._auth)
         with self._lock:
             return self._clients.setdefault(rank, client)
 
-    def send(self, rank: int, location: Storage, step_name: str, file: str) -> int:
-        """Copy ``file`` of ``location`` to ``rank``'s node as ``step_name/file``; returns
-        its size once the peer has stored it whole."""
+    def send(self, ranks: list[int], location: Storage, step_name: str, file: str) -> int:
+        """Copy ``file`` of ``location`` to each of ``ranks``' nodes as ``step_name/file``;
+        returns its size once every peer has stored it whole."""
         size = location.size(file)
-        name = f"{step_name}/{file}"
-        if isinstance(location, LocalStorage):
-            self.client(rank).put_file(name, os.path.join(location.path, file), size)
-        else:
-            self.client(rank).put(
-                name, size, lambda offset, buf: location.read_into(file, offset, buf)
-            )
+        for rank in ranks:
+            send_file(self.client(rank), location, f"{step_name}/{file}", file, size)
         return size
 
     def close(self) -> None:
