@@ -131,6 +131,10 @@ class RankChannel:
             self.dead = {r: m for r, m in self.dead.items() if r in still}
         return dict(self.dead)
 
+    def dead_among(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Which of ``ranks`` are dead now, and why (a notice's words, or their silence)."""
+        return self._liveness.dead(ranks)
+
     def report_dead(self, rank: int, why: str) -> None:
         """Tell every rank's waits that ``rank`` is gone (``why``: e.g. its connection
         dropped), so they name it at once instead of after :data:`SILENT_AFTER_SECONDS`;

@@ -516,9 +516,13 @@ class LocalTierSaver:
                 f"{ranks_text(missing)} did not report on local step {step} within "
                 f"{LATE_DEATHS_SECONDS:.0f} s of the first death"
             )
+        # a rank reported dead by another may have posted its own report first: the
+        # notice of whoever saw it go says how
+        reported = sorted({p for m in reports.values() for p in m.dead} - set(dead))
+        noticed = self.channel.dead_among(reported) if reported else {}
         for rank, m in sorted(reports.items()):
             for peer in m.dead:
-                dead.setdefault(peer, f"seen dead by rank {rank}")
+                dead.setdefault(peer, noticed.get(peer, f"seen dead by rank {rank}"))
             if m.error is not None and m.error not in deaths and m.error not in errors:
                 errors.append(m.error)
         if dead:
