@@ -34,11 +34,13 @@ from test_two_tier import (
     RANKS_PER_NODE,
     TIMEOUT,
     WORLD,
+    Warnings,
     assert_same,
     checkpointer,
     initial_state,
     node_dir,
     reference,
+    save_steps,
     train_step,
 )
 
@@ -171,23 +173,6 @@ def snapshot(base: str) -> dict[str, bytes]:
 # -- a forged step --------------------------------------------------------------------------
 
 
-def _save_steps(rank: int, world: int, base: str, steps: int) -> None:
-    state = initial_state(rank)
-    with checkpointer(base, rank) as ck:
-        for step in range(1, steps + 1):
-            train_step(state, rank, step)
-            ck.save(step, state).result(TIMEOUT)
-
-
-class Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _resume_and_check(rank: int, world: int, base: str, want_step: int) -> None:
     warnings = Warnings()
     logging.getLogger("slipstream").addHandler(warnings)
@@ -251,7 +236,7 @@ def forge(source: str, target: str, step: int) -> None:
 
 def test_a_forged_step_in_the_nodes_directories_is_never_loaded(tmp_path):
     base = str(tmp_path)
-    run_workers(_save_steps, WORLD, base, 4, timeout=90)
+    run_workers(save_steps, WORLD, base, 4, timeout=90)
     for node in (0, 1):
         root = os.path.join(base, f"node{node}")
         forge(os.path.join(root, "step_4"), os.path.join(root, "step_1006"), 1006)
@@ -273,7 +258,7 @@ def test_a_forged_step_in_the_nodes_directories_is_never_loaded(tmp_path):
 
 def test_a_bogus_replica_falls_back_to_the_previous_step_bit_for_bit(tmp_path):
     base = str(tmp_path)
-    run_workers(_save_steps, WORLD, base, 4, timeout=90)
+    run_workers(save_steps, WORLD, base, 4, timeout=90)
     # node 1 is lost; node 0 is the only node left holding rank 2's file of step 4 (its
     # replica), and that replica is random bytes under the genuine name and size
     shutil.rmtree(node_dir(base, RANKS_PER_NODE))
@@ -297,7 +282,7 @@ def test_a_bogus_replica_falls_back_to_the_previous_step_bit_for_bit(tmp_path):
 
 def test_bogus_replicas_of_every_local_step_fall_back_to_the_durable_tier(tmp_path):
     base = str(tmp_path)
-    run_workers(_save_steps, WORLD, base, 5, timeout=90)  # durable: step 5; local: 4 and 5
+    run_workers(save_steps, WORLD, base, 5, timeout=90)  # durable: step 5; local: 4 and 5
     shutil.rmtree(node_dir(base, RANKS_PER_NODE))
     for step in (4, 5):
         replica = os.path.join(base, "node0", f"step_{step}", "__2_0.distcp")
@@ -328,7 +313,7 @@ def test_where_nothing_loads_the_error_lists_every_attempt_and_says_the_state_is
     tmp_path,
 ):
     base = str(tmp_path)
-    run_workers(_save_steps, WORLD, base, 5, timeout=90)  # durable: step 5; local: 4 and 5
+    run_workers(save_steps, WORLD, base, 5, timeout=90)  # durable: step 5; local: 4 and 5
     shutil.rmtree(node_dir(base, RANKS_PER_NODE))
     for where in ("node0/step_4", "node0/step_5", "durable/step_5"):
         bogus = os.path.join(base, where, "__2_0.distcp")

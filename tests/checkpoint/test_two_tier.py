@@ -250,7 +250,7 @@ def test_a_peer_dying_during_replication_fails_the_step_naming_it(tmp_path):
     run_workers(_restart_and_check, WORLD, base, 2, timeout=60)
 
 
-def _save_steps(rank: int, world: int, base: str, steps: int) -> None:
+def save_steps(rank: int, world: int, base: str, steps: int) -> None:
     state = initial_state(rank)
     with checkpointer(base, rank) as ck:
         for step in range(1, steps + 1):
@@ -258,7 +258,9 @@ def _save_steps(rank: int, world: int, base: str, steps: int) -> None:
             ck.save(step, state).result(TIMEOUT)
 
 
-class _Records(logging.Handler):
+class Warnings(logging.Handler):
+    """The warnings logged in a worker, by message."""
+
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
@@ -268,7 +270,7 @@ class _Records(logging.Handler):
 
 
 def _load_refused(rank: int, world: int, base: str) -> None:
-    records = _Records()
+    records = Warnings()
     logging.getLogger("slipstream").addHandler(records)
     with checkpointer(base, rank) as ck:
         state = initial_state(rank)
@@ -285,7 +287,7 @@ def _load_refused(rank: int, world: int, base: str) -> None:
 
 def test_a_corrupt_replica_is_refused_naming_the_peer_and_the_job_falls_back_a_step(tmp_path):
     base = str(tmp_path)
-    run_workers(_save_steps, WORLD, base, 2, timeout=60)
+    run_workers(save_steps, WORLD, base, 2, timeout=60)
     shutil.rmtree(node_dir(base, 2))  # node 1 lost: rank 2's file is read from node 0
     step = os.path.join(base, "node0", "step_2")
     with open(os.path.join(step, ".slipstream.json")) as f:
