@@ -200,13 +200,16 @@ def read_offer(group: SyncGroup, trainer: int, timeout: float) -> TransportOffer
     probe = group.get_json(Keys.probe(trainer), trainer, what, timeout)
     if probe is not None:
         p = Probe(**probe)
-        if p.shared is not None:
-            mine = p.shared[str(group.rank)]
+        mine = p.shared.get(str(group.rank)) if p.shared is not None else None
+        if p.shared is None:
+            error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
+            group.set_json(Keys.probed(trainer, group.rank), {"error": error})
+        elif mine is not None:
+            # a rollout that joined after the probe (past the group's first world size) was
+            # not probed, and nobody waits for its answer
             assert isinstance(mine, dict)
             error = _open_probe(SharedBuffer(**mine), p.bytes)
-        else:
-            error = process_memory.probe(p.pid, p.addr, bytes(p.bytes))
-        group.set_json(Keys.probed(trainer, group.rank), {"error": error})
+            group.set_json(Keys.probed(trainer, group.rank), {"error": error})
     offer = TransportOffer.read(group.get_text(Keys.transport(trainer), trainer, what, timeout))
     if offer.error:
         raise SyncError(f"rollout rank {group.rank}: {offer.error}")
