@@ -289,6 +289,9 @@ def _lightning_run(report, root: str, steps: int) -> None:
 
         def on_train_batch_start(self, trainer, module, *_):
             # the first point after Lightning restored the optimizers too
+            self.report_resume(trainer, module)
+
+        def report_resume(self, trainer, module) -> None:
             if self.resumed:
                 return
             self.resumed = True
@@ -301,13 +304,14 @@ def _lightning_run(report, root: str, steps: int) -> None:
             report("step", trainer.global_step, state_digest(module.net, trainer.optimizers[0]))
 
     checkpoints = os.path.join(root, "checkpoints")
+    steps_seen = Steps()
     trainer = Trainer(
         max_steps=steps,
         accelerator="cpu",
         devices=1,
         plugins=[Reporting()],
         callbacks=[
-            Steps(),
+            steps_seen,
             ModelCheckpoint(
                 dirpath=checkpoints,
                 every_n_train_steps=1,
@@ -323,6 +327,8 @@ def _lightning_run(report, root: str, steps: int) -> None:
     )
     module = Module()
     trainer.fit(module, DataLoader(Batches(), batch_size=None), ckpt_path="last")
+    # a run that resumed from the last step's checkpoint trains no batch
+    steps_seen.report_resume(trainer, module)
     report("done", state_digest(module.net, trainer.optimizers[0]))
 
 
