@@ -62,3 +62,30 @@ def test_a_retired_file_a_reader_holds_open_is_deleted_not_written_over(tmp_path
             assert reader.read() == before
         assert os.stat(Path(ck.path(4)) / DATA).st_ino != held_inode
         assert ck.steps() == [4]
+
+
+def test_retirement_goes_on_when_a_save_claims_a_spare_while_it_is_checked(tmp_path, monkeypatch):
+    """A replica received on the peer link's thread may claim a spare the moment retirement
+    moves it there: retirement neither fails nor deletes the claimed file, and still moves
+    the step's other files and removes the step (the race the two-tier benchmark hit)."""
+    from slipstream.checkpoint.storage import recycle
+
+    step, spares = tmp_path / "step_1", tmp_path / ".spare"
+    step.mkdir()
+    for rank in (0, 1):
+        (step / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 4096)
+    claimed = tmp_path / "step_3" / "__0_0.distcp"
+    claimed.parent.mkdir()
+    checked = recycle._open_nowhere_else
+
+    def claimed_meanwhile(path: Path) -> bool:
+        if path.name == "__0_0.distcp":
+            recycle.claim(spares, path.name, str(claimed))
+        return checked(path)
+
+    monkeypatch.setattr(recycle, "_open_nowhere_else", claimed_meanwhile)
+    recycle.retire(step, spares)
+    assert not step.exists()
+    assert claimed.read_bytes() == bytes([0]) * 4096
+    assert not (spares / "__0_0.distcp").exists()
+    assert (spares / "__1_0.distcp").read_bytes() == bytes([1]) * 4096

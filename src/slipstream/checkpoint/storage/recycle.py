@@ -16,6 +16,9 @@ Invariants:
   the file is deleted instead, as without recycling, and the reader keeps its bytes.
 * Nothing opens a file in the spare directory but the save that claims it: the directory
   is hidden and never listed as a step, and the old path is gone once a file is moved.
+  A save (or a replica being received, on the peer link's thread) may claim a spare the
+  moment it lands there, while retirement still checks it: a spare that is gone by then is
+  the claimer's, and retirement goes on with the step's other files.
 * Where leases are not available (other systems, some network filesystems), retired files
   are deleted.
 """
@@ -43,7 +46,7 @@ def retire(step_dir: Path, spare_dir: Path) -> None:
             continue
         os.rename(entry.path, spare)
         if not _open_nowhere_else(spare):
-            spare.unlink()
+            spare.unlink(missing_ok=True)  # gone: a save claimed it in between, it is its own
     shutil.rmtree(step_dir)
 
 
