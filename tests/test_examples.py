@@ -2,14 +2,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ray_env import ray_env
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,
         text=True,
+        env=env,
         timeout=480,  # a hang guard, sized for a loaded machine (make check-busy)
     )
     assert done.returncode == 0, done.stderr
@@ -74,7 +77,7 @@ def test_torchtitan_config_switches_its_checkpointer_to_slipstream():
 def test_verl_backend_example_syncs_ray_actors_and_a_restarted_rollout_rejoins():
     import json
 
-    out = _run("verl_backend.py", "--updates", "4", "--kill-after", "2")
+    out = _run("verl_backend.py", "--updates", "4", "--kill-after", "2", env=ray_env())
     summary = json.loads(out.strip().splitlines()[-1])
     updates = [e for e in summary["events"] if "channel" in e]
     assert [e["versions"] for e in updates] == [[u, u] for u in range(4)]

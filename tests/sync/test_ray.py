@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ray_env import ray_env
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ray_weight_sync.py"
 
 
@@ -15,6 +17,7 @@ def test_a_restarted_rollout_actor_rejoins_and_holds_the_latest_version_exactly(
         [sys.executable, str(EXAMPLE), "--steps", "5", "--kill-after", "2"],
         capture_output=True,
         text=True,
+        env=ray_env(),
         timeout=480,  # a hang guard, sized for a loaded machine (make check-busy)
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
