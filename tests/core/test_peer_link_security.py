@@ -127,10 +127,21 @@ def test_a_replayed_handshake_is_refused_and_reaches_no_handler(link):
     assert b"s3cr3t" not in answer and handler.requests == 1
 
 
+def recv_all(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes (``MSG_WAITALL`` does not wait on a socket with a timeout: on a
+    loaded machine the payload came after the frame, and the read returned without it)."""
+    got = b""
+    while len(got) < n:
+        part = sock.recv(n - len(got))
+        if not part:
+            raise ConnectionError(f"closed after {len(got)} of {n} bytes")
+        got += part
+    return got
+
+
 def drain_frame_and_payload(sock: socket.socket, payload: int) -> bytes:
-    head = sock.recv(4, socket.MSG_WAITALL)
-    (length,) = struct.unpack("!I", head)
-    return sock.recv(length + 32 + payload, socket.MSG_WAITALL)
+    (length,) = struct.unpack("!I", recv_all(sock, 4))
+    return recv_all(sock, length + 32 + payload)
 
 
 def test_a_client_with_another_secret_is_told_the_server_failed_the_handshake(link):
