@@ -373,15 +373,19 @@ def _trainer_run(report, root: str, steps: int) -> None:
 
         def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
             model.step = state.global_step + 1
-            if not self.resumed:
-                self.resumed = True
-                if state.global_step:
-                    state_dir = os.path.join(last, "slipstream")
-                    complete = os.path.isfile(os.path.join(state_dir, ".metadata"))
-                    digest = state_digest(model.net, optimizer)
-                    report("resumed", state.global_step, digest, last, complete)
-                else:
-                    report("resumed", 0, None, None, False)
+            self.report_resume(state, optimizer)
+
+        def report_resume(self, state, optimizer) -> None:
+            if self.resumed:
+                return
+            self.resumed = True
+            if state.global_step:
+                state_dir = os.path.join(last, "slipstream")
+                complete = os.path.isfile(os.path.join(state_dir, ".metadata"))
+                digest = state_digest(model.net, optimizer)
+                report("resumed", state.global_step, digest, last, complete)
+            else:
+                report("resumed", 0, None, None, False)
 
         def on_step_end(self, args, state, control, optimizer=None, **kwargs):
             report("step", state.global_step, state_digest(model.net, optimizer))
@@ -399,8 +403,11 @@ def _trainer_run(report, root: str, steps: int) -> None:
         seed=0,
     )
     data = [{"index": torch.tensor(i)} for i in range(steps)]
-    trainer = SlipstreamTrainer(model=model, args=args, train_dataset=data, callbacks=[Steps()])
+    steps_seen = Steps()
+    trainer = SlipstreamTrainer(model=model, args=args, train_dataset=data, callbacks=[steps_seen])
     trainer.train(resume_from_checkpoint=True if last else None)
+    # a run that resumed from the last step's checkpoint trains no step
+    steps_seen.report_resume(trainer.state, trainer.optimizer)
     report("done", state_digest(model.net, trainer.optimizer))
 
 
