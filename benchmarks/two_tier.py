@@ -446,7 +446,7 @@ def report(opts: Options, got: dict[str, Any]) -> Result:
     for kind, rounds in got["links"].items():
         links = {m: median(v["s"]) for m, v in rounds.items()}
         old = rounds[LINK_OPEN]["s"]
-        olds[kind] = median(old)
+        olds[kind] = links[LINK_OPEN]
         costs[kind] = {
             m: median([t / o for t, o in zip(rounds[m]["s"], old, strict=True)]) - 1
             for m in (LINK_AUTH, LINK_FULL)

@@ -2,9 +2,9 @@
 
 Ray starts its worker processes at nice 15 (``RAY_worker_niceness``). Beside another job
 that keeps every core busy at normal priority (``make check-busy``), an actor's start,
-which imports torch and verl, then took 150-190 s instead of 5 s. The tests run Ray's
-workers at the suite's own priority, as Ray's job manager runs a submitted job's (it sets
-the same variable to 0).
+which imports torch and verl, then took 150 s (a restart 183 s) instead of 5.8 s. The
+tests run Ray's workers at the suite's own priority, as Ray's job manager runs a
+submitted job's (it sets the same variable to 0).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from slipstream.core.peer_auth import MAGIC, HmacAuth, new_secret
+from slipstream.core.peer_auth import MAGIC, HmacAuth, new_secret, recv_exact
 from slipstream.core.peer_link import MAX_HEADER_BYTES, PeerAuthError, PeerClient, PeerServer
 
 TIMEOUT = 2.0
@@ -127,21 +127,15 @@ def test_a_replayed_handshake_is_refused_and_reaches_no_handler(link):
     assert b"s3cr3t" not in answer and handler.requests == 1
 
 
-def recv_all(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes (``MSG_WAITALL`` does not wait on a socket with a timeout: on a
-    loaded machine the payload came after the frame, and the read returned without it)."""
-    got = b""
-    while len(got) < n:
-        part = sock.recv(n - len(got))
-        if not part:
-            raise ConnectionError(f"closed after {len(got)} of {n} bytes")
-        got += part
-    return got
-
-
 def drain_frame_and_payload(sock: socket.socket, payload: int) -> bytes:
-    (length,) = struct.unpack("!I", recv_all(sock, 4))
-    return recv_all(sock, length + 32 + payload)
+    """The reply frame and its payload, whole (``MSG_WAITALL`` does not wait on a socket with
+    a timeout: on a loaded machine the payload came after the frame)."""
+    head = bytearray(4)
+    recv_exact(sock, memoryview(head))
+    (length,) = struct.unpack("!I", head)
+    body = bytearray(length + 32 + payload)
+    recv_exact(sock, memoryview(body))
+    return bytes(body)
 
 
 def test_a_client_with_another_secret_is_told_the_server_failed_the_handshake(link):
