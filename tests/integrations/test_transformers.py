@@ -5,6 +5,7 @@ directories the Trainer's resume and rotation see are only finished ones."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -157,6 +158,36 @@ def test_rotation_keeps_what_the_trainer_keeps(tmp_path):
         path = os.path.join(out, name)
         assert state_dir(path) is not None
         assert os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
+def test_a_rotated_out_checkpoint_is_never_visible_half_deleted(tmp_path, monkeypatch):
+    """Each deletion the rotation starts is paused after the checkpoint's state is gone (as
+    a kill mid-deletion would leave it): every checkpoint-N still in sight is complete."""
+    out = str(tmp_path / "run")
+    watch = VisibleCheckpointsAreComplete(out)
+    real_rmtree = shutil.rmtree
+    deleted: list[str] = []
+
+    def rmtree_in_two_halves(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.path.dirname(path) == out:  # not a save's staging directory
+            real_rmtree(os.path.join(path, "slipstream"))
+            watch.check()
+            deleted.append(os.path.basename(path))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_in_two_halves)
+    trainer = SlipstreamTrainer(
+        model=tiny_model(),
+        args=arguments(out, max_steps=7, save_steps=2, save_total_limit=1),
+        train_dataset=dataset(),
+    )
+    trainer.train()
+    assert [name.split(".removing-")[0] for name in deleted] == [
+        ".checkpoint-2",
+        ".checkpoint-4",
+        ".checkpoint-6",
+    ]
+    assert sorted(os.listdir(out)) == [STAGING_DIR, "checkpoint-7"]
 
 
 class CountingTrainer(Trainer):

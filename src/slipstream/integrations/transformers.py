@@ -17,8 +17,9 @@ Invariants:
   into place after slipstream's checkpoint is durable, the weights are exported and
   ``trainer_state.json`` is written. ``get_last_checkpoint`` never finds a partial one.
 - Rotation (``save_total_limit``) runs after that rename, so it never sees, and never
-  deletes, a checkpoint still being written. One save is in flight at a time: the next
-  save waits for the previous one to finish.
+  deletes, a checkpoint still being written; it renames each checkpoint it drops to a
+  hidden name before deleting it, so none is ever seen (or left by a kill) half deleted.
+  One save is in flight at a time: the next save waits for the previous one to finish.
 - ``train()`` returns (or raises) only after every save it started has finished.
 - A resume never picks an incomplete checkpoint: ``get_last_checkpoint`` sees complete
   ones only (above), a save of a step that already has a directory (after a resume)
@@ -49,6 +50,7 @@ import shutil
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -57,7 +59,7 @@ try:
         PREFIX_CHECKPOINT_DIR,
         HubStrategy,
         SaveStrategy,
-        rotate_checkpoints,
+        sort_checkpoints,
     )
     from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 except ImportError as error:  # pragma: no cover - the message is the point
@@ -217,12 +219,7 @@ class _PendingCheckpoint:
         if os.path.exists(self.final):  # a save of the same step, after a resume
             delete_now(self.final)
         os.replace(self.staged_dir, self.final)
-        rotate_checkpoints(
-            output_dir=os.path.dirname(self.final),
-            save_total_limit=self.args.save_total_limit,
-            best_model_checkpoint=self.state.best_model_checkpoint,
-            use_mtime=True,
-        )
+        _rotate(os.path.dirname(self.final), self.args.save_total_limit, self.state)
 
     def join(self, timeout: float | None) -> None:
         self.thread.join(timeout)
@@ -531,6 +528,21 @@ def _all_in_host_memory(state: dict[str, Any]) -> bool:
 def _model_tensors(snapshot: StagedState) -> dict[str, torch.Tensor]:
     """The snapshot's model weights by checkpoint key (``model.<name>``)."""
     return {f"model.{k}": v for k, v in snapshot["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def _rotate(run_dir: str, limit: int | None, state: transformers.TrainerState) -> None:
+    """Keep the Trainer's ``save_total_limit`` as its own rotation does (the newest and the
+    best checkpoint are never deleted, the oldest go first, by modification time), but
+    delete each through a hidden name: no ``checkpoint-N`` is ever seen half deleted."""
+    if limit is None or limit <= 0:
+        return
+    checkpoints = sort_checkpoints(run_dir, use_mtime=True)
+    protected = {checkpoints[-1]} if checkpoints else set()
+    if state.best_model_checkpoint is not None:
+        protected.add(str(Path(state.best_model_checkpoint)))
+    excess = len(checkpoints) - max(limit, len(protected))
+    for checkpoint in [c for c in checkpoints if c not in protected][: max(excess, 0)]:
+        delete_now(checkpoint)
 
 
 def _top_keys(path: str) -> set[str]:
