@@ -160,10 +160,10 @@ def test_rotation_keeps_what_the_trainer_keeps(tmp_path):
         assert os.path.isfile(os.path.join(path, "trainer_state.json"))
 
 
-def test_a_rotated_out_checkpoint_is_never_visible_half_deleted(tmp_path, monkeypatch):
-    """Each deletion the rotation starts is paused after the checkpoint's state is gone (as
-    a kill mid-deletion would leave it): every checkpoint-N still in sight is complete."""
-    out = str(tmp_path / "run")
+def pause_each_deletion(monkeypatch: pytest.MonkeyPatch, out: str) -> list[str]:
+    """Makes every deletion of a directory in ``out`` stop once the checkpoint's state is
+    gone (what a kill mid-deletion leaves) and check that each checkpoint-N still in sight
+    is complete; returns the names deleted, filled in as they go."""
     watch = VisibleCheckpointsAreComplete(out)
     real_rmtree = shutil.rmtree
     deleted: list[str] = []
@@ -172,17 +172,24 @@ def test_a_rotated_out_checkpoint_is_never_visible_half_deleted(tmp_path, monkey
         if os.path.dirname(path) == out:  # not a save's staging directory
             real_rmtree(os.path.join(path, "slipstream"))
             watch.check()
-            deleted.append(os.path.basename(path))
+            deleted.append(os.path.basename(path).split(".removing-")[0])
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(shutil, "rmtree", rmtree_in_two_halves)
+    return deleted
+
+
+def test_a_rotated_out_checkpoint_is_never_visible_half_deleted(tmp_path, monkeypatch):
+    """Every checkpoint-N in sight is complete while the rotation deletes old ones."""
+    out = str(tmp_path / "run")
+    deleted = pause_each_deletion(monkeypatch, out)
     trainer = SlipstreamTrainer(
         model=tiny_model(),
         args=arguments(out, max_steps=7, save_steps=2, save_total_limit=1),
         train_dataset=dataset(),
     )
     trainer.train()
-    assert [name.split(".removing-")[0] for name in deleted] == [
+    assert deleted == [
         ".checkpoint-2",
         ".checkpoint-4",
         ".checkpoint-6",
@@ -215,10 +222,12 @@ def test_existing_subclass_keeps_its_files_in_the_checkpoint(tmp_path):
         assert f.read() == "3"
 
 
-def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path):
+def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path, monkeypatch):
     """The best checkpoint is found among finished ones, survives rotation, and its
-    weights are what the model holds after training."""
+    weights are what the model holds after training; the checkpoints dropped when training
+    ends are never seen half deleted."""
     out = str(tmp_path / "run")
+    deleted = pause_each_deletion(monkeypatch, out)
     trainer = SlipstreamTrainer(
         model=tiny_model(),
         args=arguments(
@@ -242,6 +251,7 @@ def test_best_model_at_end_is_a_finished_checkpoint_and_is_loaded(tmp_path):
     assert os.path.basename(best) != "checkpoint-6"
     kept = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
     assert kept == [os.path.basename(best)]  # the Trainer keeps only the best at the end
+    assert deleted[-1] == ".checkpoint-6"  # dropped when training ended
     loaded = GPT2LMHeadModel.from_pretrained(best)
     assert_same_weights(trainer.model, loaded)
 

@@ -303,10 +303,22 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self.wait_for_checkpoints()
         return result
 
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
         # The best-model reload and the last rotation read finished checkpoints only.
         self.wait_for_checkpoints()
-        return super()._finalize_training(*args, **kwargs)
+        if self._slipstream_supported():
+            self._keep_only_best(self._get_output_dir(trial))
+        return super()._finalize_training(trial, *args, **kwargs)
+
+    def _keep_only_best(self, run_dir: str) -> None:
+        """What the Trainer deletes when training ends with ``save_total_limit=1`` (every
+        checkpoint but the best), deleted through hidden names as rotation does."""
+        best = self.state.best_model_checkpoint
+        if not self.args.should_save or best is None or self.args.save_total_limit != 1:
+            return
+        for checkpoint in sort_checkpoints(run_dir):
+            if not os.path.samefile(checkpoint, best):
+                delete_now(checkpoint)
 
     # -- saving ------------------------------------------------------------------------------
 
