@@ -11,8 +11,10 @@ import time
 
 import torch
 from sync_procs import spawn
+from torch.multiprocessing import reductions
 
 import slipstream as ss
+from slipstream.errors import SyncError
 from slipstream.sync.shared_tensors import SharedBuffer, describe, shared_buffer
 
 #: small buckets and the default two slots: every version wraps the ring many times
@@ -95,3 +97,43 @@ def test_auto_picks_ipc_on_one_host_and_every_version_arrives_exact_in_reused_bu
     assert len(set(trainer["buffers"])) == 1 and trainer["buffers"][0] >= 2 * BUCKET
     for rank in (1, 2):
         assert out[rank] == dict.fromkeys(VERSIONS, True), (rank, out[rank])
+
+
+def _unshareable_run(rank, port, transport):
+    """Rank 2 cannot open what torch shares (torch's error when its shared-memory manager is
+    out of reach, as from another container): ``transport`` settles or fails on every rank."""
+    if rank == 2:
+
+        def unreachable(*args, **kwargs):
+            raise RuntimeError("error connecting to the torch_shm_manager socket")
+
+        reductions.rebuild_storage_filename = unreachable
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=30)
+    try:
+        if rank == 0:
+            with ss.WeightPublisher(group, [0], [1, 2], transport=transport) as pub:
+                pub.publish(weights(1), version=1).delivered.result(timeout=30)
+                return pub.transport
+        held: dict[str, torch.Tensor] = {}
+        with ss.WeightSubscriber(group, [0], [1, 2]) as sub:
+            sub.receive(lambda batch: held.update((n, t.clone()) for n, t in batch))
+        want = weights(1)
+        return held.keys() == want.keys() and all(torch.equal(held[n], want[n]) for n in want)
+    except SyncError as exc:
+        return f"SyncError: {exc}"
+    finally:
+        group.close()
+
+
+def test_auto_falls_back_to_shm_when_a_rollout_cannot_open_torchs_shared_memory():
+    out = spawn(_unshareable_run, 3, "auto", timeout=120)
+    assert out == {0: "shm", 1: True, 2: True}
+
+
+def test_ipc_asked_for_fails_on_every_rank_naming_the_rollout_that_cannot_open_it():
+    out = spawn(_unshareable_run, 3, "ipc", timeout=120)
+    for rank, error in out.items():
+        assert error.startswith("SyncError: "), (rank, error)
+        assert "rollout rank 2: could not open a shared cpu buffer" in error, (rank, error)
+        assert "torch_shm_manager" in error, (rank, error)
+        assert "rollout rank 1: could not" not in error, (rank, error)
