@@ -131,44 +131,52 @@ class Zygote:
         timeout: float,
     ) -> RunResult:
         """Run ``fn(report, *args)``; with ``kill_after=(n, delay)``, SIGKILL it ``delay``
-        seconds after its ``n``-th save call returned."""
+        seconds after its ``n``-th save call returned. ``killed`` says whether the run died
+        of that SIGKILL (its exit status), not whether one was sent: a run may end on its
+        own just before."""
         import ast
 
         self._conn.send((fn, args))
         deadline = time.monotonic() + timeout
         result = RunResult()
-        pid = None
+        process: int | None = None
         kill_at = None
+        kill_sent = False
         saves = 0
-        while True:
-            wait = deadline - time.monotonic()
-            if kill_at is not None:
-                wait = min(wait, max(0.0, kill_at - time.monotonic()))
-            if self._conn.poll(max(0.0, wait)):
-                kind, value = self._conn.recv()
-                if kind == "pid":
-                    pid = value
-                elif kind == "line":
-                    try:
-                        message = ast.literal_eval(value.decode())
-                    except (SyntaxError, ValueError):  # cut by the kill
-                        continue
-                    result.messages.append(message)
-                    if message[0] == "saved" and kill_after is not None and kill_at is None:
-                        saves += 1
-                        if saves == kill_after[0]:
-                            kill_at = time.monotonic() + kill_after[1]
-                else:
-                    result.status = value
-                    return result
-            elif kill_at is not None and time.monotonic() >= kill_at and not result.killed:
-                assert pid is not None
-                os.kill(pid, signal.SIGKILL)
-                result.killed = True
-            elif time.monotonic() >= deadline:
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                raise AssertionError(f"run {fn.__name__}{args} did not finish in {timeout} s")
+        try:
+            while True:
+                wait = deadline - time.monotonic()
+                if kill_at is not None and not kill_sent:
+                    wait = min(wait, max(0.0, kill_at - time.monotonic()))
+                if self._conn.poll(max(0.0, wait)):
+                    kind, value = self._conn.recv()
+                    if kind == "pid":
+                        process = _open_process(value)
+                    elif kind == "line":
+                        try:
+                            message = ast.literal_eval(value.decode())
+                        except (SyntaxError, ValueError):  # cut by the kill
+                            continue
+                        result.messages.append(message)
+                        if message[0] == "saved" and kill_after is not None and kill_at is None:
+                            saves += 1
+                            if saves == kill_after[0]:
+                                kill_at = time.monotonic() + kill_after[1]
+                    else:
+                        result.status = value
+                        result.killed = (
+                            os.WIFSIGNALED(value) and os.WTERMSIG(value) == signal.SIGKILL
+                        )
+                        return result
+                elif kill_at is not None and time.monotonic() >= kill_at and not kill_sent:
+                    _kill(process)
+                    kill_sent = True
+                elif time.monotonic() >= deadline:
+                    _kill(process)
+                    raise AssertionError(f"run {fn.__name__}{args} did not finish in {timeout} s")
+        finally:
+            if process is not None:
+                os.close(process)
 
     def close(self) -> None:
         self._conn.send(None)
@@ -176,6 +184,25 @@ class Zygote:
         if self._process.is_alive():
             self._process.kill()
             self._process.join(10)
+
+
+def _open_process(pid: int) -> int | None:
+    """A handle on a run's process (a pidfd) that no other process can take over once the
+    zygote has reaped it and its pid is free again; ``None`` if it is already gone."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _kill(process: int | None) -> None:
+    """SIGKILL a run's process, unless it has already ended."""
+    if process is None:
+        return
+    try:
+        signal.pidfd_send_signal(process, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _errors(result: RunResult) -> str:
