@@ -26,7 +26,7 @@ from torch import nn
 
 import slipstream as ss
 from slipstream.errors import PeerDiedError
-from slipstream.sync.stream import LayoutMismatch
+from slipstream.sync import LayoutMismatch
 
 BUCKET = 64 * 1024
 TRANSPORTS = ["relay", "broadcast", "shm", *(["cma"] if remote_reads_allowed() else [])]

@@ -26,7 +26,7 @@ from sync_procs import spawn
 from torch import nn
 
 import slipstream as ss
-from slipstream.sync.stream import LayoutMismatch
+from slipstream.sync import LayoutMismatch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from common import Live, reset_high_water, status_bytes  # noqa: E402

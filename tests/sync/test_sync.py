@@ -113,7 +113,7 @@ def test_plan_splits_large_tensors_and_is_deterministic():
 
 
 def test_payload_segments_cover_the_included_slices_once_in_payload_order():
-    from slipstream.sync.packing import payload_segments
+    from slipstream.sync.segments import payload_segments
 
     specs = [
         TensorSpec("a", (100,), "float32"),  # 400 B, packed

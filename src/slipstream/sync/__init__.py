@@ -19,9 +19,8 @@
 """
 
 from .group import SyncGroup, init_group
-from .plan import BucketPlan, TensorSpec
+from .plan import BucketPlan, LayoutMismatch, TensorSpec
 from .publisher import PublishHandle, PublishTimings, WeightPublisher
-from .stream import LayoutMismatch
 from .subscriber import WeightSubscriber
 
 __all__ = [

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import dtype_name
-from .packing import is_dtensor
-from .plan import TensorSpec
+from .plan import TensorSpec, is_dtensor
 
 
 def named_items(

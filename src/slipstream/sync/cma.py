@@ -28,8 +28,8 @@ import torch
 from ..core.buffers import allocate_host
 from ..core.process_memory import RemoteReadError, read_into
 from ..errors import SyncError
-from .packing import payload_segments
 from .plan import BucketPlan, encode_header
+from .segments import payload_segments
 from .shm import ShmReceiver, ShmSender, round_up
 from .transport import Pending, Place
 

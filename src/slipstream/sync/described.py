@@ -47,10 +47,17 @@ from ..core.buffers import as_bytes
 from ..core.checksum import checksum
 from ..core.dtypes import dtype_name
 from ..errors import SyncError
-from .negotiation import HEADER_CAP
-from .packing import is_dtensor
-from .plan import HEADER_PREFIX, Bucket, BucketPlan, Slice, TensorSpec, cut_tensor
-from .stream import LayoutMismatch
+from .plan import (
+    HEADER_CAP,
+    HEADER_PREFIX,
+    Bucket,
+    BucketPlan,
+    LayoutMismatch,
+    Slice,
+    TensorSpec,
+    cut_tensor,
+    is_dtensor,
+)
 
 #: The plan id a described round's start names in place of one.
 DESCRIBED = "described"

@@ -2,14 +2,14 @@
 
 :class:`HostCache` holds this rank's buckets of the last version snapshotted, laid out as the
 plan lays out a bucket with every slice included, in one reused host buffer; it is
-rewritten only under its lock, and served again by :mod:`.refetch`.
+rewritten only under its lock, sent from by :mod:`.sending` and served again by
+:mod:`.refetch`.
 
 Invariant: the cache's ``version`` is set only while every byte of that version is in it.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
@@ -19,16 +19,9 @@ from ..core import tracing
 from ..core.buffers import StagingPool
 from ..core.copy import copy_in_slices
 from ..errors import PeerTimeoutError
-from .delta import WORD, BucketDelta, DeltaStats, Differ, encode_delta, root_token, words_of
-from .negotiation import separate_min_for, shape_of
-from .packing import Sources, pack_slices, slice_checksum
+from .delta import WORD, BucketDelta, DeltaStats, Differ, words_of
+from .packing import Sources
 from .plan import BucketPlan, Slice
-from .protocol import AgainOffer, CacheAddress
-from .sending import send_bucket, send_delta
-from .transport import Sender
-
-#: Buffers per side of a refetch's transfer (allocated for its duration).
-REFETCH_SLOTS = 2
 
 Unchanged = Callable[[int, int | None], bool]
 
@@ -143,75 +136,6 @@ class HostCache:
     def finish(self, plan: BucketPlan, version: int) -> None:
         """Every owned bucket holds ``version`` now."""
         self.version, self.plan = version, plan
-
-    def send_delta(self, sender: Sender, plan: BucketPlan, g: int, delta: BucketDelta) -> None:
-        """Send bucket ``g`` as ``delta`` (computed from :attr:`base_version`) and record the
-        token it leads to (the caller holds :attr:`lock`)."""
-        assert self.base_version is not None
-        message, header = encode_delta(
-            sender.next_buffer(), delta, self.base_version, self.tokens[g]
-        )
-        send_delta(sender, plan, g, message)
-        self.tokens[g] = header.token
-
-    def send(self, sender: Sender, plan: BucketPlan, device: torch.device) -> None:
-        """Send every bucket this rank owns, whole, through ``sender`` (a refetch)."""
-        for g in plan.owned(self.rank):
-            self.send_bucket(sender, plan, g, device, None, None)
-
-    def send_bucket(
-        self,
-        sender: Sender,
-        plan: BucketPlan,
-        g: int,
-        device: torch.device,
-        unchanged: Unchanged | None,
-        version: int | None = None,
-    ) -> dict[int, int]:
-        """Send bucket ``g``'s bytes, leaving out the slices ``unchanged`` names; return
-        every slice's checksum. Without ``unchanged`` every byte is sent and nothing is
-        hashed. A publish of ``version`` records the bucket's token as the rollouts will (a
-        refetch, without it, changes no token). The caller holds :attr:`lock`."""
-        sums: dict[int, int] = {}
-        bucket = plan.buckets[g]
-        view = self.bucket(plan, g)[: bucket.nbytes]
-
-        def cached(s: Slice) -> torch.Tensor:
-            return view[s.bucket_offset : s.bucket_offset + s.nbytes]
-
-        slices = plan.bucket_slices(g)
-        mask = [1] * len(slices)
-        for j, s in enumerate(slices if unchanged is not None else ()):
-            cs = slice_checksum(cached(s))
-            if cs is not None:
-                sums[bucket.first_slice + j] = cs
-            assert unchanged is not None
-            mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
-        if version is not None:
-            self.tokens[g] = root_token(plan.plan_id, g, version)
-        if all(mask) and view.device == device:
-            # the cache already holds the payload where the transport reads: no copy
-            send_bucket(sender, plan, g, mask, bucket.nbytes, view, {})
-            return sums
-        out = sender.next_buffer()
-        kept = [s for s, m in zip(slices, mask, strict=True) if m]
-        _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
-        send_bucket(sender, plan, g, mask, nbytes, out, {})
-        return sums
-
-    def offer(self, kind: str, separate_min: int | None | str) -> AgainOffer:
-        """What this rank can serve again over ``kind``: its version and plan, or why not."""
-        if self.version is None or self.plan is None:
-            return AgainOffer(error=f"trainer rank {self.rank} holds no complete version yet")
-        shape = shape_of(
-            self.plan.bucket_bytes, REFETCH_SLOTS, separate_min_for(kind, separate_min)
-        )
-        offer = AgainOffer(self.version, self.plan.plan_id, kind, shape)
-        if kind == "cma":
-            assert self.buffer is not None  # a complete version is in it
-            offsets = {str(g): off for g, off in self.offsets.items()}
-            offer.cache = CacheAddress(os.getpid(), self.buffer.data_ptr(), offsets)
-        return offer
 
     def clear(self) -> None:
         self._pool.clear()

@@ -22,16 +22,37 @@ slot only after its own copies into it completed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..core.streams import current_stream, record_event
 from ..errors import SyncError
-from .protocol import SharedRing
 from .shared_tensors import SharedBuffer, describe, shared_buffer
 from .shm import CTRL_PER_SLOT_FIXED, ShmReceiver, ShmSender, _Ring, round_up
 from .transport import Pending, Place
+
+
+@dataclass
+class SharedRing:
+    """An epoch's ring of a trainer shared through torch: for each reader, in the epoch's
+    member order, its description of the host control block and of the payload slots; and
+    the trainer's pid. Posted as JSON (its fields as plain data) and read by :meth:`read`."""
+
+    controls: list[SharedBuffer]
+    payloads: list[SharedBuffer]
+    pid: int
+
+    @classmethod
+    def read(cls, text: bytes | str) -> SharedRing:
+        raw = json.loads(text)
+        return cls(
+            [SharedBuffer(**c) for c in raw["controls"]],
+            [SharedBuffer(**p) for p in raw["payloads"]],
+            raw["pid"],
+        )
 
 
 def _control_bytes(num_slots: int, num_readers: int, header_cap: int) -> tuple[int, int]:

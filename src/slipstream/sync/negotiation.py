@@ -20,11 +20,11 @@ their buffers, segments and process groups match.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -33,14 +33,14 @@ from ..errors import SyncError
 from .cma import CmaReceiver, CmaSender
 from .culprits import exited
 from .group import SyncGroup
-from .ipc import IpcReceiver, IpcSender
+from .ipc import IpcReceiver, IpcSender, SharedRing
+from .plan import HEADER_CAP
 from .protocol import (
     Keys,
     Probe,
     ProbeReply,
     ReceiverShape,
     RingInfo,
-    SharedRing,
     TransportOffer,
     encode,
 )
@@ -64,7 +64,6 @@ NETWORK_TRANSPORTS = ("relay", "broadcast")
 LOCAL_TRANSPORTS = ("ipc", "cma", "shm")
 #: The colocated transports that carry host weights only.
 HOST_TRANSPORTS = ("cma", "shm")
-HEADER_CAP = 64 * 1024
 #: Why an explicit transport cannot be used, when a rollout refused its probe.
 REFUSALS = {
     "cma": "rollouts cannot read trainer rank {rank}'s memory ({why}); they need ptrace "
@@ -164,7 +163,7 @@ def probe_sharing(group: SyncGroup, rollouts: Sequence[int], timeout: float) -> 
     probe = torch.randint(0, 256, (64,), dtype=torch.uint8)
     buffer = shared_buffer(probe.numel(), group.device)
     buffer.copy_(probe)
-    shared: dict[str, SharedBuffer | dict[str, Any]] = {str(r): describe(buffer) for r in rollouts}
+    shared = {str(r): dataclasses.asdict(describe(buffer)) for r in rollouts}
     group.post(Keys.probe(rank), encode(Probe(os.getpid(), 0, probe.tolist(), shared)))
     what = f"rollouts to open the buffer trainer rank {rank} shared"
     return _probe_replies(group, rollouts, what, timeout)

@@ -11,14 +11,13 @@ caller's thread) match across ranks.
 each copied slice, and leaves out (rewinds over) slices whose checksum says every rollout
 already holds those bytes. Slices the transport sends on their own (``separate_min``) are
 checksummed where they are and not copied: their place in the payload is only reserved.
-:func:`payload_segments` cuts a payload into what crosses the transport, the same way on
-both sides.
+:func:`.segments.payload_segments` cuts a payload into what crosses the transport, the same
+way on both sides.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -26,16 +25,8 @@ import torch
 from ..core.buffers import as_bytes, byte_view, memory_at
 from ..core.checksum import checksum
 from ..core.copy import copy_in_slices, copy_to_address
-from .plan import BucketPlan, Slice, align, payload_offsets
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = ()  # type: ignore[assignment,misc]
-
-
-def is_dtensor(t: object) -> bool:
-    return bool(DTensor) and isinstance(t, DTensor)
+from .plan import BucketPlan, Slice, align, is_dtensor
+from .segments import Segment, sent_separately
 
 
 class BucketSources:
@@ -112,10 +103,6 @@ def slice_checksum(data: torch.Tensor) -> int | None:
 NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
-def sent_separately(s: Slice, separate_min: int | None) -> bool:
-    return separate_min is not None and s.nbytes >= separate_min
-
-
 def packs_any(slices: Sequence[Slice], separate_min: int | None) -> bool:
     """Whether any of ``slices`` has bytes to pack (is not sent on its own)."""
     return any(s.nbytes and not sent_separately(s, separate_min) for s in slices)
@@ -162,42 +149,6 @@ def pack_slices(
         if sent_separately(s, separate_min):
             separate[k] = src
     return mask, cursor, sums, separate
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Payload bytes ``[start, start + nbytes)`` that cross the transport as one message;
-    ``slice`` is set (an index into the bucket's slices) when they are one slice sent on
-    its own."""
-
-    start: int
-    nbytes: int
-    slice: int | None = None
-
-
-def payload_segments(
-    slices: Sequence[Slice], mask: Sequence[int], separate_min: int | None
-) -> list[Segment]:
-    """The payload of a bucket with include ``mask``, cut into runs of packed slices and the
-    slices sent separately, in payload order (sender and receiver derive the same list)."""
-    offsets, _ = payload_offsets(slices, mask)
-    segments: list[Segment] = []
-    run: list[int] | None = None
-    for k, (s, off) in enumerate(zip(slices, offsets, strict=True)):
-        if off < 0 or s.nbytes == 0:
-            continue
-        if sent_separately(s, separate_min):
-            if run is not None:
-                segments.append(Segment(run[0], run[1] - run[0]))
-                run = None
-            segments.append(Segment(off, s.nbytes, k))
-        elif run is None:
-            run = [off, off + s.nbytes]
-        else:
-            run[1] = off + s.nbytes
-    if run is not None:
-        segments.append(Segment(run[0], run[1] - run[0]))
-    return segments
 
 
 def segment_parts(

@@ -34,6 +34,21 @@ from ..core.shapes import numel
 
 ALIGN = 64
 HEADER_PREFIX = 8
+#: The most bytes a bucket's header may take (prefix and mask); every receiver reserves it.
+HEADER_CAP = 64 * 1024
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: object) -> bool:
+    return bool(DTensor) and isinstance(t, DTensor)
+
+
+class LayoutMismatch(ValueError):
+    """What an iterator yielded differs from the layout its publish was planned with."""
 
 
 def align(n: int) -> int:

@@ -47,7 +47,6 @@ import torch
 
 from ..core.control_plane import store_key
 from ..errors import PeerDiedError, SyncError
-from .shared_tensors import SharedBuffer
 
 _M = TypeVar("_M")
 
@@ -134,12 +133,13 @@ class Ack:
 class Probe:
     """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid`` or, when
     ``shared`` holds a description of a buffer shared through torch for the rollout (by
-    rank, transport ``ipc``), to open it and find ``bytes`` there."""
+    rank, a :class:`.shared_tensors.SharedBuffer`'s fields; transport ``ipc``), to open it
+    and find ``bytes`` there."""
 
     pid: int
     addr: int
     bytes: list[int]
-    shared: dict[str, SharedBuffer | dict[str, Any]] | None = None
+    shared: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass
@@ -181,28 +181,6 @@ class RingInfo:
 
     path: str
     pid: int
-
-
-@dataclass
-class SharedRing:
-    """An epoch's ring of a trainer shared through torch (transport ``ipc``): for each
-    reader, in the epoch's member order, its description of the host control block and of
-    the payload slots; and the trainer's pid."""
-
-    controls: list[SharedBuffer | dict[str, Any]]
-    payloads: list[SharedBuffer | dict[str, Any]]
-    pid: int
-
-    @classmethod
-    def read(cls, text: bytes | str) -> SharedRing:
-        ring = decode(cls, text)
-        ring.controls = [_shared(c) for c in ring.controls]
-        ring.payloads = [_shared(p) for p in ring.payloads]
-        return ring
-
-
-def _shared(value: SharedBuffer | dict[str, Any]) -> SharedBuffer:
-    return value if isinstance(value, SharedBuffer) else SharedBuffer(**value)
 
 
 @dataclass
@@ -250,7 +228,7 @@ class BucketMessage:
     """One bucket on its way from its owning trainer: ``header`` (payload bytes, then one
     byte per slice of the bucket saying how its bytes travel: 1 dense in the payload, 0 left
     out as unchanged, 2 (every slice) a delta, :mod:`.delta`) and ``parts``, the payload's
-    segments in order (:func:`.packing.payload_segments`; a delta is one segment)."""
+    segments in order (:func:`.segments.payload_segments`; a delta is one segment)."""
 
     index: int
     header: torch.Tensor

@@ -49,17 +49,16 @@ from .described import DESCRIBED, DescribedSources, GrowingLayout, described_hea
 from .group import SyncGroup
 from .host_cache import HostCache
 from .negotiation import (
-    HEADER_CAP,
     LOCAL_TRANSPORTS,
     TRANSPORTS,
     candidates,
     negotiate,
 )
 from .packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
-from .plan import BucketPlan, TensorSpec, layout_json
+from .plan import HEADER_CAP, BucketPlan, TensorSpec, layout_json
 from .protocol import Keys, Request
 from .refetch import RefetchServer
-from .sending import send_bucket
+from .sending import send_bucket, send_cached_bucket, send_cached_delta
 from .stream import StreamSources
 from .trainer_round import TrainerRound
 
@@ -292,7 +291,7 @@ class WeightPublisher:
         :meth:`set_layout` or the last publish) it must yield the layout's tensors in its
         order, under their names, shapes and dtypes (tied names may follow the tensor they
         share, and are skipped); anything else fails the publish with
-        :class:`~slipstream.sync.stream.LayoutMismatch` naming the tensor (the round is
+        :class:`~slipstream.sync.LayoutMismatch` naming the tensor (the round is
         given up for every rollout, and the next publish goes on). Without a layout, in
         ``direct`` mode, the iterator's buckets describe it as they go
         (:mod:`.described`): the layout it yields is this publisher's from then on. In
@@ -632,10 +631,12 @@ class WeightPublisher:
                     delta, bucket_stats = cache.update(plan, g, sources.slice_bytes, differ)
                     stats.add(bucket_stats)
                     if sender is not None and delta is not None:
-                        cache.send_delta(sender, plan, g, delta)
+                        send_cached_delta(cache, sender, plan, g, delta)
                     elif sender is not None:
                         device = self.group.device
-                        sums.update(cache.send_bucket(sender, plan, g, device, unchanged, version))
+                        sums.update(
+                            send_cached_bucket(cache, sender, plan, g, device, unchanged, version)
+                        )
                 sources.leave(g)
             sources.finish()
             cache.finish(plan, version)
@@ -675,11 +676,13 @@ class WeightPublisher:
                 for g in plan.owned(self.rank):
                     delta = deltas.get(g) if as_delta else None
                     if delta is not None:
-                        self._cache.send_delta(sender, plan, g, delta)
+                        send_cached_delta(self._cache, sender, plan, g, delta)
                     else:
                         device = self.group.device
                         sums.update(
-                            self._cache.send_bucket(sender, plan, g, device, unchanged, version)
+                            send_cached_bucket(
+                                self._cache, sender, plan, g, device, unchanged, version
+                            )
                         )
             self._remember(version, sums)
 

@@ -11,6 +11,7 @@ Invariant: a refetch never fails a publish: what goes wrong is the asking rollou
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -18,8 +19,9 @@ from ..core import tracing
 from ..errors import SyncError
 from .group import SyncGroup
 from .host_cache import HostCache
-from .negotiation import network_sender
-from .protocol import Ack, AgainGo, AgainOffer, AgainRequest, Keys, decode, encode
+from .negotiation import network_sender, separate_min_for, shape_of
+from .protocol import Ack, AgainGo, AgainOffer, AgainRequest, CacheAddress, Keys, decode, encode
+from .sending import send_cached
 from .transport import let_go
 
 logger = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ class RefetchServer:
             self.group.post(offer_key, encode(AgainOffer(error=why)))
             return
         try:
-            offer = self.cache.offer(self.kind, self.separate_min)
+            offer = cache_offer(self.cache, self.kind, self.separate_min)
             self.group.post(offer_key, encode(offer))
             if offer.error:
                 return
@@ -125,7 +127,7 @@ class RefetchServer:
                     self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
                 )
                 try:
-                    self.cache.send(sender, plan, self.group.device)
+                    send_cached(self.cache, sender, plan, self.group.device)
                     sender.flush()
                 except BaseException as exc:  # the pair's group is spent: build anew next time
                     sender.close()
@@ -144,3 +146,20 @@ class RefetchServer:
             offer.version,
             r,
         )
+
+
+#: Buffers per side of a refetch's transfer (allocated for its duration).
+REFETCH_SLOTS = 2
+
+
+def cache_offer(cache: HostCache, kind: str, separate_min: int | None | str) -> AgainOffer:
+    """What ``cache``'s rank can serve again over ``kind``: its version and plan, or why not."""
+    if cache.version is None or cache.plan is None:
+        return AgainOffer(error=f"trainer rank {cache.rank} holds no complete version yet")
+    shape = shape_of(cache.plan.bucket_bytes, REFETCH_SLOTS, separate_min_for(kind, separate_min))
+    offer = AgainOffer(cache.version, cache.plan.plan_id, kind, shape)
+    if kind == "cma":
+        assert cache.buffer is not None  # a complete version is in it
+        offsets = {str(g): off for g, off in cache.offsets.items()}
+        offer.cache = CacheAddress(os.getpid(), cache.buffer.data_ptr(), offsets)
+    return offer

@@ -3,19 +3,23 @@
 :func:`send_bucket` sends a bucket packed from live tensors or read from the host cache: it
 encodes the bucket's header, cuts the payload into the transport's segments and submits one
 :class:`.protocol.BucketMessage`. :func:`send_delta` sends a bucket as its changed words.
+:func:`send_cached_bucket`, :func:`send_cached_delta` and :func:`send_cached` send from the
+host cache (:mod:`.host_cache`), whose lock the caller holds.
 
 Invariant: a bucket's header and segments are derived from the plan and its include mask
-exactly as the rollouts derive them (:func:`.packing.payload_segments`).
+exactly as the rollouts derive them (:func:`.segments.payload_segments`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .delta import DELTA
-from .packing import payload_segments, segment_parts
-from .plan import BucketPlan, encode_header
+from .delta import DELTA, BucketDelta, encode_delta, root_token
+from .host_cache import HostCache, Unchanged
+from .packing import pack_slices, segment_parts, slice_checksum
+from .plan import BucketPlan, Slice, encode_header
 from .protocol import BucketMessage
+from .segments import payload_segments
 from .transport import Sender
 
 
@@ -54,3 +58,61 @@ def send_delta(sender: Sender, plan: BucketPlan, g: int, message: torch.Tensor) 
         [DELTA] * len(slices),
     )
     sender.submit(header.to(message.device), [message])
+
+
+def send_cached_delta(
+    cache: HostCache, sender: Sender, plan: BucketPlan, g: int, delta: BucketDelta
+) -> None:
+    """Send bucket ``g`` as ``delta`` (computed from the cache's ``base_version``) and record
+    the token it leads to in the cache."""
+    assert cache.base_version is not None
+    message, header = encode_delta(sender.next_buffer(), delta, cache.base_version, cache.tokens[g])
+    send_delta(sender, plan, g, message)
+    cache.tokens[g] = header.token
+
+
+def send_cached(cache: HostCache, sender: Sender, plan: BucketPlan, device: torch.device) -> None:
+    """Send every bucket the cache's rank owns, whole, through ``sender`` (a refetch)."""
+    for g in plan.owned(cache.rank):
+        send_cached_bucket(cache, sender, plan, g, device, None, None)
+
+
+def send_cached_bucket(
+    cache: HostCache,
+    sender: Sender,
+    plan: BucketPlan,
+    g: int,
+    device: torch.device,
+    unchanged: Unchanged | None,
+    version: int | None = None,
+) -> dict[int, int]:
+    """Send bucket ``g``'s bytes from the cache, leaving out the slices ``unchanged`` names;
+    return every slice's checksum. Without ``unchanged`` every byte is sent and nothing is
+    hashed. A publish of ``version`` records the bucket's token as the rollouts will (a
+    refetch, without it, changes no token)."""
+    sums: dict[int, int] = {}
+    bucket = plan.buckets[g]
+    view = cache.bucket(plan, g)[: bucket.nbytes]
+
+    def cached(s: Slice) -> torch.Tensor:
+        return view[s.bucket_offset : s.bucket_offset + s.nbytes]
+
+    slices = plan.bucket_slices(g)
+    mask = [1] * len(slices)
+    for j, s in enumerate(slices if unchanged is not None else ()):
+        cs = slice_checksum(cached(s))
+        if cs is not None:
+            sums[bucket.first_slice + j] = cs
+        assert unchanged is not None
+        mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
+    if version is not None:
+        cache.tokens[g] = root_token(plan.plan_id, g, version)
+    if all(mask) and view.device == device:
+        # the cache already holds the payload where the transport reads: no copy
+        send_bucket(sender, plan, g, mask, bucket.nbytes, view, {})
+        return sums
+    out = sender.next_buffer()
+    kept = [s for s, m in zip(slices, mask, strict=True) if m]
+    _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
+    send_bucket(sender, plan, g, mask, nbytes, out, {})
+    return sums

@@ -27,12 +27,7 @@ import torch
 
 from ..core.buffers import as_bytes
 from ..core.dtypes import dtype_name
-from .packing import is_dtensor
-from .plan import BucketPlan, Slice
-
-
-class LayoutMismatch(ValueError):
-    """What an iterator yielded differs from the layout its publish was planned with."""
+from .plan import BucketPlan, LayoutMismatch, Slice, is_dtensor
 
 
 class StreamSources:

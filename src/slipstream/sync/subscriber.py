@@ -41,7 +41,6 @@ from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
 from .group import SyncGroup
 from .negotiation import network_receiver, read_offer
-from .packing import payload_segments
 from .plan import BucketPlan, decode_header, payload_offsets, plan_from_json
 from .protocol import (
     Ack,
@@ -52,6 +51,7 @@ from .protocol import (
     encode,
 )
 from .rollout_round import RolloutRound
+from .segments import payload_segments
 from .sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
 from .transport import Pending, Receiver
 

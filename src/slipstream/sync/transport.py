@@ -20,7 +20,7 @@ A receiver's :meth:`start` posts the receive of the next message and returns a
 :class:`Pending` whose :meth:`Pending.finish` waits for it, so the caller unpacks bucket g-1
 while bucket g arrives.
 
-A payload travels as the *segments* :func:`.packing.payload_segments` cuts it into: runs of
+A payload travels as the *segments* :func:`.segments.payload_segments` cuts it into: runs of
 small slices, and (over broadcast) each slice of at least ``separate_min`` bytes on its
 own, sent from the trainer's tensor and received straight into the rollout's, so the bulk
 of the bytes is never packed or unpacked.
