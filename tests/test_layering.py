@@ -2,7 +2,9 @@
 below checkpoint/, sync/ and fsdp/ (it imports none of them), sync/ and fsdp/ never import
 checkpoint/, and checkpoint/ never imports sync/. Inside checkpoint/, the folders keep their
 roles: format/ stands below the save and the load, load/ never imports save/, and storage/
-imports nothing of checkpoint/ but format/."""
+imports nothing of checkpoint/ but format/. Inside sync/, layout/ stands below everything,
+transport/ imports no round, round/ no side, and rollout/ nothing of trainer/; no folder
+imports the public entry points above it but the sync group."""
 
 import ast
 from pathlib import Path
@@ -121,24 +123,35 @@ CHECKPOINT_RULES = {
 }
 
 
-def _checkpoint_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
-    """Module -> the checkpoint/ modules it imports against :data:`CHECKPOINT_RULES`."""
+def _folder_violations(
+    graph: dict[str, set[str]],
+    package: str,
+    rules: dict[str, tuple[str, ...]],
+    shared: tuple[str, ...] = (),
+) -> dict[str, list[str]]:
+    """Module -> the modules of ``package`` it imports against ``rules`` (folder -> the other
+    folders it may import); every folder may import the ``shared`` modules of ``package``."""
     bad = {}
-    for folder, allowed in CHECKPOINT_RULES.items():
-        inside = f"{CHECKPOINT}.{folder}"
-        ok = tuple(f"{CHECKPOINT}.{a}" for a in (folder, *allowed))
+    for folder, allowed in rules.items():
+        inside = f"{package}.{folder}"
+        ok = tuple(f"{package}.{a}" for a in (folder, *allowed, *shared))
         for mod, deps in graph.items():
             if mod != inside and not mod.startswith(inside + "."):
                 continue
             found = sorted(
                 d
                 for d in deps
-                if d.startswith(CHECKPOINT + ".")
+                if d.startswith(package + ".")
                 and not any(d == o or d.startswith(o + ".") for o in ok)
             )
             if found:
                 bad[mod] = found
     return bad
+
+
+def _checkpoint_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Module -> the checkpoint/ modules it imports against :data:`CHECKPOINT_RULES`."""
+    return _folder_violations(graph, CHECKPOINT, CHECKPOINT_RULES)
 
 
 def test_checkpoint_folders_keep_their_roles():
@@ -158,4 +171,48 @@ def test_the_checkpoint_rules_see_a_violation():
         f"{CHECKPOINT}.load.loader": [f"{CHECKPOINT}.save.layout"],
         f"{CHECKPOINT}.format.index": [f"{CHECKPOINT}.load.reader"],
         f"{CHECKPOINT}.storage.local": [f"{CHECKPOINT}.api"],
+    }, f"the rules missed or invented a violation: {found}"
+
+
+SYNC = "slipstream.sync"
+SYNC_RULES = {
+    # folder: the sync/ folders (besides itself) it may import
+    "layout": (),
+    "transport": ("layout",),
+    "round": ("transport", "layout"),
+    "trainer": ("round", "transport", "layout"),
+    "rollout": ("layout",),
+}
+#: The one entry-point module every sync/ folder may import: the group they all run on.
+SYNC_SHARED = ("group",)
+
+
+def _sync_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Module -> the sync/ modules it imports against :data:`SYNC_RULES`."""
+    return _folder_violations(graph, SYNC, SYNC_RULES, SYNC_SHARED)
+
+
+def test_sync_folders_keep_their_roles():
+    graph = _imports(_modules())
+    assert all(f"{SYNC}.{folder}" in _modules() for folder in SYNC_RULES)
+    bad = _sync_violations(graph)
+    assert not bad, f"imports across sync/'s folder rules {SYNC_RULES}: {bad}"
+
+
+def test_the_sync_rules_see_a_violation():
+    graph = {
+        f"{SYNC}.layout.described": {f"{SYNC}.round.negotiation", f"{SYNC}.layout.plan"},
+        f"{SYNC}.transport.ipc": {f"{SYNC}.round.protocol", f"{SYNC}.group"},
+        f"{SYNC}.round.culprits": {f"{SYNC}.publisher", f"{SYNC}.round.protocol"},
+        f"{SYNC}.rollout.apply": {f"{SYNC}.trainer.packing", f"{SYNC}.layout.plan"},
+        f"{SYNC}.trainer.sending": {f"{SYNC}.transport.network", f"{SYNC}.rollout.sinks"},
+        f"{SYNC}.publisher": {f"{SYNC}.trainer.sending", f"{SYNC}.rollout.sinks"},
+    }
+    found = _sync_violations(graph)
+    assert found == {
+        f"{SYNC}.layout.described": [f"{SYNC}.round.negotiation"],
+        f"{SYNC}.transport.ipc": [f"{SYNC}.round.protocol"],
+        f"{SYNC}.round.culprits": [f"{SYNC}.publisher"],
+        f"{SYNC}.rollout.apply": [f"{SYNC}.trainer.packing"],
+        f"{SYNC}.trainer.sending": [f"{SYNC}.rollout.sinks"],
     }, f"the rules missed or invented a violation: {found}"

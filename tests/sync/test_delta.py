@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slipstream.core.buffers import as_bytes
-from slipstream.sync.delta import (
+from slipstream.sync.layout.delta import (
     WORD,
     BaseMismatch,
     BucketDelta,
@@ -28,7 +28,7 @@ from slipstream.sync.delta import (
     root_token,
     words_of,
 )
-from slipstream.sync.plan import BucketPlan, TensorSpec
+from slipstream.sync.layout.plan import BucketPlan, TensorSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from realistic_updates import AdamW, RealisticUpdates  # noqa: E402

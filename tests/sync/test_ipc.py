@@ -15,7 +15,7 @@ from torch.multiprocessing import reductions
 
 import slipstream as ss
 from slipstream.errors import SyncError
-from slipstream.sync.shared_tensors import SharedBuffer, describe, shared_buffer
+from slipstream.sync.transport.shared_tensors import SharedBuffer, describe, shared_buffer
 
 #: small buckets and the default two slots: every version wraps the ring many times
 BUCKET = 16 * 1024

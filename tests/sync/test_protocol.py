@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from slipstream.errors import PeerDiedError, SyncError
-from slipstream.sync.protocol import (
+from slipstream.sync.round.protocol import (
     AgainOffer,
     CacheAddress,
     Keys,

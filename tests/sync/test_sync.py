@@ -20,7 +20,7 @@ from torch import nn
 
 import slipstream as ss
 from slipstream.errors import PeerTimeoutError, SyncError
-from slipstream.sync.plan import BucketPlan, TensorSpec, payload_offsets
+from slipstream.sync.layout.plan import BucketPlan, TensorSpec, payload_offsets
 
 BUCKET = 64 * 1024
 # slices of 4 KiB and up cross a relay or broadcast on their own: both paths run in every
@@ -113,7 +113,7 @@ def test_plan_splits_large_tensors_and_is_deterministic():
 
 
 def test_payload_segments_cover_the_included_slices_once_in_payload_order():
-    from slipstream.sync.segments import payload_segments
+    from slipstream.sync.layout.segments import payload_segments
 
     specs = [
         TensorSpec("a", (100,), "float32"),  # 400 B, packed
@@ -154,7 +154,7 @@ def test_payload_segments_cover_the_included_slices_once_in_payload_order():
 def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
     from types import SimpleNamespace
 
-    from slipstream.sync import negotiation
+    from slipstream.sync.round import negotiation
 
     colocated_host = SimpleNamespace(
         colocated=lambda ranks: True, device=torch.device("cpu"), rank=0
@@ -175,7 +175,7 @@ def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
 def test_auto_relays_host_weights_across_hosts_and_broadcasts_device_weights():
     from types import SimpleNamespace
 
-    from slipstream.sync.negotiation import candidates
+    from slipstream.sync.round.negotiation import candidates
 
     for device, picked in (("cpu", "relay"), ("cuda", "broadcast")):
         remote = SimpleNamespace(colocated=lambda ranks: False, device=torch.device(device), rank=0)

@@ -15,9 +15,9 @@ from sync_procs import remote_reads_allowed, spawn
 from torch import nn
 
 import slipstream as ss
-from slipstream.sync.aliases import unique_tensors
-from slipstream.sync.apply import CallableTarget, ModuleTarget
-from slipstream.sync.plan import BucketPlan, layout_json, plan_from_json
+from slipstream.sync.layout.aliases import unique_tensors
+from slipstream.sync.layout.plan import BucketPlan, layout_json, plan_from_json
+from slipstream.sync.rollout.apply import CallableTarget, ModuleTarget
 
 BUCKET = 64 * 1024
 SEPARATE = 4096

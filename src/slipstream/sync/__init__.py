@@ -1,25 +1,23 @@
 """Weight sync: push trainer weights to rollout workers, bucketed, pipelined, versioned.
 
-- :mod:`.group`: the sync group (own store and process groups, never the default group),
-  its heartbeats and who is alive; a restarted process rejoins at its old rank;
-- :mod:`.protocol`: the wire protocol: every store key and message between the two sides;
-- :mod:`.plan`: the bucket plan every rank derives from the same layout;
-- :mod:`.packing`: reading tensors bucket by bucket (DTensor gathers) and packing payloads;
-  :mod:`.stream`: the same from an iterator, as it yields; :mod:`.described`: a first
-  version whose buckets carry its layout;
-- :mod:`.negotiation`: settling on a transport, and building each epoch's ends of it;
-- :mod:`.transport`, :mod:`.shm`, :mod:`.cma`: broadcast over the network, a shared-memory
-  ring, or the rollouts reading the trainer's memory (colocated);
-- :mod:`.sending`: the one send path; :mod:`.host_cache`: the trainer's host cache (and
-  base of deltas); :mod:`.refetch`: serving it again to rollouts that ask;
-- :mod:`.culprits`: who broke a round, worked out the same way on both sides;
-- :mod:`.trainer_round`, :mod:`.rollout_round`: each side's part of a publish round;
-- :mod:`.publisher`, :mod:`.subscriber`, :mod:`.sinks`, :mod:`.apply`: the two sides, where
-  received bytes go, and the targets.
+The public entry points are here: :mod:`.group` (the sync group: its own store and process
+groups, never the default group; heartbeats, who is alive, rejoining at an old rank),
+:mod:`.publisher` (:class:`WeightPublisher`, the trainer's side) and :mod:`.subscriber`
+(:class:`WeightSubscriber`, the rollout's side). Below them, one folder per role, each
+importing only the folders beneath it (``tests/test_layering.py``):
+
+- :mod:`.layout`: what travels, as plain data both sides derive alike (bucket plans, the
+  payload's segments, tied weights, self-describing buckets, deltas);
+- :mod:`.transport`: how a bucket moves (relay and broadcast over the network; shm, cma and
+  ipc between processes of one host);
+- :mod:`.round`: one publish round (the wire protocol, choosing each epoch's transport, each
+  side's part of a round, who broke one);
+- :mod:`.trainer`: packing tensors, the one send path, the host cache and refetch;
+- :mod:`.rollout`: where received bytes go and how they are applied (never the trainer's).
 """
 
 from .group import SyncGroup, init_group
-from .plan import BucketPlan, LayoutMismatch, TensorSpec
+from .layout.plan import BucketPlan, LayoutMismatch, TensorSpec
 from .publisher import PublishHandle, PublishTimings, WeightPublisher
 from .subscriber import WeightSubscriber
 

@@ -196,7 +196,7 @@ class SyncGroup:
         return self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
 
     def post(self, key: str, text: str) -> None:
-        """Write ``text`` (an encoded :mod:`.protocol` message) at ``key``."""
+        """Write ``text`` (an encoded :mod:`.round.protocol` message) at ``key``."""
         self._call(lambda: self.store.set(key, text), f"writing {key}")
 
     def post_first(self, key: str, text: str) -> bytes:

@@ -1,12 +1,12 @@
 """The trainer side: :class:`WeightPublisher`, one publish round after another.
 
-A publish is one round of the protocol in :mod:`.protocol`, run by :mod:`.trainer_round`
+A publish is one round of the protocol in :mod:`.round.protocol`, run by :mod:`.round.trainer_round`
 (who takes part, the epoch's transport, the acknowledgements, giving a broken round up);
 this module reads the caller's tensors (a mapping, or an iterator as it yields:
-:mod:`.stream`, or :mod:`.described` while no layout is known yet) and packs and sends the
-buckets this rank owns. The set of rollouts may change between publishes
+:mod:`.trainer.stream`, or :mod:`.layout.described` while no layout is known yet) and packs
+and sends the buckets this rank owns. The set of rollouts may change between publishes
 (:meth:`WeightPublisher.set_rollouts`). In ``cached`` mode
-the caller's thread only snapshots into the host cache (:mod:`.host_cache`) and the worker
+the caller's thread only snapshots into the host cache (:mod:`.trainer.host_cache`) and the worker
 thread runs the round from it, serving rollouts that ask again meanwhile.
 
 Rollouts that die or come back: a rollout found dead (its process gone, or its heartbeat
@@ -43,24 +43,19 @@ from ..core import tracing
 from ..core.handles import fail_unfinished
 from ..core.holds import Holdable
 from ..errors import PeerTimeoutError, SyncError
-from .aliases import named_items, unique_tensors
-from .delta import BucketDelta, DeltaStats, Differ
-from .described import DESCRIBED, DescribedSources, GrowingLayout, described_header, nonempty
 from .group import SyncGroup
-from .host_cache import HostCache
-from .negotiation import (
-    LOCAL_TRANSPORTS,
-    TRANSPORTS,
-    candidates,
-    negotiate,
-)
-from .packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
-from .plan import HEADER_CAP, BucketPlan, TensorSpec, layout_json
-from .protocol import Keys, Request
-from .refetch import RefetchServer
-from .sending import send_bucket, send_cached_bucket, send_cached_delta
-from .stream import StreamSources
-from .trainer_round import TrainerRound
+from .layout.aliases import named_items, unique_tensors
+from .layout.delta import BucketDelta, DeltaStats, Differ
+from .layout.described import DESCRIBED, DescribedSources, GrowingLayout, described_header, nonempty
+from .layout.plan import HEADER_CAP, BucketPlan, TensorSpec, layout_json
+from .round.negotiation import LOCAL_TRANSPORTS, TRANSPORTS, candidates, negotiate
+from .round.protocol import Keys, Request
+from .round.trainer_round import TrainerRound
+from .trainer.host_cache import HostCache
+from .trainer.packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
+from .trainer.refetch import RefetchServer
+from .trainer.sending import send_bucket, send_cached_bucket, send_cached_delta
+from .trainer.stream import StreamSources
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +143,7 @@ class WeightPublisher:
     ``delta`` (host weights): keep the bytes the rollouts hold as a base (the cache in
     ``cached`` mode, a copy of the last version sent in ``direct`` mode, see
     :attr:`base_bytes`) and send each owned bucket as its changed 8-byte words where that
-    is at most a quarter of its bytes (:mod:`.delta`); rollouts apply deltas in place and
+    is at most a quarter of its bytes (:mod:`.layout.delta`); rollouts apply deltas in place and
     only onto the exact base they were computed from. Left out (``None``), it is on in
     ``cached`` mode, whose cache is the base, and off in ``direct`` mode, where the base
     would be a second copy of the weights and publishes would no longer send straight
@@ -294,7 +289,7 @@ class WeightPublisher:
         :class:`~slipstream.sync.LayoutMismatch` naming the tensor (the round is
         given up for every rollout, and the next publish goes on). Without a layout, in
         ``direct`` mode, the iterator's buckets describe it as they go
-        (:mod:`.described`): the layout it yields is this publisher's from then on. In
+        (:mod:`.layout.described`): the layout it yields is this publisher's from then on. In
         ``cached`` mode the first iterator is read whole (as a mapping would be) and gives
         its layout.
         """
@@ -442,7 +437,7 @@ class WeightPublisher:
         version: int,
         handle: PublishHandle,
     ) -> Callable[[], int]:
-        """A described round (:mod:`.described`): the layout is learned from ``items`` as
+        """A described round (:mod:`.layout.described`): the layout is learned from ``items`` as
         they are sent and travels in the buckets' headers; then it is this publisher's
         plan, posted for rollouts that join later."""
         sources = DescribedSources(layout, items, self.rank)

@@ -3,8 +3,8 @@
 :meth:`WeightSubscriber.receive` runs on the caller's thread (the subscriber starts no
 thread) and only uses the sync group's own store and process groups. One call takes part in
 one round (see :mod:`.publisher`; asking for it, its epoch's receivers and naming who broke
-it are :mod:`.rollout_round`'s): it asks for a version newer than the one it holds, checks
-the plan against the target before any byte moves (:mod:`.sinks` say where bytes go),
+it are :mod:`.round.rollout_round`'s): it asks for a version newer than the one it holds, checks
+the plan against the target before any byte moves (:mod:`.rollout.sinks` say where bytes go),
 receives bucket g while unpacking bucket g-1 (two reused buffers per trainer), then
 acknowledges. Over relay or broadcast, slices
 sent on their own land straight in their final place (the parameter, or the atomic stream
@@ -35,25 +35,25 @@ from torch import nn
 from ..core import tracing
 from ..core.buffers import StagingPool
 from ..errors import SyncError
-from .apply import CallableTarget, LoadWeights, ModuleTarget, NameMap, make_target, raise_problems
-from .cma import CacheReader
-from .delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
-from .described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
 from .group import SyncGroup
-from .negotiation import network_receiver, read_offer
-from .plan import BucketPlan, decode_header, payload_offsets, plan_from_json
-from .protocol import (
-    Ack,
-    AgainGo,
-    AgainOffer,
-    AgainRequest,
-    Keys,
-    encode,
+from .layout.delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
+from .layout.described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
+from .layout.plan import BucketPlan, decode_header, payload_offsets, plan_from_json
+from .layout.segments import payload_segments
+from .rollout.apply import (
+    CallableTarget,
+    LoadWeights,
+    ModuleTarget,
+    NameMap,
+    make_target,
+    raise_problems,
 )
-from .rollout_round import RolloutRound
-from .segments import payload_segments
-from .sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
-from .transport import Pending, Receiver
+from .rollout.sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
+from .round.negotiation import network_receiver, read_offer
+from .round.protocol import Ack, AgainGo, AgainOffer, AgainRequest, Keys, encode
+from .round.rollout_round import RolloutRound
+from .transport.cma import CacheReader
+from .transport.network import Pending, Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class WeightSubscriber:
         self.modes: dict[int, str] = {t: o.mode for t, o in self._offers.items()}
         self._rounds = RolloutRound(self.group, self.trainer_ranks, self._offers, self.timeout)
         self._tokens: dict[int, int] = {}
-        """Each bucket's token (:mod:`.delta`) as last applied in place, for plan
+        """Each bucket's token (:mod:`.layout.delta`) as last applied in place, for plan
         ``_token_plan`` at version ``_delta_version`` (``None``: none recorded whole)."""
         self._token_plan: str | None = None
         self._delta_version: int | None = None

@@ -25,13 +25,13 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.buffers import allocate_host
-from ..core.process_memory import RemoteReadError, read_into
-from ..errors import SyncError
-from .plan import BucketPlan, encode_header
-from .segments import payload_segments
+from ...core.buffers import allocate_host
+from ...core.process_memory import RemoteReadError, read_into
+from ...errors import SyncError
+from ..layout.plan import BucketPlan, encode_header
+from ..layout.segments import payload_segments
+from .network import Pending, Place
 from .shm import ShmReceiver, ShmSender, round_up
-from .transport import Pending, Place
 
 
 def _addresses(ring_header: torch.Tensor, header_cap: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Moving one bucket (header + payload) from its owning trainer to every rollout rank.
 
-Four transports share one interface:
+Five transports share one interface: the two network ones here, and three between the
+processes of one host:
 
 - :class:`BroadcastSender` / :class:`BroadcastReceiver` over a process group of the owning
   trainer and the rollout ranks (built from the sync group's store, so no other trainer
@@ -11,7 +12,9 @@ Four transports share one interface:
   message costs less than a collective, so smaller slices go unpacked;
 - :mod:`.shm`: a ring of bucket slots in a shared-memory file, for colocated ranks;
 - :mod:`.cma`: the same ring carrying addresses, the rollouts copying the bytes straight out
-  of the trainer's memory.
+  of the trainer's memory;
+- :mod:`.ipc`: the same ring's handshake over slots shared through torch (host memory, or a
+  GPU's through CUDA IPC).
 
 A sender keeps ``num_slots`` reused buffers and hands out the next one with
 :meth:`next_buffer` (waiting until its previous message has left); :meth:`submit` queues a
@@ -20,10 +23,10 @@ A receiver's :meth:`start` posts the receive of the next message and returns a
 :class:`Pending` whose :meth:`Pending.finish` waits for it, so the caller unpacks bucket g-1
 while bucket g arrives.
 
-A payload travels as the *segments* :func:`.segments.payload_segments` cuts it into: runs of
-small slices, and (over broadcast) each slice of at least ``separate_min`` bytes on its
-own, sent from the trainer's tensor and received straight into the rollout's, so the bulk
-of the bytes is never packed or unpacked.
+A payload travels as the *segments* :func:`..layout.segments.payload_segments` cuts it
+into: runs of small slices, and (over broadcast) each slice of at least ``separate_min``
+bytes on its own, sent from the trainer's tensor and received straight into the rollout's,
+so the bulk of the bytes is never packed or unpacked.
 
 Invariant: a buffer is never written while a message it holds is still in flight, every
 tensor a message reads stays referenced until it has left, and every wait has a timeout
@@ -42,9 +45,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..core.buffers import allocate_host
-from ..errors import SyncError
-from .plan import HEADER_PREFIX
+from ...core.buffers import allocate_host
+from ...errors import SyncError
+from ..layout.plan import HEADER_PREFIX
 
 #: Slices of at least this many bytes cross a broadcast on their own, without a copy. Each
 #: extra message costs about a millisecond on gloo over loopback, about what packing and

@@ -11,7 +11,7 @@ caller's thread) match across ranks.
 each copied slice, and leaves out (rewinds over) slices whose checksum says every rollout
 already holds those bytes. Slices the transport sends on their own (``separate_min``) are
 checksummed where they are and not copied: their place in the payload is only reserved.
-:func:`.segments.payload_segments` cuts a payload into what crosses the transport, the same
+:func:`..layout.segments.payload_segments` cuts a payload into what crosses the transport, the same
 way on both sides.
 """
 
@@ -22,11 +22,11 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ..core.buffers import as_bytes, byte_view, memory_at
-from ..core.checksum import checksum
-from ..core.copy import copy_in_slices, copy_to_address
-from .plan import BucketPlan, Slice, align, is_dtensor
-from .segments import Segment, sent_separately
+from ...core.buffers import as_bytes, byte_view, memory_at
+from ...core.checksum import checksum
+from ...core.copy import copy_in_slices, copy_to_address
+from ..layout.plan import BucketPlan, Slice, align, is_dtensor
+from ..layout.segments import Segment, sent_separately
 
 
 class BucketSources:

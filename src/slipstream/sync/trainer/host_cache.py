@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..core import tracing
-from ..core.buffers import StagingPool
-from ..core.copy import copy_in_slices
-from ..errors import PeerTimeoutError
-from .delta import WORD, BucketDelta, DeltaStats, Differ, words_of
+from ...core import tracing
+from ...core.buffers import StagingPool
+from ...core.copy import copy_in_slices
+from ...errors import PeerTimeoutError
+from ..layout.delta import WORD, BucketDelta, DeltaStats, Differ, words_of
+from ..layout.plan import BucketPlan, Slice
 from .packing import Sources
-from .plan import BucketPlan, Slice
 
 Unchanged = Callable[[int, int | None], bool]
 
@@ -31,7 +31,7 @@ class HostCache:
 
     It is also the *base* of delta publishes: the bytes the rollouts hold, bucket by
     bucket (each bucket padded to whole 8-byte words), with each bucket's token
-    (:mod:`.delta`). :meth:`update` brings a bucket to the new version, diffing it against
+    (:mod:`..layout.delta`). :meth:`update` brings a bucket to the new version, diffing it against
     what the cache held when that was the previous version of the same plan.
     """
 

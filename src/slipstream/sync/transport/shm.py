@@ -35,11 +35,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..core.control_plane import died_error
-from ..core.threads import X86_CPU
-from ..errors import MissingRanksError, SyncError
-from .group import process_alive
-from .transport import Pending, Place
+from ...core.control_plane import died_error
+from ...core.threads import X86_CPU
+from ...errors import MissingRanksError, SyncError
+from ..group import process_alive
+from .network import Pending, Place
 
 PAGE = 4096
 #: Whether this CPU makes stores visible to other cores in program order, which the

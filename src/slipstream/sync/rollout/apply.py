@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..core.buffers import as_bytes
-from ..core.copy import copy_in_slices, copy_to_address
-from ..errors import SyncError
-from .described import DESCRIBED
-from .plan import BucketPlan, Slice, TensorSpec
+from ...core.buffers import as_bytes
+from ...core.copy import copy_in_slices, copy_to_address
+from ...errors import SyncError
+from ..layout.described import DESCRIBED
+from ..layout.plan import BucketPlan, Slice, TensorSpec
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -59,7 +59,7 @@ class ModuleTarget:
         Every name of a sent tensor (its aliases too) is looked up; names that reach the
         same target tensor (a tie in the target) are written once. ``first``: the plan's
         tensors before it were checked already (a described round's layout grows as it
-        arrives, :mod:`.described`), and only the others are.
+        arrives, :mod:`..layout.described`), and only the others are.
         """
         if first == 0:
             self._dest, self._own, self._whole_dict = {}, None, False

@@ -25,9 +25,9 @@ from typing import Any, NoReturn, cast
 
 import torch
 
-from ..core.buffers import as_bytes
-from ..core.dtypes import dtype_name
-from .plan import BucketPlan, LayoutMismatch, Slice, is_dtensor
+from ...core.buffers import as_bytes
+from ...core.dtypes import dtype_name
+from ..layout.plan import BucketPlan, LayoutMismatch, Slice, is_dtensor
 
 
 class StreamSources:

@@ -4,12 +4,12 @@
   ``load_weights`` callable gets whole tensors after each bucket);
 - :class:`StreamSink`: into a host buffer laid out as the plan's stream, applied to the
   target only once every byte is in (``atomic=True``); :class:`BucketsSink` does the same
-  for a described round (:mod:`.described`), whose size is known only at its end, in a
+  for a described round (:mod:`..layout.described`), whose size is known only at its end, in a
   buffer per bucket;
 - :class:`DrainSink`: nowhere (a round this rank refused, received to its end so every
   other member stays in step).
 
-The receive pipeline (:mod:`.subscriber`) asks a sink where a slice sent on its own may land
+The receive pipeline (:mod:`..subscriber`) asks a sink where a slice sent on its own may land
 (:meth:`Sink.land`), hands it every slice of every bucket (:meth:`Sink.take`), tells it when
 a bucket is done and, at the end, when the round is (:meth:`Sink.finish`).
 
@@ -23,10 +23,10 @@ from typing import Protocol
 
 import torch
 
-from ..core.buffers import StagingPool
-from ..core.copy import copy_in_slices
+from ...core.buffers import StagingPool
+from ...core.copy import copy_in_slices
+from ..layout.plan import BucketPlan, Slice
 from .apply import CallableTarget, ModuleTarget
-from .plan import BucketPlan, Slice
 
 
 class Sink(Protocol):

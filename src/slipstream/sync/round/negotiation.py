@@ -28,25 +28,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..core import process_memory
-from ..errors import SyncError
-from .cma import CmaReceiver, CmaSender
-from .culprits import exited
-from .group import SyncGroup
-from .ipc import IpcReceiver, IpcSender, SharedRing
-from .plan import HEADER_CAP
-from .protocol import (
-    Keys,
-    Probe,
-    ProbeReply,
-    ReceiverShape,
-    RingInfo,
-    TransportOffer,
-    encode,
-)
-from .shared_tensors import SharedBuffer, describe, shared_buffer
-from .shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
-from .transport import (
+from ...core import process_memory
+from ...errors import SyncError
+from ..group import SyncGroup
+from ..layout.plan import HEADER_CAP
+from ..transport.cma import CmaReceiver, CmaSender
+from ..transport.ipc import IpcReceiver, IpcSender, SharedRing
+from ..transport.network import (
     RELAY_SEPARATE_MIN_BYTES,
     SEPARATE_MIN_BYTES,
     BroadcastReceiver,
@@ -54,6 +42,10 @@ from .transport import (
     Receiver,
     Sender,
 )
+from ..transport.shared_tensors import SharedBuffer, describe, shared_buffer
+from ..transport.shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
+from .culprits import exited
+from .protocol import Keys, Probe, ProbeReply, ReceiverShape, RingInfo, TransportOffer, encode
 
 logger = logging.getLogger(__name__)
 

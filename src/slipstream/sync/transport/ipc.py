@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.streams import current_stream, record_event
-from ..errors import SyncError
+from ...core.streams import current_stream, record_event
+from ...errors import SyncError
+from .network import Pending, Place
 from .shared_tensors import SharedBuffer, describe, shared_buffer
 from .shm import CTRL_PER_SLOT_FIXED, ShmReceiver, ShmSender, _Ring, round_up
-from .transport import Pending, Place
 
 
 @dataclass

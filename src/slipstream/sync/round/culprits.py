@@ -7,7 +7,7 @@ break names the culprit, :func:`post_abort`; the others agree with it), the susp
 dead, or the members whose acknowledgements refused the version. After a transport's own
 error it looks for up to :data:`LOOK_FOR` seconds, since a process exits a moment after
 its sockets close and one on another host is known dead only once its heartbeat has been
-still for :data:`.group.SILENT_AFTER_SECONDS`; after any other error it looks once.
+still for :data:`..group.SILENT_AFTER_SECONDS`; after any other error it looks once.
 
 Invariant: every member of a round that broke ends up with the same abort (the first one
 posted), so every member names the same dead ranks.
@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import PeerTimeoutError
-from .group import SILENT_AFTER_SECONDS, SyncGroup, host_identity
+from ...errors import PeerTimeoutError
+from ..group import SILENT_AFTER_SECONDS, SyncGroup, host_identity
 from .protocol import Ack, Keys, RoundAbort, decode, encode
 
 #: How long a rank whose transfer broke looks for the rank that broke it, in seconds.

@@ -1,4 +1,4 @@
-"""Serving rollouts that ask again (:mod:`.protocol`, refetch) from the host cache.
+"""Serving rollouts that ask again (:mod:`..round.protocol`, refetch) from the host cache.
 
 :class:`RefetchServer`, on the publisher's worker thread, offers the cache's version and,
 once the rollout accepts, sends every byte of this rank's buckets over a process group of
@@ -15,14 +15,23 @@ import os
 import time
 from collections.abc import Sequence
 
-from ..core import tracing
-from ..errors import SyncError
-from .group import SyncGroup
+from ...core import tracing
+from ...errors import SyncError
+from ..group import SyncGroup
+from ..round.negotiation import network_sender, separate_min_for, shape_of
+from ..round.protocol import (
+    Ack,
+    AgainGo,
+    AgainOffer,
+    AgainRequest,
+    CacheAddress,
+    Keys,
+    decode,
+    encode,
+)
+from ..transport.network import let_go
 from .host_cache import HostCache
-from .negotiation import network_sender, separate_min_for, shape_of
-from .protocol import Ack, AgainGo, AgainOffer, AgainRequest, CacheAddress, Keys, decode, encode
 from .sending import send_cached
-from .transport import let_go
 
 logger = logging.getLogger(__name__)
 

@@ -49,10 +49,10 @@ from typing import ClassVar
 import torch
 import xxhash
 
-from ..core.buffers import byte_view
-from ..core.checksum import checksum
-from ..core.copy import copy_in_slices
-from ..errors import SyncError
+from ...core.buffers import byte_view
+from ...core.checksum import checksum
+from ...core.copy import copy_in_slices
+from ...errors import SyncError
 from .plan import Slice
 
 WORD = 8

@@ -3,7 +3,7 @@
 A ``state_dict()`` lists tied weights (e.g. an embedding shared with the output layer)
 under each of their names, while the bytes exist once. The publisher sends each distinct
 tensor once, under the first name it appears with, and its plan lists the other names so
-the rollouts apply it under each (:mod:`.apply`).
+the rollouts apply it under each (:mod:`..rollout.apply`).
 
 Invariant: two names share one sent tensor exactly when their tensors are the same bytes
 seen the same way (:func:`alias_key`); names are unique and every value is a tensor.
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..core.dtypes import dtype_name
+from ...core.dtypes import dtype_name
 from .plan import TensorSpec, is_dtensor
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing import reductions
 
-from ..errors import SyncError
+from ...errors import SyncError
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@ the whole layout's plan will. The trainers, reading the same iterator, grow the 
 the rollouts grow it from the headers, bucket by bucket, and learn the layout while they
 receive. From the version after, publisher and rollouts use the whole plan like any other.
 
-Such a round is a *described* round: its :class:`.protocol.RoundStart` names
+Such a round is a *described* round: its :class:`..round.protocol.RoundStart` names
 :data:`DESCRIBED` where a plan id goes, and each of its bucket headers is
 :data:`DESCRIBED_HEADER_BYTES` long: the payload size (as in every header), the length of
 the description, then the description (compressed JSON: the tensors, the bucket count once
@@ -24,7 +24,7 @@ bucket is in its payload.
 
 Tied names: a described round finds no ties (it keeps no tensor it has sent, to compare
 storages with), so a name yielded twice for one tensor carries its bytes twice; ties given
-in a layout (:meth:`.publisher.WeightPublisher.set_layout`, a mapping) are sent once.
+in a layout (:meth:`..publisher.WeightPublisher.set_layout`, a mapping) are sent once.
 
 Invariant: when a bucket of a described round leaves a trainer, every tensor that starts in
 it or before it has been read, and either a tensor that starts or continues after it was
@@ -43,10 +43,10 @@ from typing import Any, cast
 
 import torch
 
-from ..core.buffers import as_bytes
-from ..core.checksum import checksum
-from ..core.dtypes import dtype_name
-from ..errors import SyncError
+from ...core.buffers import as_bytes
+from ...core.checksum import checksum
+from ...core.dtypes import dtype_name
+from ...errors import SyncError
 from .plan import (
     HEADER_CAP,
     HEADER_PREFIX,
@@ -227,7 +227,7 @@ def _chain(digest: int, specs: Sequence[TensorSpec]) -> int:
 
 class DescribedSources:
     """The tensors a described round's bucket ``g`` reads, pulled from ``items`` as it
-    yields while :attr:`layout` grows (:class:`.packing.Sources`' interface).
+    yields while :attr:`layout` grows (:class:`..trainer.packing.Sources`' interface).
 
     Entering bucket g pulls until :meth:`GrowingLayout.covers` it; a tensor this rank packs
     no byte of is dropped as soon as it is laid out, the others once the bucket holding

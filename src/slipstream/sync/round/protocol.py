@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..core.control_plane import store_key
-from ..errors import PeerDiedError, SyncError
+from ...core.control_plane import store_key
+from ...errors import PeerDiedError, SyncError
 
 _M = TypeVar("_M")
 
@@ -72,7 +72,7 @@ class Request:
     incarnation: int = 0
     delta_base: int | None = None
     """The version whose every bucket token this rollout recorded while applying it in
-    place (:mod:`.delta`): deltas from that version may be sent to it. ``None``: dense."""
+    place (:mod:`..layout.delta`): deltas from that version may be sent to it. ``None``: dense."""
 
 
 @dataclass
@@ -133,8 +133,8 @@ class Ack:
 class Probe:
     """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid`` or, when
     ``shared`` holds a description of a buffer shared through torch for the rollout (by
-    rank, a :class:`.shared_tensors.SharedBuffer`'s fields; transport ``ipc``), to open it
-    and find ``bytes`` there."""
+    rank, a :class:`..transport.shared_tensors.SharedBuffer`'s fields; transport ``ipc``), to
+    open it and find ``bytes`` there."""
 
     pid: int
     addr: int
@@ -227,8 +227,8 @@ class AgainGo:
 class BucketMessage:
     """One bucket on its way from its owning trainer: ``header`` (payload bytes, then one
     byte per slice of the bucket saying how its bytes travel: 1 dense in the payload, 0 left
-    out as unchanged, 2 (every slice) a delta, :mod:`.delta`) and ``parts``, the payload's
-    segments in order (:func:`.segments.payload_segments`; a delta is one segment)."""
+    out as unchanged, 2 (every slice) a delta, :mod:`..layout.delta`) and ``parts``, the payload's
+    segments in order (:func:`..layout.segments.payload_segments`; a delta is one segment)."""
 
     index: int
     header: torch.Tensor

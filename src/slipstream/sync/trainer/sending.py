@@ -2,25 +2,25 @@
 
 :func:`send_bucket` sends a bucket packed from live tensors or read from the host cache: it
 encodes the bucket's header, cuts the payload into the transport's segments and submits one
-:class:`.protocol.BucketMessage`. :func:`send_delta` sends a bucket as its changed words.
+:class:`..round.protocol.BucketMessage`. :func:`send_delta` sends a bucket as its changed words.
 :func:`send_cached_bucket`, :func:`send_cached_delta` and :func:`send_cached` send from the
 host cache (:mod:`.host_cache`), whose lock the caller holds.
 
 Invariant: a bucket's header and segments are derived from the plan and its include mask
-exactly as the rollouts derive them (:func:`.segments.payload_segments`).
+exactly as the rollouts derive them (:func:`..layout.segments.payload_segments`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .delta import DELTA, BucketDelta, encode_delta, root_token
+from ..layout.delta import DELTA, BucketDelta, encode_delta, root_token
+from ..layout.plan import BucketPlan, Slice, encode_header
+from ..layout.segments import payload_segments
+from ..round.protocol import BucketMessage
+from ..transport.network import Sender
 from .host_cache import HostCache, Unchanged
 from .packing import pack_slices, segment_parts, slice_checksum
-from .plan import BucketPlan, Slice, encode_header
-from .protocol import BucketMessage
-from .segments import payload_segments
-from .transport import Sender
 
 
 def send_bucket(
@@ -34,7 +34,7 @@ def send_bucket(
     header: torch.Tensor | None = None,
 ) -> None:
     """Send bucket ``g`` with include ``mask`` and a payload of ``nbytes``: ``buffer`` holds
-    the packed slices (laid out by :func:`.plan.payload_offsets`; the bytes of slices in
+    the packed slices (laid out by :func:`..layout.plan.payload_offsets`; the bytes of slices in
     ``separate`` need not be there), ``separate`` the slices sent from their own bytes.
     ``header``: the bucket's header when it is not the plan's (a described round's)."""
     slices = plan.bucket_slices(g)
@@ -49,8 +49,8 @@ def send_bucket(
 
 
 def send_delta(sender: Sender, plan: BucketPlan, g: int, message: torch.Tensor) -> None:
-    """Send bucket ``g`` as the delta ``message`` (:func:`.delta.encode_delta`): its header
-    marks every slice :data:`.delta.DELTA` and its payload is the message, one segment."""
+    """Send bucket ``g`` as the delta ``message`` (:func:`..layout.delta.encode_delta`): its header
+    marks every slice :data:`..layout.delta.DELTA` and its payload is the message, one segment."""
     slices = plan.bucket_slices(g)
     header = encode_header(
         torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8),

@@ -28,9 +28,9 @@ from functools import cached_property
 
 import torch
 
-from ..core.checksum import checksum
-from ..core.dtypes import dtype_from_name
-from ..core.shapes import numel
+from ...core.checksum import checksum
+from ...core.dtypes import dtype_from_name
+from ...core.shapes import numel
 
 ALIGN = 64
 HEADER_PREFIX = 8

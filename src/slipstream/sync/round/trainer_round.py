@@ -18,14 +18,14 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core import tracing
-from ..core.control_plane import died_error
-from ..errors import MissingRanksError, PeerDiedError, SyncError
+from ...core import tracing
+from ...core.control_plane import died_error
+from ...errors import MissingRanksError, PeerDiedError, SyncError
+from ..group import SyncGroup
+from ..transport.network import Sender, let_go
 from .culprits import post_abort, read_abort, read_ack, who_broke
-from .group import SyncGroup
 from .negotiation import build_sender, epoch_tag
 from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
-from .transport import Sender, let_go
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ class TrainerRound:
         """Agree on round ``k``: its members (the lead trainer waits for every rollout not
         found dead to ask; the others read the lead's decision), and the epoch, whose
         transport this rank builds when it is new. Returns the round and each member's
-        request (what it holds). ``plan_id`` names the plan (or :data:`.described.DESCRIBED`).
-        ``idle`` runs while the lead waits."""
+        request (what it holds). ``plan_id`` names the plan (or
+        :data:`..layout.described.DESCRIBED`). ``idle`` runs while the lead waits."""
         self._live_round = k
         self._acked_whole = set()
         requests: dict[int, Request] = {}

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ..errors import SyncError
+from ...errors import SyncError
+from ..group import SyncGroup
+from ..transport.network import Receiver, let_go
 from .culprits import in_transfer, post_abort, read_abort, who_broke
-from .group import SyncGroup
 from .negotiation import build_receiver, epoch_tag
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
-from .transport import Receiver, let_go
 
 _T = TypeVar("_T")
 
