@@ -4,7 +4,12 @@ import uuid
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# Test helpers import by name from any folder below their package's tests: tests/ (dist_utils,
+# hf_models, ...), tests/checkpoint/ (fault_storage, checkpoint_states) and tests/sync/
+# (sync_procs). Test files carry no __init__.py, so every test file's basename is unique.
+for helpers in (TESTS, os.path.join(TESTS, "checkpoint"), os.path.join(TESTS, "sync")):
+    sys.path.insert(0, helpers)
 
 from storage_server import CREDENTIALS, UNSET, moto_server  # noqa: E402
 

@@ -8,131 +8,41 @@ from __future__ import annotations
 
 import copy
 import io
-import random
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import assert_same, blank_like, mixed_state, random_tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 import slipstream as ss
 from slipstream.checkpoint.save.saver import CheckpointSaver
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.bfloat16,
-    torch.float16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
-
-
-def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_complex:
-        parts = torch.randn((2, *shape), generator=g, dtype=torch.float64).mul(100)
-        return torch.complex(parts[0], parts[1]).to(dtype)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=torch.float64).mul(100).to(dtype)
-    info = torch.iinfo(dtype)
-    return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
-
-
-def _blank_like(value):
-    """A state dict of the same structure whose tensors and values hold something else."""
-    if isinstance(value, dict):
-        return {k: _blank_like(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_blank_like(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bool:
-            return ~value.clone()
-        return torch.zeros_like(value) + 1 if value.numel() else torch.empty_like(value)
-    return None
-
-
-def _assert_same(got, want, where: str = "") -> None:
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), where
-        for k in want:
-            _assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            _assert_same(g, w, f"{where}.{i}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and got.shape == want.shape, where
-        assert torch.equal(got, want), where
-    else:
-        assert type(got) is type(want) and got == want, where
-
-
-def _mixed_state() -> dict:
-    base = _random_tensor(torch.float32, (6, 10), 1)
-    rng = random.Random(3)
-    return {
-        "dtypes": {
-            str(d).removeprefix("torch."): _random_tensor(d, (5, 7), i)
-            for i, d in enumerate(DTYPES)
-        },
-        "scalar": torch.tensor(2.5, dtype=torch.float64),
-        "int_scalar": torch.tensor(7),
-        "empty": torch.empty(0, 4),
-        "empty_int": torch.empty(3, 0, dtype=torch.int32),
-        "transposed": base.t(),
-        "strided_slice": base[1::2, 3:9:2],
-        "rng": torch.get_rng_state(),
-        "nested": {
-            "list_of_tensors": [torch.arange(5), torch.ones(2, 2)],
-            "mixed_list": [3, torch.full((2,), 4.0), "x"],
-            "deep": {"a": {"b": torch.linspace(0, 1, 9)}},
-        },
-        "int": 12,
-        "neg_float": -0.125,
-        "string": "héllo",
-        "bytes": b"\x00\xffraw",
-        "none": None,
-        "flag": True,
-        "int_list": [1, 2, 3],
-        "py_random_state": rng.getstate(),
-        "tuple": (1, "two", 3.0),
-    }
-
 
 def test_every_value_kind_round_trips_and_dcp_reads_the_same(tmp_path):
-    state = _mixed_state()
+    state = mixed_state()
     want = copy.deepcopy(state)
     ss.save(state, tmp_path / "ck")
 
-    mine = _blank_like(want)
+    mine = blank_like(want)
     ss.load(mine, tmp_path / "ck")
-    _assert_same(mine, want)
+    assert_same(mine, want)
 
-    theirs = _blank_like(want)
+    theirs = blank_like(want)
     dcp.load(theirs, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
-    _assert_same(theirs, want)
+    assert_same(theirs, want)
 
 
 def test_round_trip_matches_torch_save_of_the_same_state(tmp_path):
-    state = _mixed_state()
+    state = mixed_state()
     buf = io.BytesIO()
     torch.save(state, buf)
     ss.save(state, tmp_path / "ck")
-    loaded = _blank_like(state)
+    loaded = blank_like(state)
     ss.load(loaded, tmp_path / "ck")
     buf.seek(0)
-    _assert_same(loaded, torch.load(buf, weights_only=False))
+    assert_same(loaded, torch.load(buf, weights_only=False))
 
 
 def test_load_writes_through_non_contiguous_views_into_their_base(tmp_path):
@@ -198,17 +108,17 @@ def test_stateful_model_and_optimizer_round_trip(tmp_path):
     target = {"app": other, "step": 0}
     ss.load(target, tmp_path / "ck")
     assert target["step"] == 2
-    _assert_same(other.model.state_dict(), want_model)
-    _assert_same(other.optim.state_dict(), want_optim)
+    assert_same(other.model.state_dict(), want_model)
+    assert_same(other.optim.state_dict(), want_optim)
 
     reference = _trained(seed=2)
     dcp.load({"app": reference, "step": 0}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
-    _assert_same(reference.optim.state_dict(), other.optim.state_dict())
+    assert_same(reference.optim.state_dict(), other.optim.state_dict())
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (1,), (3, 1, 2)])
 def test_odd_shapes_read_by_dcp_from_a_slipstream_checkpoint(tmp_path, shape):
-    state = {"t": _random_tensor(torch.float32, shape, 5)}
+    state = {"t": random_tensor(torch.float32, shape, 5)}
     ss.save(state, tmp_path / "ck")
     ref = {"t": torch.full(shape, -1.0)}
     dcp.load(ref, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
@@ -216,16 +126,16 @@ def test_odd_shapes_read_by_dcp_from_a_slipstream_checkpoint(tmp_path, shape):
 
 
 def test_slipstream_reads_every_value_kind_written_by_dcp_save(tmp_path):
-    state = _mixed_state()
+    state = mixed_state()
     want = copy.deepcopy(state)
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    loaded = _blank_like(want)
+    loaded = blank_like(want)
     ss.load(loaded, tmp_path / "dcp")
-    _assert_same(loaded, want)
+    assert_same(loaded, want)
 
 
 def test_conjugate_and_negative_views_save_and_load_their_values(tmp_path):
-    z = _random_tensor(torch.complex64, (4, 3), 9)
+    z = random_tensor(torch.complex64, (4, 3), 9)
     state = {"conj": z.conj(), "neg": z.conj().imag}
     assert state["conj"].is_conj() and state["neg"].is_neg() and z.imag.count_nonzero() > 0
     ss.save(state, tmp_path / "ck")
@@ -252,7 +162,7 @@ def test_a_save_over_a_larger_uncommitted_file_writes_the_same_file_as_a_fresh_s
     # length at the end: nothing of the older, larger file may survive past the new end or
     # inside it.
     large = {"w": torch.full((300_000,), 7.0), "v": torch.arange(5000.0), "note": "x" * 5000}
-    small = {"w": _random_tensor(torch.float32, (1000, 3), seed=1), "note": "small"}
+    small = {"w": random_tensor(torch.float32, (1000, 3), seed=1), "note": "small"}
     ss.save(large, checkpoint_id=tmp_path / "reused")
     for name in (".metadata", ".slipstream.json"):
         (tmp_path / "reused" / name).unlink()

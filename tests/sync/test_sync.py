@@ -20,7 +20,6 @@ from torch import nn
 
 import slipstream as ss
 from slipstream.errors import PeerTimeoutError, SyncError
-from slipstream.sync.layout.plan import BucketPlan, TensorSpec, payload_offsets
 
 BUCKET = 64 * 1024
 # slices of 4 KiB and up cross a relay or broadcast on their own: both paths run in every
@@ -88,100 +87,6 @@ def record_store_writes(group) -> list[str]:
 
     group.post = recording
     return written
-
-
-# --------------------------------------------------------------------------- plan (no processes)
-def test_plan_splits_large_tensors_and_is_deterministic():
-    specs = [
-        TensorSpec("a", (10,), "float32"),
-        TensorSpec("big", (50_000,), "float32"),
-        TensorSpec("empty", (0, 3), "bfloat16"),
-        TensorSpec("c", (3,), "int64"),
-    ]
-    plan = BucketPlan.build(specs, BUCKET, [0, 1])
-    again = BucketPlan.build(specs, BUCKET, [0, 1])
-    assert plan == again and plan.plan_id == again.plan_id
-    big = [s for s in plan.slices if s.tensor == 1]
-    assert len(big) == 4 and sum(s.nbytes for s in big) == 200_000
-    assert all(s.bucket_offset + s.nbytes <= BUCKET for s in plan.slices)
-    assert [b.owner for b in plan.buckets] == [0, 1, 0, 1]
-    for b in plan.buckets:
-        slices = plan.bucket_slices(b.index)
-        offsets, size = payload_offsets(slices, [1] * len(slices))
-        assert offsets == [s.bucket_offset for s in slices] and size == b.nbytes
-    assert BucketPlan.build(specs, BUCKET, [0]).plan_id != plan.plan_id
-
-
-def test_payload_segments_cover_the_included_slices_once_in_payload_order():
-    from slipstream.sync.layout.segments import payload_segments
-
-    specs = [
-        TensorSpec("a", (100,), "float32"),  # 400 B, packed
-        TensorSpec("b", (3000,), "float32"),  # 12000 B, separate
-        TensorSpec("c", (10,), "int64"),  # 80 B, packed
-        TensorSpec("d", (5,), "uint8"),  # 5 B, packed
-        TensorSpec("e", (2000,), "float32"),  # 8000 B, separate
-    ]
-    slices = BucketPlan.build(specs, BUCKET, [0]).bucket_slices(0)
-    for mask in ([1, 1, 1, 1, 1], [1, 0, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]):
-        offsets, size = payload_offsets(slices, mask)
-        segments = payload_segments(slices, mask, 4096)
-        covered = []
-        for seg in segments:
-            if seg.slice is not None:
-                assert slices[seg.slice].nbytes >= 4096 and mask[seg.slice]
-                assert (seg.start, seg.nbytes) == (offsets[seg.slice], slices[seg.slice].nbytes)
-            covered += [
-                k
-                for k in range(len(slices))
-                if mask[k]
-                and offsets[k] >= seg.start
-                and offsets[k] + slices[k].nbytes <= seg.start + seg.nbytes
-            ]
-        assert sorted(covered) == [k for k in range(len(slices)) if mask[k]]
-        assert [seg.start for seg in segments] == sorted(seg.start for seg in segments)
-        assert all(
-            a.start + a.nbytes <= b.start for a, b in zip(segments, segments[1:], strict=False)
-        )
-        assert not segments or segments[-1].start + segments[-1].nbytes == size
-    # nothing separate: the whole payload is one segment
-    whole = payload_segments(slices, [1] * 5, None)
-    assert [(s.start, s.nbytes, s.slice) for s in whole] == [
-        (0, payload_offsets(slices, [1] * 5)[1], None)
-    ]
-
-
-def test_shared_memory_is_offered_only_where_stores_are_ordered(monkeypatch):
-    from types import SimpleNamespace
-
-    from slipstream.sync.round import negotiation
-
-    colocated_host = SimpleNamespace(
-        colocated=lambda ranks: True, device=torch.device("cpu"), rank=0
-    )
-    monkeypatch.setattr(negotiation, "ORDERED_STORES", True)
-    assert negotiation.candidates(colocated_host, "auto", [1]) == ["ipc", "shm"]
-    colocated_gpu = SimpleNamespace(
-        colocated=lambda ranks: True, device=torch.device("cuda"), rank=0
-    )
-    assert negotiation.candidates(colocated_gpu, "auto", [1]) == ["ipc", "broadcast"]
-    monkeypatch.setattr(negotiation, "ORDERED_STORES", False)  # e.g. an ARM host
-    assert negotiation.candidates(colocated_host, "auto", [1]) == ["relay"]
-    for transport in ("shm", "cma", "ipc"):
-        with pytest.raises(ValueError, match="needs an x86 CPU"):
-            negotiation.candidates(colocated_host, transport, [1])
-
-
-def test_auto_relays_host_weights_across_hosts_and_broadcasts_device_weights():
-    from types import SimpleNamespace
-
-    from slipstream.sync.round.negotiation import candidates
-
-    for device, picked in (("cpu", "relay"), ("cuda", "broadcast")):
-        remote = SimpleNamespace(colocated=lambda ranks: False, device=torch.device(device), rank=0)
-        assert candidates(remote, "auto", [1, 2]) == [picked]
-        with pytest.raises(ValueError, match="needs every rollout on trainer rank 0's host"):
-            candidates(remote, "ipc", [1, 2])
 
 
 def test_a_process_that_exited_counts_as_gone_even_before_it_is_reaped():

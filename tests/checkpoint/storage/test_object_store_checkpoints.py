@@ -14,9 +14,17 @@ import uuid
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import (
+    TENSORS,
+    assert_same,
+    blank_like,
+    dtensor_state,
+    expected_local,
+    local_parts,
+    mixed_state,
+    plain_state,
+)
 from dist_utils import run_workers
-from test_resharding import TENSORS, dtensor_state, expected_local, local_parts, plain_state
-from test_roundtrip import _assert_same, _blank_like, _mixed_state
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -34,12 +42,12 @@ def object_url(request) -> str:
 
 def test_every_value_kind_round_trips(object_url, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    state = _mixed_state()
+    state = mixed_state()
     want = copy.deepcopy(state)
     ss.save(state, f"{object_url}/ck")
-    got = _blank_like(want)
+    got = blank_like(want)
     ss.load(got, f"{object_url}/ck")
-    _assert_same(got, want)
+    assert_same(got, want)
     assert os.listdir(tmp_path) == [], "an object store save wrote into the working directory"
 
 
@@ -57,13 +65,13 @@ def test_async_save_to_s3_stages_then_commits(s3_bucket):
 
 
 def test_dcp_reads_through_s3fs_what_slipstream_wrote(s3_bucket):
-    state = _mixed_state()
+    state = mixed_state()
     want = copy.deepcopy(state)
     url = f"s3://{s3_bucket}/interop"
     ss.save(state, url)
-    theirs = _blank_like(want)
+    theirs = blank_like(want)
     dcp.load(theirs, storage_reader=FsspecReader(url), no_dist=True)
-    _assert_same(theirs, want)
+    assert_same(theirs, want)
 
 
 def _dcp_saves_on_two_ranks_then_slipstream_loads(rank: int, world: int, url: str) -> None:
@@ -160,8 +168,8 @@ def test_sigkill_mid_upload_keeps_the_previous_step_and_the_next_save_cleans_up(
     import time
 
     url = f"s3://{s3_bucket}/run"
-    here = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fault_storage
+    env = {**os.environ, "PYTHONPATH": helpers + os.pathsep + os.environ.get("PYTHONPATH", "")}
     child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url], env=env)
     try:
         deadline = time.monotonic() + 240  # the writer imports torch on a loaded machine

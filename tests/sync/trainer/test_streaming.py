@@ -28,7 +28,7 @@ from torch import nn
 import slipstream as ss
 from slipstream.sync import LayoutMismatch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 from common import Live, reset_high_water, status_bytes  # noqa: E402
 
 MiB = 2**20

@@ -1,8 +1,8 @@
 """A DCP checkpoint whose ``.metadata`` holds the classes older DCP releases pickled
-(``tests/fixtures/legacy_dcp_metadata``, made by ``tests/fixtures/make_legacy_dcp_checkpoint.py``,
-which says how) loads exactly through ``slipstream.dcp.load`` and ``ss.load``, as
-PyTorch's test_compatibility.py asserts of ``dcp.load``; the allow-list still refuses
-anything else."""
+(``fixtures/legacy_dcp_metadata`` beside this file, made by
+``fixtures/make_legacy_dcp_checkpoint.py``, which says how) loads exactly through
+``slipstream.dcp.load`` and ``ss.load``, as PyTorch's test_compatibility.py asserts of
+``dcp.load``; the allow-list still refuses anything else."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as torch_dcp
 import slipstream as ss
 import slipstream.dcp as dcp
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 from make_legacy_dcp_checkpoint import (  # noqa: E402  (the fixture's own maker)
     CHECKPOINT,

@@ -30,7 +30,7 @@ from slipstream.sync.layout.delta import (
 )
 from slipstream.sync.layout.plan import BucketPlan, TensorSpec
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 from realistic_updates import AdamW, RealisticUpdates  # noqa: E402
 
 

@@ -18,87 +18,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import (
+    PLAIN,
+    TENSORS,
+    dtensor_state,
+    expected_local,
+    local_parts,
+    plain_state,
+)
 from dist_utils import run_workers
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 import slipstream as ss
 from slipstream.checkpoint.load.reader import CheckpointReader
-
-# name -> (shape, dtype, placement kind); shard sizes are uneven on purpose, and "tiny"
-# leaves rank 3 of 4 with an empty shard.
-TENSORS = {
-    "rows": ((10, 6), torch.float32, "shard0"),
-    "cols": ((4, 10), torch.float64, "shard1"),
-    "half": ((9, 4), torch.bfloat16, "shard0"),
-    "tiny": ((3, 2), torch.int64, "shard0"),
-    "rep": ((5, 3), torch.float32, "replicate"),
-}
-# Plain (non-DTensor) tensors every rank holds: written once each, by different ranks.
-PLAIN = {f"plain{i}": (64, 64) for i in range(4)}
-
-
-def full_tensor(name: str) -> torch.Tensor:
-    if name in PLAIN:
-        return torch.arange(64 * 64, dtype=torch.float32).reshape(PLAIN[name]) + int(name[-1])
-    shape, dtype, _ = TENSORS[name]
-    n = 1
-    for s in shape:
-        n *= s
-    return (torch.arange(n, dtype=torch.float64).reshape(shape) * 1.5 + len(name)).to(dtype)
-
-
-def expected_local(name: str, world: int, rank: int) -> torch.Tensor:
-    """The part of the full tensor ``rank`` of ``world`` holds (DTensor's chunking)."""
-    full = full_tensor(name)
-    if name in PLAIN or world == 1 or TENSORS[name][2] == "replicate":
-        return full
-    dim = 0 if TENSORS[name][2] == "shard0" else 1
-    pieces = torch.chunk(full, world, dim=dim)
-    if rank < len(pieces):
-        return pieces[rank]
-    empty = list(full.shape)
-    empty[dim] = 0
-    return full.new_empty(empty)
-
-
-def _placement(name: str):
-    kind = TENSORS[name][2]
-    return {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}[kind]
-
-
-def dtensor_state(mesh, fill: float | None = None) -> dict:
-    """The test state as DTensors on ``mesh`` (or filled with ``fill`` to load into)."""
-    state: dict = {"model": {}, "step": 0 if fill is not None else 42}
-    for name in TENSORS:
-        full = full_tensor(name)
-        if fill is not None:
-            full = torch.full_like(full, fill)
-        state["model"][name] = distribute_tensor(full, mesh, [_placement(name)])
-    for name in PLAIN:
-        full = full_tensor(name)
-        state["model"][name] = torch.full_like(full, fill) if fill is not None else full
-    return state
-
-
-def plain_state(fill: float | None = None) -> dict:
-    """The test state as full plain tensors (what one rank without a mesh holds)."""
-    state: dict = {"model": {}, "step": 0 if fill is not None else 42}
-    for name in [*TENSORS, *PLAIN]:
-        full = full_tensor(name)
-        state["model"][name] = torch.full_like(full, fill) if fill is not None else full
-    return state
-
-
-def local_parts(state: dict) -> dict:
-    """name -> the local tensor a rank holds, plus the loaded step."""
-    out = {"step": state["step"]}
-    for name, value in state["model"].items():
-        local = value.to_local() if hasattr(value, "to_local") else value
-        out[name] = local.detach().clone()
-    return out
 
 
 def _dump(got_dir: str, scenario: str, rank: int, state: dict) -> None:
