@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import slipstream.dcp
 
-# The swap docs/integrations.md gives: Lightning looks DCP's save and load up by name at
+# The swap docs/integrations/lightning.md gives: Lightning looks DCP's save and load up by name at
 # each call, so binding slipstream's in their place routes its sharded checkpoints through
 # slipstream.
 dcp.save, dcp.load = slipstream.dcp.save, slipstream.dcp.load

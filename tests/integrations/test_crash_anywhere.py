@@ -434,7 +434,7 @@ def _torchtitan_run(report, root: str, steps: int) -> None:
 
     import slipstream.dcp
 
-    titan.dcp = slipstream.dcp  # the swap docs/integrations.md gives
+    titan.dcp = slipstream.dcp  # the swap docs/integrations/torchtitan.md gives
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )

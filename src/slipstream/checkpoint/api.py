@@ -336,7 +336,7 @@ def load(
     checkpoint nobody asked for are ignored.
 
     Plain values are unpickled through an allow-list of plain data (see
-    docs/checkpoint.md, "Safe loading") and the classes :func:`~slipstream.allow_types`
+    docs/checkpoint-files.md, "Safe loading") and the classes :func:`~slipstream.allow_types`
     allows; ``trusted`` adds classes or functions (or their ``"module.Name"``), or is
     ``True`` to unpickle anything, running the code it names, as ``dcp.load`` does.
 

@@ -70,7 +70,7 @@ class Checkpointer:
 
         ``reuse_files``: on the local disk, the next save writes over the data files of the
         step retention deletes, where nothing else has them open, instead of freeing their
-        blocks and allocating new ones (see docs/checkpoint.md). Between saves one step's
+        blocks and allocating new ones (see docs/save-cost.md). Between saves one step's
         data files more stay on disk, in ``root/.spare``, until :meth:`close`.
 
         ``timeout``, when given, overrides ``options.timeout``; every default is
@@ -87,7 +87,7 @@ class Checkpointer:
         steps behind waits instead of skipping. Rank 0 decides, so every rank skips the
         same steps.
 
-        ``local_tier`` adds a second, fast tier (see docs/checkpoint.md, "Two tiers"):
+        ``local_tier`` adds a second, fast tier (see docs/two-tiers.md):
         every ``local_tier.every``-th step is saved into node-local storage and replicated
         to peer ranks on other nodes, while only every ``durable_every``-th step also goes
         to ``root``; :meth:`latest` and :meth:`load` then take the newest step either tier

@@ -33,7 +33,7 @@ after them whatever a hook does. Replacing the class is one line at construction
 every existing ``save_state``/``load_state`` call then goes through slipstream.
 FSDP, DeepSpeed, Megatron-LM and XLA keep accelerate's own code (logged once); FSDP's
 sharded path calls DCP and goes through ``slipstream.dcp`` with the swap in
-docs/integrations.md.
+docs/dcp.md.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class SlipstreamAccelerator(Accelerator):
             self._ss_fallback_logged = True
             log.warning(
                 "slipstream: %s checkpoints use accelerate's own code (for FSDP, see the "
-                "slipstream.dcp swap in docs/integrations.md)",
+                "slipstream.dcp swap in docs/dcp.md)",
                 self.distributed_type,
             )
         return not unsupported

@@ -38,7 +38,7 @@ writes and what its ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_save
 extra state files) still runs and lands in the same checkpoint directory.
 
 DeepSpeed, FSDP, XLA and SageMaker model parallelism keep the Trainer's own checkpointing
-(logged once); FSDP's goes through ``slipstream.dcp`` with the swap in docs/integrations.md.
+(logged once); FSDP's goes through ``slipstream.dcp`` with the swap in docs/dcp.md.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             self._ss_fallback_logged = True
             log.warning(
                 "slipstream: DeepSpeed, FSDP, XLA and SageMaker checkpoints use the Trainer's "
-                "own code (for FSDP, see the slipstream.dcp swap in docs/integrations.md)"
+                "own code (for FSDP, see the slipstream.dcp swap in docs/dcp.md)"
             )
         return not unsupported
 

@@ -45,8 +45,7 @@ class CommitTemplate:
     the entries of its plain values. That keeps a steady-state commit from creating
     thousands of objects that live through it. In a training process holding hundreds of
     thousands of Python objects, such a burst on a background thread sets off full garbage
-    collections that hold the GIL (measured in docs/checkpoint.md,
-    "What a save costs the training loop").
+    collections that hold the GIL (measured in docs/save-cost.md).
     """
 
     tensors: dict[str, TensorStorageMetadata]

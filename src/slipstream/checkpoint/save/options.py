@@ -29,7 +29,7 @@ class SaveOptions:
     gather); the snapshot then drains to the host staging buffer in a few large copies on a
     side stream. ``None``: on accelerators; ``True`` also on CPU, where the snapshot is host
     memory and the call makes the copy; ``False``: stage straight to the host buffer, one
-    copy per tensor. docs/checkpoint.md, "Saving from a GPU", says more."""
+    copy per tensor. docs/save-cost.md, "Saving from a GPU", says more."""
     device_snapshot_bytes: int | None = None
     """Most bytes the device snapshot may take; a save it does not fit stages straight to
     the host buffer, and the saver logs that once. ``None``: half of the memory the device
@@ -41,7 +41,7 @@ class SaveOptions:
     """Experimental, off by default: stage CPU tensors with two threads, the staging thread
     copying the first half of the bytes front to back (so writes start at once) while a
     second thread copies the rest. Staging finishes sooner, but where every core trains the
-    second thread takes CPU from the training loop; docs/checkpoint.md has the measurements."""
+    second thread takes CPU from the training loop; docs/save-cost.md has the measurements."""
     thread_nice: int = 5
     """Nice increment of the saver's own threads (Linux), so that on oversubscribed cores
     staging and upload give way to the training thread; 0 keeps the caller's priority."""
@@ -50,8 +50,8 @@ class SaveOptions:
     policy instead (``thread_nice`` where it is refused): they use only time no other thread
     wants, and a training thread that wakes takes its core back at once. Where the cores are
     all busy, a save then makes progress only once the training loop waits for it, and a
-    saver that falls behind stalls the next save call; docs/checkpoint.md has the
-    measurements."""
+    saver that falls behind stalls the next save call; docs/benchmark-history.md has
+    the measurements."""
 
     def __post_init__(self) -> None:
         if self.device_snapshot_bytes is not None and self.device_snapshot_bytes < 0:

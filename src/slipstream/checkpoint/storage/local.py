@@ -131,7 +131,7 @@ class LocalDataWriter(DataWriter):
 
     A file left by an older save is written over in place, and cut to its new length only
     in :meth:`finish`: writing into blocks the file already holds spares the filesystem
-    freeing and allocating them again (see docs/checkpoint.md). The older bytes are never
+    freeing and allocating them again (see docs/save-cost.md). The older bytes are never
     readable as part of a checkpoint: the location is uncommitted before the first write.
     """
 

@@ -4,7 +4,7 @@ Checkpointing often, the costly part of retention is not the deleting itself but
 sets off: the filesystem frees the old files' blocks (on a disk mounted with ``discard``,
 the device is told to drop them too) and the next save allocates as many again. Writing
 the next save's bytes over the retired files' blocks instead skips both (measured in
-docs/checkpoint.md, "What a save costs the training loop").
+docs/benchmark-history.md, "Checkpoint: what a save costs the training loop").
 
 Invariants:
 

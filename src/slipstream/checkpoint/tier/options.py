@@ -1,5 +1,5 @@
 """The options of a :class:`~slipstream.Checkpointer`'s local tier, and where a node's
-local tier lives by default (docs/checkpoint.md, "Two tiers")."""
+local tier lives by default (docs/two-tiers.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ DEFAULT_SHM = "/dev/shm/slipstream"
 
 @dataclass
 class LocalTier:
-    """Options of a :class:`~slipstream.Checkpointer`'s local tier (docs/checkpoint.md,
-    "Two tiers")."""
+    """Options of a :class:`~slipstream.Checkpointer`'s local tier (docs/two-tiers.md)."""
 
     root: str | os.PathLike[str] | Storage | None = None
     """This node's directory (or a :class:`Storage`); ``None``: a directory under
