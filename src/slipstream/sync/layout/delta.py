@@ -17,7 +17,7 @@ into a reused mask then ``nonzero`` was the cheapest way to find the changed wor
 (``masked_select`` cost as much, ``repeat_interleave`` and scatter-based compaction more,
 ``nonzero`` on 2-byte units twice as much); refining words into changed bf16 elements halves
 the payload of realistic updates but costs more diff time than the bytes it saves on the
-wire (docs/sync.md has the numbers).
+wire (docs/sync-advanced.md, "Sending only what changed").
 
 Diffing runs over chunks of ``CHUNK_WORDS`` words so the mask stays in cache, and stops
 early: once a bucket's delta would outgrow its dense bytes, the rest is copied and the

@@ -59,9 +59,9 @@ HOST_TRANSPORTS = ("cma", "shm")
 #: Why an explicit transport cannot be used, when a rollout refused its probe.
 REFUSALS = {
     "cma": "rollouts cannot read trainer rank {rank}'s memory ({why}); they need ptrace "
-    "access to it (docs/sync.md), else use 'ipc'",
+    "access to it (docs/sync-advanced.md, Transports), else use 'ipc'",
     "ipc": "rollouts cannot open the buffers trainer rank {rank} shares through torch ({why}); "
-    "on a GPU they must see its device under the same index (docs/sync.md)",
+    "on a GPU they must see its device under the same index (docs/sync.md, Limits)",
 }
 
 Watch = Callable[[], None]
