@@ -1,12 +1,16 @@
-"""Run a function on N local processes joined by a gloo group on 127.0.0.1 and a free port.
+"""Run a function on N local processes joined by a gloo group on 127.0.0.1 and a free port,
+and the process and store machinery every multi-process test shares.
 
 Workers are forked from a forkserver that imports torch and slipstream once per test
 session: a fresh interpreter importing ``torch.distributed`` costs seconds per process,
 a fork from the server a few milliseconds. The server is single-threaded, so forking it
 is safe; every worker still starts from a clean process (no state of the test process).
 
-Every worker is joined with a timeout; a worker's exception is re-raised in the test with
-its rank, and a worker that does not finish in time fails the test instead of hanging it.
+:func:`supervise` runs one process per rank for both harnesses (:func:`run_workers` here,
+``sync_procs.spawn`` for processes that join only a sync group): results are read while the
+processes run, a process that overstays its timeout is killed, and a worker's exception is
+re-raised in the test with its rank, so a hang fails the test instead of blocking it.
+:func:`wait_for_key` is the one way a test process waits for another's word in a store.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -43,7 +50,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors, environ, barrier):
+def wait_for_key(store: dist.Store, key: str, timeout: float, what: str) -> bytes:
+    """Poll ``store`` until ``key`` is set and return its value; past ``timeout`` seconds, fail
+    with an AssertionError naming the key and ``what`` it waited for. Polls rather than blocking
+    in ``store.wait``: a blocking wait holds the store client, which other threads of the
+    process (a publisher's, a checkpointer's) are using meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{key!r} was not set within {timeout} s: {what}")
+        time.sleep(0.02)
+    return store.get(key)
+
+
+def supervise(
+    start: Callable[[int, int], Any],
+    world_size: int,
+    results,
+    timeout: float,
+    restart: tuple[int, ...] = (),
+) -> tuple[dict[int, Any], dict[int, int | None]]:
+    """Run one process per rank to its end; return ``({rank: value}, {rank: exit code})``.
+
+    ``start(rank, life)`` starts a rank's process: life 1 for every rank, then life 2, once,
+    for a rank in ``restart`` as soon as its first process has exited (the replacement's
+    report is the one kept). A process reports by putting ``(rank, "ok", value)`` or
+    ``(rank, "error", traceback)`` on ``results``, which is read while they run (a pipe holds
+    only so much). Whatever still runs ``timeout`` seconds after the start is killed. Raises
+    an AssertionError with every failed rank's traceback, lowest rank first (a rank that
+    fails often takes the others down with it, and its own error is the one that counts),
+    or else naming the ranks that did not finish in time."""
+    procs = {r: start(r, 1) for r in range(world_size)}
+    pending_restart = set(restart)
+    values: dict[int, Any] = {}
+    errors: list[tuple[int, str]] = []
+
+    def collect() -> None:
+        while not results.empty():
+            rank, status, value = results.get()
+            if status == "ok":
+                values[rank] = value
+            else:
+                errors.append((rank, value))
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        collect()
+        for r in sorted(pending_restart):
+            if not procs[r].is_alive():
+                procs[r].join()
+                pending_restart.discard(r)
+                procs[r] = start(r, 2)
+        if not pending_restart and not any(p.is_alive() for p in procs.values()):
+            break
+        time.sleep(0.05)
+    hung = [r for r, p in procs.items() if p.is_alive()]
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    collect()
+    if errors:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+    return values, {r: p.exitcode for r, p in procs.items()}
+
+
+def _worker(rank, world_size, port, backend, fn, args, results, environ, barrier):
     os.environ.clear()
     os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -61,26 +135,13 @@ def _worker(rank, world_size, port, backend, fn, args, errors, environ, barrier)
         fn(rank, world_size, *args)
         if barrier:
             dist.barrier()
+        results.put((rank, "ok", None))
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def start_and_join(procs: list, timeout: float) -> list[int]:
-    """Start ``procs``, join each within ``timeout``, kill stragglers; return their indices."""
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    return hung
 
 
 def run_workers(
@@ -97,27 +158,21 @@ def run_workers(
     fixture set a variable, such as an S3 endpoint). Ranks in ``killed`` are meant to die
     by SIGKILL: they must, and the survivors skip the closing barrier."""
     ctx = worker_context()
-    errors = ctx.SimpleQueue()
+    results = ctx.SimpleQueue()
     port = free_port()
-    procs = [
-        ctx.Process(
+    environ = dict(os.environ)
+
+    def start(rank: int, life: int):
+        p = ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, fn, args, errors, dict(os.environ), not killed),
+            args=(rank, world_size, port, backend, fn, args, results, environ, not killed),
             daemon=True,
         )
-        for r in range(world_size)
-    ]
-    hung = start_and_join(procs, timeout)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures:
-        # every failed rank, lowest first: a rank that fails often takes the others down
-        # with it (a collective they were in fails), and its own error is the one that counts
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures)))
-    if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+        p.start()
+        return p
+
+    _, exitcodes = supervise(start, world_size, results, timeout)
     want = {r: -signal.SIGKILL if r in killed else 0 for r in range(world_size)}
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != want[r]]
+    bad = [(r, code) for r, code in exitcodes.items() if code != want[r]]
     if bad:
         raise AssertionError(f"workers exited abnormally (rank, exit code): {bad}")

@@ -4,18 +4,22 @@
 the return values come back as ``{rank: value}``. A rank listed in ``may_die`` may exit
 without reporting (it is the one a test kills). A rank listed in ``restart`` is started
 again, once, as soon as its first process has exited (a replacement joining the running
-group: :func:`life` tells the two apart); its result is the replacement's. Results are read
-while the processes run (a pipe holds only so much), and every process is joined with a
-timeout and killed if it overstays, so a hang fails the test instead of blocking it.
+group: :func:`life` tells the two apart); its result is the replacement's. The processes are
+run by ``dist_utils.supervise``, as ``run_workers``'s are: results read while they run, a
+process that overstays the timeout killed, a failed rank's traceback raised in the test.
+:func:`wait_root_key` waits for a sync group's store key from outside the group.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import traceback
+from datetime import timedelta
 
-from dist_utils import free_port, worker_context
+import torch.distributed as dist
+from dist_utils import free_port, supervise, wait_for_key, worker_context
+
+from slipstream.sync.group import STORE_PREFIX
 
 
 def _entry(fn, rank, port, args, results, life):
@@ -49,48 +53,24 @@ def spawn(
     results = ctx.SimpleQueue()
     port = free_port()
 
-    def start(rank: int, n: int):
-        p = ctx.Process(target=_entry, args=(fn, rank, port, args, results, n), daemon=True)
+    def start(rank: int, life: int):
+        p = ctx.Process(target=_entry, args=(fn, rank, port, args, results, life), daemon=True)
         p.start()
         return p
 
-    procs = {r: start(r, 1) for r in range(world_size)}
-    pending_restart = set(restart)
-    out, errors = {}, []
-
-    def collect() -> None:
-        while not results.empty():
-            rank, status, value = results.get()
-            if status == "ok":
-                out[rank] = value
-            else:
-                errors.append((rank, value))
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        collect()
-        for r in sorted(pending_restart):
-            if not procs[r].is_alive():
-                procs[r].join()
-                pending_restart.discard(r)
-                procs[r] = start(r, 2)
-        if not pending_restart and not any(p.is_alive() for p in procs.values()):
-            break
-        time.sleep(0.05)
-    hung = [r for r, p in procs.items() if p.is_alive()]
-    for p in procs.values():
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    collect()
-    if errors:
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors)))
-    if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+    out, _ = supervise(start, world_size, results, timeout, restart)
     missing = [r for r in range(world_size) if r not in out and r not in may_die]
     if missing:
         raise AssertionError(f"ranks {missing} exited without a result")
     return out
+
+
+def wait_root_key(port: int, key: str, timeout: float = 60.0) -> None:
+    """Wait, from outside the sync group on ``port`` (a rank that has not joined it yet), for
+    ``key`` to appear in its store."""
+    tcp = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    store = dist.PrefixStore(STORE_PREFIX, tcp)
+    wait_for_key(store, key, timeout, f"the sync group on port {port}")
 
 
 def remote_reads_allowed() -> bool:

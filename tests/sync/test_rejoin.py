@@ -9,16 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-from sync_procs import life, remote_reads_allowed, spawn
+from dist_utils import wait_for_key
+from sync_procs import life, remote_reads_allowed, spawn, wait_root_key
 from torch import nn
 
 import slipstream as ss
-from slipstream.sync.group import STORE_PREFIX
 
 BUCKET = 64 * 1024
 SEPARATE = 4096
@@ -47,16 +45,6 @@ def exact(m: nn.Module, version: int) -> bool:
     return all(torch.equal(m.get_buffer(n), t) for n, t in weights(version).items())
 
 
-def wait_root_key(port: int, key: str, timeout: float = 60.0) -> None:
-    """Wait, from outside the sync group, for ``key`` to appear in its store."""
-    tcp = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    store = dist.PrefixStore(STORE_PREFIX, tcp)
-    deadline = time.monotonic() + timeout
-    while not store.check([key]):
-        assert time.monotonic() < deadline, f"{key} never came"
-        time.sleep(0.05)
-
-
 def _rejoin_run(rank, port, transport, mode):
     if rank == 2 and life() == 2:
         wait_root_key(port, "test/absent-published")  # stay away until then
@@ -79,10 +67,8 @@ def _rejoin_run(rank, port, transport, mode):
         assert list(handle.absent) == [2], handle.absent
         assert pub.rollout_versions[1] == 2 and pub.rollout_versions[2] is None
         group.set_json("test/absent-published", True)
-        deadline = time.monotonic() + 60  # rank 2 is dead until then: poll the store itself
-        while not group.store.check(["test/rejoined"]):
-            assert time.monotonic() < deadline, "the new rollout 2 never joined"
-            time.sleep(0.05)
+        # rank 2 is dead until then: poll the store itself
+        wait_for_key(group.store, "test/rejoined", 60, "the new rollout 2 to join")
         handle = pub.publish(weights(3), version=3)
         assert handle.delivered.result(timeout=30) == 3
         assert handle.absent == {}

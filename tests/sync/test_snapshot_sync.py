@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from dist_utils import wait_for_key
 from sync_procs import spawn
 from torch import nn
 
@@ -34,10 +35,8 @@ def _run(rank, port, root):
         for name, t in state()["model"].items():
             target.register_buffer(name, torch.zeros_like(t))
         with ss.WeightSubscriber(group, [0], [1]) as sub:
-            deadline = time.monotonic() + 30
-            while not group.store.check(["test/receive"]):  # hold the publish up until then
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            # the publish is held up until then
+            wait_for_key(group.store, "test/receive", 30, "the trainer's word to receive")
             assert sub.receive(target) == 1
             staged = state()["model"]
             for name, t in staged.items():

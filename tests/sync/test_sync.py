@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from dist_utils import wait_for_key
 from sync_procs import remote_reads_allowed, spawn
 from torch import nn
 
@@ -471,8 +472,7 @@ def _killed_run(rank, port, transport):
         pub.publish(named, version=1).delivered.result(timeout=20)
 
         def die():  # polls: a blocking wait would hold the store client the publisher uses
-            while not group.store.check(["die"]):
-                time.sleep(0.02)
+            wait_for_key(group.store, "die", 60, "the order to die mid-transfer")
             os._exit(3)
 
         threading.Thread(target=die, daemon=True).start()
@@ -591,8 +591,8 @@ def _killed_refetch_run(rank, port, transport):
             group, [0], [1], bucket_bytes=BUCKET, mode="cached", transport=transport
         )
         pub.publish(named, version=1).delivered.result(timeout=20)
-        while not group.store.check(["die"]):  # the worker thread serves the refetch meanwhile
-            time.sleep(0.02)
+        # the worker thread serves the refetch meanwhile
+        wait_for_key(group.store, "die", 60, "the order to die mid-refetch")
         os._exit(3)
     return _dies_mid_transfer(group, ss.WeightSubscriber(group, [0], [1]), "refetch")
 

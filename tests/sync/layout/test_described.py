@@ -20,8 +20,7 @@ import signal
 
 import pytest
 import torch
-from sync_procs import life, remote_reads_allowed, spawn
-from test_rejoin import wait_root_key
+from sync_procs import life, remote_reads_allowed, spawn, wait_root_key
 from torch import nn
 
 import slipstream as ss

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import torch
-from sync_procs import life, remote_reads_allowed, spawn
-from test_rejoin import wait_root_key
+from dist_utils import wait_for_key
+from sync_procs import life, remote_reads_allowed, spawn, wait_root_key
 from torch import nn
 
 import slipstream as ss
@@ -165,10 +164,7 @@ def _restart_run(rank, port, mode, transport):
                     step_sparse(named, version)
                 if version == 4:
                     group.set_json("test/published-without-2", True)
-                    deadline = time.monotonic() + 60
-                    while not group.store.check(["test/rejoined"]):
-                        assert time.monotonic() < deadline, "rollout 2 never came back"
-                        time.sleep(0.05)
+                    wait_for_key(group.store, "test/rejoined", 60, "rollout 2 to come back")
                 h = pub.publish(named, version=version)
                 assert h.delivered.result(timeout=30) == version
                 sent[version] = (h.timings.nbytes, sorted(h.absent))
