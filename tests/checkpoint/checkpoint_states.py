@@ -1,8 +1,9 @@
 """State dicts the checkpoint tests save, and how they compare what comes back.
 
 Shared by every folder of tests/checkpoint/ (it is on the path of all of them, see
-tests/conftest.py): the DTensor and plain states of the resharding tests, the state holding
-every kind of value, and the comparisons and blank copies that loads fill in."""
+tests/conftest.py): the small states most tests save (:func:`step_state`, :func:`small_state`),
+the DTensor and plain states of the resharding tests, the state holding every kind of value,
+and the comparisons and blank copies that loads fill in."""
 
 from __future__ import annotations
 
@@ -10,6 +11,27 @@ import random
 
 import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+def step_state(step: int, shape: tuple[int, ...] = (1000,), **extra) -> dict:
+    """``{"w": a float32 tensor of ``shape`` whose every element is ``step``, "step": step}``,
+    plus ``extra`` beside them: what a checkpoint of this state holds says which step saved
+    it, and the same arguments build equal tensors (so a test compares with a fresh copy)."""
+    return {"w": torch.full(shape, float(step)), "step": step, **extra}
+
+
+def small_state(
+    step: int = 3, *, seed: int | None = None, shape: tuple[int, int] = (96, 64), **extra
+) -> dict:
+    """A model of two tensors and the step that saved it, plus ``extra`` beside them:
+    ``{"model": {"w": normal values of ``shape`` drawn from ``seed``, "b": 0..6 + step},
+    "step": step}``. ``seed`` defaults to ``step``, so states of different steps differ in
+    every tensor; the same arguments build equal tensors, from a generator of their own (the
+    global random state is left alone)."""
+    g = torch.Generator().manual_seed(step if seed is None else seed)
+    model = {"w": torch.randn(shape, generator=g), "b": torch.arange(7.0) + step}
+    return {"model": model, "step": step, **extra}
+
 
 # name -> (shape, dtype, placement kind); shard sizes are uneven on purpose, and "tiny"
 # leaves rank 3 of 4 with an empty shard.

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from checkpoint_states import step_state
 from dist_utils import run_workers
 from fault_storage import FaultStorage
 from torch.distributed.device_mesh import init_device_mesh
@@ -19,17 +20,9 @@ from slipstream.checkpoint.format.names import METADATA_FILE, SPARE_DIR
 from slipstream.checkpoint.storage import resolve_storage
 
 
-def _state(step: int) -> dict:
-    return {"w": torch.full((256, 64), float(step)), "step": step}
-
-
-def _blank() -> dict:
-    return {"w": torch.zeros(256, 64), "step": -1}
-
-
 def _save_steps(ck: ss.Checkpointer, steps) -> None:
     for step in steps:
-        ck.save(step, _state(step)).result(60)
+        ck.save(step, step_state(step)).result(60)
 
 
 def _checkpointer_with_faults(
@@ -63,10 +56,10 @@ def test_retention_deletes_nothing_until_a_newer_step_commits(tmp_path):
         _save_steps(ck, [1])
         _fail_metadata_put(storage, "simulated failure while publishing .metadata")
         with pytest.raises(ss.CheckpointError, match="simulated failure"):
-            ck.save(2, _state(2)).result(60)
+            ck.save(2, step_state(2)).result(60)
         storage.faults.clear()
         assert ck.steps() == [1]
-        target = _blank()
+        target = step_state(-1)
         assert ck.load(target) == 1 and target["step"] == 1
 
 
@@ -96,13 +89,13 @@ def test_next_save_removes_directories_of_saves_that_never_committed(tmp_path):
 def test_load_defaults_to_the_latest_step_and_returns_it(tmp_path):
     with ss.Checkpointer(tmp_path, keep_last=3) as ck:
         with pytest.raises(ss.CheckpointError, match="no committed checkpoint"):
-            ck.load(_blank())
+            ck.load(step_state(-1))
         _save_steps(ck, [10, 20])
-        target = _blank()
+        target = step_state(-1)
         assert ck.load(target) == 20
-        assert target["step"] == 20 and torch.equal(target["w"], _state(20)["w"])
+        assert target["step"] == 20 and torch.equal(target["w"], step_state(20)["w"])
         assert ck.load(target, step=10) == 10
-        assert target["step"] == 10 and torch.equal(target["w"], _state(10)["w"])
+        assert target["step"] == 10 and torch.equal(target["w"], step_state(10)["w"])
 
 
 @pytest.mark.parametrize("reuse_files", [True, False])
@@ -129,14 +122,14 @@ def test_half_deleted_old_step_is_never_listed(tmp_path, reuse_files):
         assert ck.steps() == [2]
         _save_steps(ck, [3])
         assert ck.steps() == [3]
-        assert ck.load(_blank()) == 3
+        assert ck.load(step_state(-1)) == 3
     assert sorted(os.listdir(tmp_path)) == ["step_3"]
 
 
 def test_context_manager_finishes_the_save_in_flight_and_joins_its_threads(tmp_path):
     before = set(threading.enumerate())
     with ss.Checkpointer(tmp_path) as ck:
-        response = ck.save(1, _state(1))
+        response = ck.save(1, step_state(1))
     assert response.upload_completion.done() and response.upload_completion.exception() is None
     assert ck.steps() == [1]
     leftover = [t for t in threading.enumerate() if t not in before]
@@ -147,7 +140,7 @@ def test_wait_raises_the_error_of_the_last_save(tmp_path):
     ck, storage = _checkpointer_with_faults(tmp_path)
     with ck:
         _fail_metadata_put(storage, "simulated disk error")
-        ck.save(1, _state(1))
+        ck.save(1, step_state(1))
         with pytest.raises(ss.CheckpointError, match="simulated disk error"):
             ck.wait(60)
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from checkpoint_states import small_state
 from dist_utils import run_workers
 from fault_storage import FaultStorage
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -24,12 +25,8 @@ from slipstream.checkpoint.storage import LocalStorage, resolve_storage
 
 
 def _state() -> dict:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "model": {"w": torch.randn(300, 200, generator=g), "b": torch.arange(7.0)},
-        "step": 3,
-        "note": "hello",
-    }
+    """A small state with a note, the value whose bytes a test corrupts."""
+    return small_state(shape=(300, 200), note="hello")
 
 
 def _blank() -> dict:

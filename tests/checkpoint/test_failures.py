@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_workers
+from checkpoint_states import small_state
+from dist_utils import run_workers, wait_for_key
 from fault_storage import Faults, FaultStorage
 
 import slipstream as ss
@@ -38,16 +39,12 @@ NEXT_FILES = [".metadata", ".slipstream.g1.json", "__0_0.g1.distcp"]
 
 
 def _state(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "model": {"w": torch.randn(96, 64, generator=g), "b": torch.arange(5.0) + step},
-        "step": step,
-        "note": f"step {step}",
-    }
+    """The step's small state with a note naming the step: a value that is not a tensor."""
+    return small_state(step, note=f"step {step}")
 
 
 def _blank() -> dict:
-    return {"model": {"w": torch.zeros(96, 64), "b": torch.zeros(5)}, "step": -1, "note": ""}
+    return {"model": {"w": torch.zeros(96, 64), "b": torch.zeros(7)}, "step": -1, "note": ""}
 
 
 def _assert_state(got: dict, step: int) -> None:
@@ -331,10 +328,7 @@ def _commit_fails_on_rank0(rank: int, world: int, root: str) -> None:
     with pytest.raises(ss.CheckpointError, match="No space left"):
         ss.save(state, target)
     store.set(f"test/failed/{rank}", "1")
-    deadline = time.monotonic() + 30
-    while not store.check([f"test/failed/{1 - rank}"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for_key(store, f"test/failed/{1 - rank}", 30, "the other rank's save to fail")
     # both ranks' saves have failed, and no save has started since
     now = sorted(os.listdir(directory))
     assert now == old == [".metadata", ".slipstream.json", "__0_0.distcp", "__1_0.distcp"], (

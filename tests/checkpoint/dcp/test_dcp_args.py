@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import step_state
 from dist_utils import run_workers
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
@@ -29,7 +30,9 @@ import slipstream as ss
 
 
 def _state() -> dict:
-    return {"w": torch.randn(32, 8), "b": torch.arange(5), "step": 7}
+    """A flat state (``flatten_state_dict=False`` saves a nested one under keys DCP's default
+    load then cannot find), with an int64 tensor beside the float one."""
+    return step_state(7, (32, 8), b=torch.arange(5))
 
 
 def _empty() -> dict:

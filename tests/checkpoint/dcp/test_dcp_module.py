@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from checkpoint_states import small_state
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
@@ -24,17 +25,14 @@ _OWN = {"save", "async_save", "load"}
 
 
 def _state() -> dict:
-    torch.manual_seed(0)
-    return {
-        "model": {"w": torch.randn(64, 16), "b": torch.randn(16)},
-        "optim": {"state": {0: {"m": torch.randn(64, 16)}}, "lr": 0.1},
-        "step": 3,
-    }
+    """A small state with an optimizer's: a tensor and a value keyed under an int."""
+    optim = {"state": {0: {"m": torch.linspace(-1, 1, 64 * 16).reshape(64, 16)}}, "lr": 0.1}
+    return small_state(3, shape=(64, 16), optim=optim)
 
 
 def _blank() -> dict:
     return {
-        "model": {"w": torch.zeros(64, 16), "b": torch.zeros(16)},
+        "model": {"w": torch.zeros(64, 16), "b": torch.zeros(7)},
         "optim": {"state": {0: {"m": torch.zeros(64, 16)}}, "lr": 0.0},
         "step": 0,
     }

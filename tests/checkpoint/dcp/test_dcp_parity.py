@@ -22,6 +22,7 @@ from typing import IO, Any
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from checkpoint_states import small_state
 from torch.distributed.checkpoint._extension import (
     ExtensionRegistry,
     StreamTransformExtension,
@@ -35,17 +36,13 @@ BC_WARNING = "The argument order of {} has been changed"
 
 
 def _state() -> dict[str, Any]:
-    torch.manual_seed(0)
-    return {
-        "model": {"w": torch.randn(32, 8), "b": torch.randn(8)},
-        "step": 7,
-        "note": {"lr": 0.5, "names": ["a", "b"]},
-    }
+    """A small state with a note that nests non-tensor values."""
+    return small_state(7, shape=(32, 8), note={"lr": 0.5, "names": ["a", "b"]})
 
 
 def _blank() -> dict[str, Any]:
     return {
-        "model": {"w": torch.zeros(32, 8), "b": torch.zeros(8)},
+        "model": {"w": torch.zeros(32, 8), "b": torch.zeros(7)},
         "step": 0,
         "note": {"lr": 0.0, "names": []},
     }

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from checkpoint_states import small_state
 from fault_storage import FaultStorage
 from torch.distributed.checkpoint.staging import (
     AsyncStager,
@@ -31,12 +32,12 @@ TIMEOUT = 30.0
 
 
 def _state() -> dict[str, Any]:
-    torch.manual_seed(2)
-    return {"model": {"w": torch.randn(64, 32), "b": torch.randn(32)}, "step": 4, "tag": "x"}
+    """A small state with a tag: a value that is not a tensor."""
+    return small_state(4, shape=(64, 32), tag="x")
 
 
 def _blank() -> dict[str, Any]:
-    return {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "step": 0, "tag": ""}
+    return {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(7)}, "step": 0, "tag": ""}
 
 
 def _mutate(state: dict[str, Any]) -> None:

@@ -2,9 +2,10 @@
 is alive but late gets exactly the timeout configured, not the default.
 
 Every test runs two gloo ranks (see :func:`dist_utils.run_workers`). Ranks talk to each
-other through the job's store with :func:`_wait_key`, which polls rather than blocking in
-``store.wait``: a TCPStore client runs one request at a time, so a blocking wait would hold
-up the saver's heartbeat thread on the same client (and make a live rank look dead).
+other through the job's store with :func:`dist_utils.wait_for_key`, which polls rather than
+blocking in ``store.wait``: a TCPStore client runs one request at a time, so a blocking wait
+would hold up the saver's heartbeat thread on the same client (and make a live rank look
+dead).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_workers
+from checkpoint_states import step_state
+from dist_utils import run_workers, wait_for_key
 from fault_storage import FaultStorage
 
 import slipstream as ss
@@ -36,17 +38,9 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def _wait_key(key: str, timeout: float = 30.0) -> bytes:
-    store = _store()
-    deadline = time.monotonic() + timeout
-    while not store.check([key]):
-        assert time.monotonic() < deadline, f"{key} was never set"
-        time.sleep(0.02)
-    return store.get(key)
-
-
 def _state(rank: int, step: int) -> dict:
-    return {"w": torch.full((1000,), float(step)), f"own{rank}": torch.full((3,), float(rank))}
+    """The step's state with an entry of ``rank``'s own: each rank writes a part of it."""
+    return step_state(step, **{f"own{rank}": torch.full((3,), float(rank))})
 
 
 def _rank1_killed_mid_write(rank: int, world: int, root: str) -> None:
@@ -72,7 +66,8 @@ def _rank1_killed_mid_write(rank: int, world: int, root: str) -> None:
         response = ck.save(2, _state(rank, 2))
         with pytest.raises(ss.PeerDiedError) as info:
             response.result(30)  # far below the 600 s timeout: only liveness can end it
-        noticed = time.monotonic() - float(_wait_key("test/rank1_dying_at"))
+        dying_at = wait_for_key(_store(), "test/rank1_dying_at", 30, "rank 1's time of death")
+        noticed = time.monotonic() - float(dying_at)
         assert noticed < NOTICE_BOUND_S, f"rank 1's death was noticed after {noticed:.1f} s"
         message = str(info.value)
         assert "rank 1" in message and "finish writing" in message, message
@@ -119,7 +114,7 @@ def _rank1_stopped_mid_write(rank: int, world: int, root: str) -> None:
             raise AssertionError("rank 1 was never stopped")
 
         response = saver.save(_state(rank, 2), os.path.join(root, "second"))
-        pid = int(_wait_key("test/rank1_pid"))
+        pid = int(wait_for_key(_store(), "test/rank1_pid", 30, "rank 1's pid"))
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -171,9 +166,9 @@ def _rank1_late(rank: int, world: int, root: str) -> None:
                 assert not isinstance(error, ss.PeerDiedError), error
                 assert f"within {timeout:.1f} s" in str(error) and "rank(s) [1]" in str(error)
                 assert timeout <= elapsed < timeout + 3.0, f"{name}: failed after {elapsed:.2f} s"
-                _wait_key(f"test/{name}/rank1_done")
+                wait_for_key(_store(), f"test/{name}/rank1_done", 30, "rank 1 to finish")
             else:
-                _wait_key(f"test/{name}/rank0_gave_up")
+                wait_for_key(_store(), f"test/{name}/rank0_gave_up", 30, "rank 0 to give up")
                 error = ck.save(2, _state(rank, 2)).upload_completion.exception(30)
                 assert isinstance(error, ss.PeerTimeoutError), error
                 _store().set(f"test/{name}/rank1_done", "1")

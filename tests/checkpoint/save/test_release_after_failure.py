@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from checkpoint_states import small_state
 from dist_utils import run_workers
 from fault_storage import FaultStorage
 
@@ -26,15 +27,10 @@ from slipstream.checkpoint.storage import LocalStorage, Storage, resolve_storage
 ROUNDS = 12
 
 
-def _state() -> dict:
-    g = torch.Generator().manual_seed(7)
-    return {"model": {"w": torch.randn(128, 96, generator=g), "b": torch.arange(7.0)}, "step": 3}
-
-
 def _assert_loads_exactly(location: object) -> None:
-    got = {"model": {"w": torch.zeros(128, 96), "b": torch.zeros(7)}, "step": -1}
+    got = {"model": {"w": torch.zeros(96, 64), "b": torch.zeros(7)}, "step": -1}
     ss.load(got, location)
-    want = _state()
+    want = small_state()
     assert got["step"] == want["step"]
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), name
@@ -72,7 +68,7 @@ def test_the_save_after_a_failed_one_works_and_loads_exactly(tmp_path, backend, 
     storage = FaultStorage(_storage(backend, tmp_path))
     saver = CheckpointSaver()
     try:
-        saver.save(_state(), storage).result(30)  # a committed checkpoint to save over
+        saver.save(small_state(), storage).result(30)  # a committed checkpoint to save over
         for _ in range(ROUNDS):
             if point == "staging":
                 saver.before_staging = _raise_in_staging
@@ -80,10 +76,10 @@ def test_the_save_after_a_failed_one_works_and_loads_exactly(tmp_path, backend, 
                 operation, when = STORAGE_POINTS[point]
                 storage.faults.hook(operation, _eio(operation), when=when)
             with pytest.raises(ss.CheckpointError, match="failed"):
-                saver.save(_state(), storage).result(30)
+                saver.save(small_state(), storage).result(30)
             storage.faults.clear()
             saver.before_staging = None
-            saver.save(_state(), storage).result(30)
+            saver.save(small_state(), storage).result(30)
             _assert_loads_exactly(storage)
         assert saver.staging_allocations == 1, "a failed save kept its staging buffer"
         assert saver.plans_made == 1
@@ -100,7 +96,7 @@ def test_a_save_whose_directory_cannot_be_made_never_blocks_the_next_one(tmp_pat
     checkpoint's parent directory should be; the same state saved elsewhere right after."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_bytes(b"")
-    state = _state()
+    state = small_state()
     for i in range(100):
         with pytest.raises(ss.CheckpointError):
             ss.save(state, blocker / "ck")

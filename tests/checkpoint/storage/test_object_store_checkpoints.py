@@ -23,6 +23,7 @@ from checkpoint_states import (
     local_parts,
     mixed_state,
     plain_state,
+    step_state,
 )
 from dist_utils import run_workers
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -121,31 +122,28 @@ def test_one_two_and_four_ranks_reshard_on_s3(s3_bucket):
         assert torch.equal(whole["model"][name], value), name
 
 
-def _state(step: int) -> dict:
-    return {"w": torch.full((1000,), float(step)), "step": step}
-
-
 def test_checkpointer_retention_and_resume(object_url):
     with ss.Checkpointer(object_url, keep_last=2) as ck:
         for step in (1, 2, 3):
-            ck.save(step, _state(step)).result(60)
+            ck.save(step, step_state(step)).result(60)
         assert ck.steps() == [2, 3] and ck.latest() == 3
     with ss.Checkpointer(object_url, keep_last=2) as resumed:
-        target = _state(0)
+        target = step_state(0)
         assert resumed.load(target) == 3
-        assert torch.equal(target["w"], _state(3)["w"]) and target["step"] == 3
+        assert torch.equal(target["w"], step_state(3)["w"]) and target["step"] == 3
         with pytest.raises(ss.CheckpointError, match="step 1 .* not a complete checkpoint.* 3$"):
-            resumed.load(_state(0), step=1)
+            resumed.load(step_state(0), step=1)
 
 
 _KILLED_WRITER = """
 import sys, torch, slipstream as ss
+from checkpoint_states import step_state
 from fault_storage import FaultStorage
 from slipstream.checkpoint.storage import resolve_storage
 
 url = sys.argv[1]
 with ss.Checkpointer(url, keep_last=2) as ck:
-    ck.save(1, {"w": torch.full((1000,), 1.0), "step": 1}).result(60)
+    ck.save(1, step_state(1)).result(60)
 storage = FaultStorage(resolve_storage(url))
 storage.faults.gate("finish")  # parts go up, the upload is never completed
 ck = ss.Checkpointer(storage, keep_last=2)
@@ -168,7 +166,7 @@ def test_sigkill_mid_upload_keeps_the_previous_step_and_the_next_save_cleans_up(
     import time
 
     url = f"s3://{s3_bucket}/run"
-    helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fault_storage
+    helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fault_storage, ...
     env = {**os.environ, "PYTHONPATH": helpers + os.pathsep + os.environ.get("PYTHONPATH", "")}
     child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, url], env=env)
     try:
@@ -187,9 +185,9 @@ def test_sigkill_mid_upload_keeps_the_previous_step_and_the_next_save_cleans_up(
 
     with ss.Checkpointer(url, keep_last=2) as ck:
         assert ck.steps() == [1]
-        target = _state(0)
-        assert ck.load(target) == 1 and torch.equal(target["w"], _state(1)["w"])
-        ck.save(3, _state(3)).result(60)
+        target = step_state(0)
+        assert ck.load(target) == 1 and torch.equal(target["w"], step_state(1)["w"])
+        ck.save(3, step_state(3)).result(60)
         assert ck.steps() == [1, 3]
     assert _uploads(s3_bucket) == []
 

@@ -8,22 +8,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import step_state
 
 import slipstream as ss
 
 DATA = "__0_0.distcp"
 
 
-def _state(step: int, rows: int) -> dict:
-    return {"w": torch.arange(rows * 64, dtype=torch.float32).reshape(rows, 64) + step, "s": step}
-
-
 def _saved(ck: ss.Checkpointer, step: int, rows: int) -> None:
-    ck.save(step, _state(step, rows)).result(60)
+    ck.save(step, step_state(step, (rows, 64))).result(60)
 
 
 def _dcp_read(path, rows: int) -> dict:
-    target = {"w": torch.zeros(rows, 64), "s": -1}
+    target = step_state(-1, (rows, 64))
     dcp.load(target, checkpoint_id=str(path))
     return target
 
@@ -41,11 +38,11 @@ def test_next_save_writes_over_the_retired_steps_data_file(tmp_path):
         # Step 3's commit retired step 2, whose file is the spare now.
         assert os.stat(spare).st_ino not in (retired_inode, os.stat(step_3_data).st_ino)
         got = _dcp_read(ck.path(3), rows=1000)
-        assert torch.equal(got["w"], _state(3, 1000)["w"]) and got["s"] == 3
-        target = {"w": torch.zeros(1000, 64), "s": -1}
-        assert ck.load(target) == 3 and torch.equal(target["w"], _state(3, 1000)["w"])
+        assert torch.equal(got["w"], step_state(3, (1000, 64))["w"]) and got["step"] == 3
+        target = step_state(-1, (1000, 64))
+        assert ck.load(target) == 3 and torch.equal(target["w"], step_state(3, (1000, 64))["w"])
         fresh = tmp_path / "fresh"
-        ss.save(_state(3, 1000), checkpoint_id=fresh)
+        ss.save(step_state(3, (1000, 64)), checkpoint_id=fresh)
         assert step_3_data.read_bytes() == (fresh / DATA).read_bytes()
     assert not (tmp_path / ".spare").exists()
 
