@@ -205,3 +205,58 @@ def test_mid_epoch_resume_continues_at_the_next_batch_as_lightning_does(tmp_path
 
 def _slipstream() -> SlipstreamCheckpointIO:
     return SlipstreamCheckpointIO(timeout=60)
+
+
+def _fit_twice_in_one_directory(root: str, io: Any) -> dict[str, Any]:
+    """Two fits into one directory (Lightning's ``test_ckpt_version_after_rerun_new_trainer``):
+    the second versions the names the first took (``epoch=0-v1.ckpt``); then weights-only
+    checkpoints load into ``validate(ckpt_path="best"/"last")`` and refuse a resume."""
+    seen: dict[str, Any] = {}
+    for run in range(2):
+        seed_everything(5, verbose=False)
+        checkpoint = ModelCheckpoint(
+            dirpath=root, filename="{epoch}", save_top_k=-1, save_last=True, save_weights_only=True
+        )
+        trainer = Trainer(
+            accelerator="cpu",
+            max_epochs=2,
+            plugins=[io()],
+            callbacks=[checkpoint],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(Net(), Batches())
+        seen[f"best{run}"] = os.path.basename(checkpoint.best_model_path)
+        seen[f"last{run}"] = os.path.basename(checkpoint.last_model_path)
+    seen["files"] = sorted(os.listdir(root))
+    model = LoggingNet()
+    for which in ("best", "last"):
+        trainer = Trainer(accelerator="cpu", plugins=[io()], logger=False, callbacks=[checkpoint])
+        trainer.validate(model, Batches(), ckpt_path=which, verbose=False)
+        seen[which] = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(KeyError, match="only the model") as refused:
+        trainer = Trainer(accelerator="cpu", max_epochs=3, plugins=[io()], logger=False)
+        trainer.fit(Net(), Batches(), ckpt_path=os.path.join(root, "last.ckpt"))
+    seen["refused"] = str(refused.value)
+    return seen
+
+
+class LoggingNet(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+def test_names_versions_and_weights_only_checkpoints_as_lightning_does(tmp_path):
+    theirs = _fit_twice_in_one_directory(str(tmp_path / "torch"), TorchCheckpointIO)
+    ours = _fit_twice_in_one_directory(str(tmp_path / "slipstream"), _slipstream)
+    assert theirs["files"] == [
+        "epoch=0-v1.ckpt",
+        "epoch=0.ckpt",
+        "epoch=1-v1.ckpt",
+        "epoch=1.ckpt",
+        "last-v1.ckpt",
+        "last.ckpt",
+    ]
+    assert_same(ours, theirs)

@@ -62,7 +62,20 @@ class _TrainState(Stateful):
         self.step = int(state_dict["step"])
 
 
-def _train(rank: int, world_size: int, folder: str, mode: str, stop: int, out: str) -> None:
+def _train(
+    rank: int,
+    world_size: int,
+    folder: str,
+    mode: str,
+    stop: int,
+    out: str,
+    interval: int = 2,
+    before_first_step: bool = False,
+    swap: bool = True,
+) -> None:
+    """Trains to step ``stop`` saving every ``interval`` steps (``mode="none"``: never),
+    and at step 0, before the first optimizer step, with ``before_first_step``; ``swap``
+    binds torchtitan's ``dcp`` to ``slipstream.dcp`` (without it: DCP's own)."""
     import torchtitan.components.checkpointer.dcp as titan
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -70,7 +83,8 @@ def _train(rank: int, world_size: int, folder: str, mode: str, stop: int, out: s
 
     import slipstream.dcp
 
-    titan.dcp = slipstream.dcp  # the one change: the module's DCP is slipstream's
+    if swap:
+        titan.dcp = slipstream.dcp  # the one change: the module's DCP is slipstream's
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -96,7 +110,7 @@ def _train(rank: int, world_size: int, folder: str, mode: str, stop: int, out: s
         config = titan.CheckpointManager.Config(
             enable=True,
             folder="checkpoint",
-            interval=2,
+            interval=interval,
             async_mode=mode,
             keep_latest_k=0,
             last_save_model_only=False,
@@ -118,6 +132,9 @@ def _train(rank: int, world_size: int, folder: str, mode: str, stop: int, out: s
         manager.load()
     resumed_at = train_state.step
     try:
+        if manager is not None and before_first_step:
+            manager.save(0)
+            manager.maybe_wait_for_staging()
         while train_state.step < stop:
             train_state.step += 1
             inputs, targets = data.next_batch()
@@ -140,15 +157,47 @@ def _train(rank: int, world_size: int, folder: str, mode: str, stop: int, out: s
             manager.close()
     if rank == 0:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
-        torch.save({"weights": weights, "resumed_at": resumed_at}, out)
+        optimizer = [o.state_dict() for o in optimizers.optimizers]
+        result = {"weights": weights, "optimizer": optimizer, "resumed_at": resumed_at}
+        torch.save(result, out)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
+def unsaved(tmp_path_factory) -> dict:
+    """The run of ``STEPS`` steps that never saved: its weights and optimizer state."""
     root = tmp_path_factory.mktemp("reference")
     out = str(root / "weights.pt")
     run_workers(_train, 2, str(root), "none", STEPS, out, timeout=120)
-    return torch.load(out)["weights"]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(unsaved) -> dict:
+    return unsaved["weights"]
+
+
+def _assert_same_run(a: dict, b: dict) -> None:
+    """Equal weights and optimizer states (every tensor bit for bit, param groups)."""
+    assert a["weights"].keys() == b["weights"].keys()
+    for name, tensor in a["weights"].items():
+        assert torch.equal(tensor, b["weights"][name]), name
+    assert len(a["optimizer"]) == len(b["optimizer"])
+    for sa, sb in zip(a["optimizer"], b["optimizer"], strict=True):
+        assert sa["param_groups"] == sb["param_groups"]
+        assert sa["state"].keys() == sb["state"].keys()
+        for idx, state in sa["state"].items():
+            assert state.keys() == sb["state"][idx].keys()
+            for key, value in state.items():
+                assert torch.equal(value, sb["state"][idx][key]), (idx, key)
+
+
+def _run(tmp_path, name: str, before_first_step: bool = False, swap: bool = True) -> dict:
+    """8 steps saving asynchronously after each (and before the first, if asked)."""
+    out = str(tmp_path / f"{name}.pt")
+    folder = str(tmp_path / name)
+    args = (folder, "async", STEPS, out, 1, before_first_step, swap)
+    run_workers(_train, 2, *args, timeout=120)
+    return torch.load(out)
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_with_pinned_mem"])
@@ -166,3 +215,30 @@ def test_resume_from_latest_matches_an_uninterrupted_run(tmp_path, uninterrupted
     assert any(not torch.equal(interrupted[k], uninterrupted[k]) for k in uninterrupted)
     for name, want in uninterrupted.items():
         assert torch.equal(got["weights"][name], want), name
+
+
+def test_saves_after_every_step_change_nothing(tmp_path, unsaved):
+    """Saved (asynchronously) after every one of 8 steps, the run ends with the weights and
+    the optimizer state of the run that never saved, bit for bit."""
+    saved = _run(tmp_path, "every")
+    _assert_same_run(saved, unsaved)
+    assert sorted(os.listdir(tmp_path / "every" / "checkpoint")) == [
+        f"step-{s}" for s in range(1, STEPS + 1)
+    ]
+
+
+def test_a_save_before_the_first_step_changes_the_run_as_with_dcp_itself(tmp_path, unsaved):
+    """torchtitan's ``OptimizersContainer.state_dict()`` creates the state of an optimizer
+    that never stepped with a zero-lr step (its documented side effect), which counts as
+    AdamW's first step: a save at step 0 changes the run whatever writes it. Through
+    slipstream.dcp the run saved at step 0 and after every step ends bit for bit where the
+    same run through DCP itself ends: slipstream adds no change of its own."""
+    ours = _run(tmp_path, "slipstream", before_first_step=True)
+    theirs = _run(tmp_path, "dcp", before_first_step=True, swap=False)
+    _assert_same_run(ours, theirs)
+    steps = {float(s["step"]) for o in ours["optimizer"] for s in o["state"].values()}
+    assert steps == {STEPS + 1.0}  # one step more than the unsaved run's
+    assert {float(s["step"]) for o in unsaved["optimizer"] for s in o["state"].values()} == {
+        float(STEPS)
+    }
+    assert "step-0" in os.listdir(tmp_path / "slipstream" / "checkpoint")
