@@ -54,9 +54,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 import torch
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from .. import AsyncSaveResponse, CheckpointError, async_save, load
@@ -68,7 +66,11 @@ from .training_state import (
     incomplete_error,
     is_checkpoint,
     is_incomplete,
+    optimizer_parameter_names,
+    optimizer_state,
+    restore_optimizer_state,
     saved_keys,
+    saved_subtree,
     torch_optimizer,
 )
 
@@ -177,16 +179,15 @@ class SlipstreamAccelerator(Accelerator):
     def _ss_modules(self) -> list[torch.nn.Module]:
         return [self.unwrap_model(m, keep_torch_compile=False) for m in self._models]
 
-    def _ss_owner(self, optimizer: torch.optim.Optimizer, index: int) -> torch.nn.Module:
-        """The prepared model whose parameters the optimizer updates."""
+    def _ss_parameter_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """How the optimizer's state is saved: by the parameter names of the prepared model
+        that holds all its parameters, or, where none does (an optimizer over a model not
+        passed to ``prepare()``, or over several), by index, as accelerate saves it."""
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for module in self._ss_modules():
-            if any(id(p) in params for p in module.parameters()):
-                return module
-        raise CheckpointError(
-            f"optimizer {index} updates parameters of no model passed to prepare(); "
-            "slipstream names optimizer state by the model's parameter names"
-        )
+            if params <= {id(p) for p in module.parameters()}:
+                return optimizer_parameter_names(optimizer, module)
+        return optimizer_parameter_names(optimizer, None)
 
     def _ss_state(self) -> dict[str, Any]:
         """Everything ``save_state`` saves, under stable keys: also the target that
@@ -196,8 +197,8 @@ class SlipstreamAccelerator(Accelerator):
             state[f"models.{i}"] = get_model_state_dict(module)
         for i, wrapped in enumerate(self._optimizers):
             optimizer = torch_optimizer(wrapped)
-            owner = self._ss_owner(optimizer, i)
-            state[f"optimizers.{i}"] = get_optimizer_state_dict(owner, optimizer)
+            names = self._ss_parameter_names(optimizer)
+            state[f"optimizers.{i}"] = optimizer_state(optimizer, names)
         for i, scheduler in enumerate(self._schedulers):
             state[f"schedulers.{i}"] = scheduler.state_dict()
         if self.scaler is not None:
@@ -329,6 +330,8 @@ class SlipstreamAccelerator(Accelerator):
                 "are registered with register_for_checkpointing"
             )
         target = self._ss_state()
+        for i in range(len(self._optimizers)):
+            target[f"optimizers.{i}"] = saved_subtree(path, f"optimizers.{i}")
         rank = f"rank{self.process_index}"
         if f"rng.{rank}" not in saved:
             log.info("%s holds no random state for process %d", path, self.process_index)
@@ -336,15 +339,15 @@ class SlipstreamAccelerator(Accelerator):
         elif "cuda" in target["rng"][rank] and f"rng.{rank}.cuda" not in keys:
             del target["rng"][rank]["cuda"]
         load(target, path, strict=False)
-        self._ss_apply(target)
+        self._ss_apply(target, path)
 
-    def _ss_apply(self, loaded: dict[str, Any]) -> None:
+    def _ss_apply(self, loaded: dict[str, Any], where: str) -> None:
         for i, module in enumerate(self._ss_modules()):
             set_model_state_dict(module, loaded[f"models.{i}"])
         for i, wrapped in enumerate(self._optimizers):
             optimizer = torch_optimizer(wrapped)
-            owner = self._ss_owner(optimizer, i)
-            set_optimizer_state_dict(owner, optimizer, loaded[f"optimizers.{i}"])
+            names = self._ss_parameter_names(optimizer)
+            restore_optimizer_state(optimizer, names, loaded[f"optimizers.{i}"], where)
         for i, scheduler in enumerate(self._schedulers):
             scheduler.load_state_dict(loaded[f"schedulers.{i}"])
         if self.scaler is not None:

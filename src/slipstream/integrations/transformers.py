@@ -71,9 +71,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 import torch
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from .. import (
@@ -94,7 +92,11 @@ from .training_state import (
     has_saved_buffers,
     incomplete_error,
     is_checkpoint,
+    optimizer_parameter_names,
+    optimizer_state,
+    restore_optimizer_state,
     saved_keys,
+    saved_subtree,
     torch_optimizer,
 )
 
@@ -433,7 +435,8 @@ class SlipstreamTrainerMixin(_TrainerBase):
             super()._save_optimizer_and_scheduler(output_dir)
             return
         optimizer = self._ss_optimizer()
-        self._ss_capture["optimizer"] = get_optimizer_state_dict(self._ss_model(), optimizer)
+        names = optimizer_parameter_names(optimizer, self._ss_model())
+        self._ss_capture["optimizer"] = optimizer_state(optimizer, names)
         if self.lr_scheduler is not None:
             self._ss_capture["scheduler"] = self.lr_scheduler.state_dict()
 
@@ -480,12 +483,13 @@ class SlipstreamTrainerMixin(_TrainerBase):
             target: dict[str, Any] = {}
             model, optimizer, scheduler = self._ss_model(), self._ss_optimizer(), self.lr_scheduler
             if any(k.startswith("optimizer.") for k in keys):
-                target["optimizer"] = get_optimizer_state_dict(model, optimizer)
+                target["optimizer"] = saved_subtree(path, "optimizer")
             if scheduler is not None and any(k.startswith("scheduler.") for k in keys):
                 target["scheduler"] = scheduler.state_dict()
             load(target, path, strict=False)
             if "optimizer" in target:
-                set_optimizer_state_dict(model, optimizer, target["optimizer"])
+                names = optimizer_parameter_names(optimizer, model)
+                restore_optimizer_state(optimizer, names, target["optimizer"], path)
             if scheduler is not None and "scheduler" in target:
                 scheduler.load_state_dict(target["scheduler"])
         # A subclass's additions still load; the Trainer's own code finds none of its files.
