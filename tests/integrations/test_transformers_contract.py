@@ -12,9 +12,19 @@ import pytest
 import torch
 from test_transformers import arguments, dataset, tiny_model
 from trainer_runs import StopAt, assert_same_state, training_state
-from transformers import Trainer, TrainerCallback
+from transformers import (
+    EarlyStoppingCallback,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+)
 
-from slipstream.integrations.transformers import SlipstreamTrainer, SlipstreamTrainerMixin
+from slipstream.integrations.transformers import (
+    TRAINER_STATE_NAME,
+    SlipstreamTrainer,
+    SlipstreamTrainerMixin,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,3 +133,104 @@ def test_mid_epoch_resume_trains_on_the_next_batch_as_the_trainer_does(tmp_path)
     assert resumed["plain"].batches == uninterrupted.batches[6:]
     assert resumed["slipstream"].batches == uninterrupted.batches[6:]
     assert_same_state(training_state(resumed["slipstream"]), training_state(uninterrupted))
+
+
+def frozen_model() -> GPT2LMHeadModel:
+    """The tiny model with its position embeddings frozen: the optimizer holds fewer
+    parameters than the model saves."""
+    model = tiny_model()
+    model.transformer.wpe.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(model=frozen_model),  # test_resume_training_with_frozen_params
+        dict(model=tiny_model, gradient_accumulation_steps=2),  # ..._with_gradient_accumulation
+    ],
+    ids=["frozen-params", "gradient-accumulation"],
+)
+def test_resume_is_exact_as_in_the_trainers_own_tests(tmp_path, case):
+    """Stopped after step 4 and resumed from checkpoint-3: the run ends bit for bit where
+    the plain Trainer's uninterrupted run ends, frozen parameters and accumulated gradients
+    included."""
+    make_model = case["model"]
+    fields = {k: v for k, v in case.items() if k != "model"}
+    args = dict(max_steps=6, save_steps=3, **fields)
+    ref = Trainer(
+        model=make_model(),
+        args=arguments(str(tmp_path / "ref"), **{**args, "save_strategy": "no"}),
+        train_dataset=dataset(),
+    )
+    ref.train()
+    out = str(tmp_path / "run")
+    first = SlipstreamTrainer(
+        model=make_model(),
+        args=arguments(out, **args),
+        train_dataset=dataset(),
+        callbacks=[StopAt(4)],
+    )
+    first.train()
+    resumed = SlipstreamTrainer(
+        model=make_model(), args=arguments(out, **args), train_dataset=dataset()
+    )
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    assert_same_state(training_state(resumed), training_state(ref))
+
+
+def test_callback_states_are_saved_and_restored_as_the_trainer_does(tmp_path):
+    """``trainer_state.json`` holds the callbacks' and ``TrainerControl``'s state as the
+    plain Trainer's does, and a resume (``restore_callback_states_from_checkpoint``) gives
+    ``EarlyStoppingCallback`` back its patience counter: it ends as the uninterrupted run's."""
+    args = dict(
+        max_steps=6,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=False,
+        restore_callback_states_from_checkpoint=True,
+        # EarlyStoppingCallback(early_stopping_threshold=100.0): no evaluation counts as an
+        # improvement, so its counter grows at every one
+    )
+    states = {}
+    for name, cls in (("plain", Trainer), ("slipstream", SlipstreamTrainer)):
+        out = str(tmp_path / name / "out")
+        trainer = cls(
+            model=tiny_model(),
+            args=arguments(out, **args),
+            train_dataset=dataset(),
+            eval_dataset=dataset(rows=8),
+            callbacks=[
+                EarlyStoppingCallback(early_stopping_patience=5, early_stopping_threshold=100.0)
+            ],
+        )
+        trainer.train()
+        saved = TrainerState.load_from_json(os.path.join(out, "checkpoint-4", TRAINER_STATE_NAME))
+        states[name] = (saved.stateful_callbacks, saved.best_global_step, saved.global_step)
+        resumed = cls(
+            model=tiny_model(),
+            args=arguments(out, **args),
+            train_dataset=dataset(),
+            eval_dataset=dataset(rows=8),
+            callbacks=[
+                EarlyStoppingCallback(early_stopping_patience=5, early_stopping_threshold=100.0)
+            ],
+        )
+        resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
+        states[name] += (patience(resumed), patience(trainer))
+    assert states["slipstream"] == states["plain"]
+    saved = states["plain"][0]["EarlyStoppingCallback"]["attributes"]
+    assert saved["early_stopping_patience_counter"] > 0
+    assert states["plain"][3] == states["plain"][4]  # resumed ends as the uninterrupted run
+
+
+def patience(trainer: Trainer) -> int:
+    """The patience counter of the trainer's ``EarlyStoppingCallback`` (a resume replaces
+    the instance passed in with one built from the checkpoint)."""
+    (early,) = [
+        c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)
+    ]
+    return early.early_stopping_patience_counter
