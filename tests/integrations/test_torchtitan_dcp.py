@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_workers
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.stateful import Stateful
 
 STEPS = 8
@@ -72,10 +73,12 @@ def _train(
     interval: int = 2,
     before_first_step: bool = False,
     swap: bool = True,
+    config: dict | None = None,
 ) -> None:
     """Trains to step ``stop`` saving every ``interval`` steps (``mode="none"``: never),
     and at step 0, before the first optimizer step, with ``before_first_step``; ``swap``
-    binds torchtitan's ``dcp`` to ``slipstream.dcp`` (without it: DCP's own)."""
+    binds torchtitan's ``dcp`` to ``slipstream.dcp`` (without it: DCP's own); ``config``
+    sets further fields of torchtitan's ``CheckpointManager.Config``."""
     import torchtitan.components.checkpointer.dcp as titan
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -107,7 +110,7 @@ def _train(
     data, train_state = _Data(rank, world_size), _TrainState()
     manager = None
     if mode != "none":
-        config = titan.CheckpointManager.Config(
+        fields = dict(
             enable=True,
             folder="checkpoint",
             interval=interval,
@@ -116,7 +119,7 @@ def _train(
             last_save_model_only=False,
         )
         manager = titan.CheckpointManager(
-            config,
+            titan.CheckpointManager.Config(**{**fields, **(config or {})}),
             dataloader=data,
             model_parts=[model],
             optimizers=optimizers,
@@ -191,11 +194,18 @@ def _assert_same_run(a: dict, b: dict) -> None:
                 assert torch.equal(value, sb["state"][idx][key]), (idx, key)
 
 
-def _run(tmp_path, name: str, before_first_step: bool = False, swap: bool = True) -> dict:
-    """8 steps saving asynchronously after each (and before the first, if asked)."""
+def _run(
+    tmp_path,
+    name: str,
+    before_first_step: bool = False,
+    swap: bool = True,
+    mode: str = "async",
+    **config,
+) -> dict:
+    """8 steps saving after each (and before the first, if asked)."""
     out = str(tmp_path / f"{name}.pt")
     folder = str(tmp_path / name)
-    args = (folder, "async", STEPS, out, 1, before_first_step, swap)
+    args = (folder, mode, STEPS, out, 1, before_first_step, swap, config)
     run_workers(_train, 2, *args, timeout=120)
     return torch.load(out)
 
@@ -242,3 +252,38 @@ def test_a_save_before_the_first_step_changes_the_run_as_with_dcp_itself(tmp_pat
         float(STEPS)
     }
     assert "step-0" in os.listdir(tmp_path / "slipstream" / "checkpoint")
+
+
+def test_keeps_the_latest_k_and_a_model_only_last_step_loads_as_initial_weights(tmp_path):
+    """torchtitan's ``test_save_and_purge_keeps_last_k_checkpoints`` and
+    ``test_last_save_model_only_and_initial_load_model_only``, through slipstream.dcp on
+    real state: ``keep_latest_k=2`` leaves what DCP itself leaves; the last step, saved model
+    only, holds the weights and nothing else, and a new run given it as
+    ``initial_load_path`` (model only) starts from those weights at step 0."""
+    # Saved synchronously: torchtitan lists the folder to purge right after each save,
+    # where an asynchronous one may not have made its directory yet (with DCP alike).
+    config = dict(keep_latest_k=2, last_save_model_only=True)
+    first = _run(tmp_path, "first", mode="disabled", **config)
+    _run(tmp_path, "dcp", swap=False, mode="disabled", **config)
+    folder = tmp_path / "first" / "checkpoint"
+    kept = sorted(os.listdir(folder))
+    assert kept == sorted(os.listdir(tmp_path / "dcp" / "checkpoint"))
+    # The last step is saved with no purge after it: torchtitan leaves k + 1.
+    assert kept == ["step-6", "step-7", "step-8"]
+    keys = _saved_keys(folder / "step-8")
+    assert keys == set(first["weights"]), keys
+    assert any(k.startswith("optimizer") for k in _saved_keys(folder / "step-7"))
+
+    initial = str(folder / "step-8")
+    out = str(tmp_path / "second.pt")
+    config = dict(initial_load_path=initial, initial_load_model_only=True)
+    args = (str(tmp_path / "second"), "disabled", 0, out, 1, False, True, config)
+    run_workers(_train, 2, *args, timeout=120)
+    second = torch.load(out)
+    assert second["resumed_at"] == 0
+    for name, want in first["weights"].items():
+        assert torch.equal(second["weights"][name], want), name
+
+
+def _saved_keys(path) -> set[str]:
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
