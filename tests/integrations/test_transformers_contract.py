@@ -234,3 +234,22 @@ def patience(trainer: Trainer) -> int:
         c for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)
     ]
     return early.early_stopping_patience_counter
+
+
+def test_a_device_generator_slipstream_does_not_save_is_named_at_the_save(
+    tmp_path, monkeypatch, caplog
+):
+    """On a device whose random generator the Trainer saves and slipstream does not (an
+    NPU here: its availability probe answers yes), the first save says so, once."""
+    import slipstream.integrations.transformers as integration
+
+    monkeypatch.setattr(integration, "is_torch_npu_available", lambda: True)
+    trainer = SlipstreamTrainer(
+        model=tiny_model(),
+        args=arguments(str(tmp_path / "run"), max_steps=2, save_steps=1),
+        train_dataset=dataset(rows=8),
+    )
+    with caplog.at_level("WARNING", logger=integration.__name__):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "not the npu generator" in r.getMessage()]
+    assert len(said) == 1, caplog.text

@@ -28,9 +28,14 @@ Invariants:
   ``train()`` first removes what a killed run left (``.slipstream-staging/``, hidden
   directories of a deletion cut short, temporary files) on the process that saves.
 - Resuming (``resume_from_checkpoint``) restores the model, optimizer, scheduler, scaler and
-  random generators from ``slipstream/``; the Trainer itself restores its state, global
-  step and the position in the data from ``trainer_state.json``. Directories the Trainer
-  wrote itself still load through the Trainer's own code.
+  random generators (Python's, numpy's, torch's CPU and CUDA ones; a save on an NPU, HPU,
+  MLU or MUSA device logs once that its generator is not saved) from ``slipstream/``; the
+  Trainer itself restores its state, global step, callbacks' state and the position in
+  the data from ``trainer_state.json``. Directories the Trainer wrote itself still load
+  through the Trainer's own code.
+- A save changes nothing it saves: the optimizer's state is read as it is (never
+  materialized by a step), so a run saved before its first optimizer step and after every
+  step ends bit for bit as the run that never saved.
 
 Subclasses keep working: the mixin changes where the Trainer's own ``_save_checkpoint``
 writes and what its ``save_model`` / ``_save_optimizer_and_scheduler`` / ``_save_scaler`` /
@@ -61,7 +66,14 @@ try:
         SaveStrategy,
         sort_checkpoints,
     )
-    from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+    from transformers.utils import (
+        is_sagemaker_mp_enabled,
+        is_torch_hpu_available,
+        is_torch_mlu_available,
+        is_torch_musa_available,
+        is_torch_npu_available,
+        is_torch_xla_available,
+    )
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
         "slipstream.integrations.transformers needs the 'transformers' package: "
@@ -268,6 +280,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self._ss_wait_before_forward = False
         self._ss_pending: _PendingCheckpoint | None = None
         self._ss_fallback_logged = False
+        self._ss_rng_warned = False
         self.add_callback(_WaitForStaging(self))
 
     # -- what the training loop waits for --------------------------------------------------
@@ -453,6 +466,15 @@ class SlipstreamTrainerMixin(_TrainerBase):
             super()._save_rng_state(output_dir)
             return
         self._ss_capture["rng"] = {f"rank{self.args.process_index}": rng.capture()}
+        unsaved = _generators_not_saved()
+        if unsaved and not self._ss_rng_warned:
+            self._ss_rng_warned = True
+            log.warning(
+                "slipstream saves the Python, numpy, CPU and CUDA random generators, not the "
+                "%s generator the Trainer's own checkpoint saves: a resume on this device "
+                "draws other random numbers (dropout...) than an uninterrupted run",
+                ", ".join(unsaved),
+            )
 
     # -- resuming ----------------------------------------------------------------------------
 
@@ -533,6 +555,18 @@ class SlipstreamTrainerMixin(_TrainerBase):
             super()._load_best_model()
             return
         self._load_from_checkpoint(str(best), self.model)
+
+
+def _generators_not_saved() -> list[str]:
+    """The devices whose random generators the Trainer's own ``_save_rng_state`` saves and
+    :func:`.rng.capture` does not (XLA keeps the Trainer's own checkpointing)."""
+    probes = {
+        "npu": is_torch_npu_available,
+        "hpu": is_torch_hpu_available,
+        "mlu": is_torch_mlu_available,
+        "musa": is_torch_musa_available,
+    }
+    return [name for name, available in probes.items() if available()]
 
 
 def _all_in_host_memory(state: dict[str, Any]) -> bool:
