@@ -253,3 +253,42 @@ def test_a_device_generator_slipstream_does_not_save_is_named_at_the_save(
         trainer.train()
     said = [r.getMessage() for r in caplog.records if "not the npu generator" in r.getMessage()]
     assert len(said) == 1, caplog.text
+
+
+def test_a_relative_output_dir_saves_rotates_and_resumes_as_the_trainer_does(tmp_path, monkeypatch):
+    """``output_dir="out"`` (relative): the checkpoints kept by ``save_total_limit=2``, the
+    best one recorded, and a ``resume_from_checkpoint=True`` run's end are the plain
+    Trainer's."""
+    args = dict(
+        max_steps=6,
+        save_steps=2,
+        save_total_limit=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        metric_for_best_model="loss",
+    )
+    seen = {}
+    for name, cls in (("plain", Trainer), ("slipstream", SlipstreamTrainer)):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        first = cls(
+            model=tiny_model(),
+            args=arguments("out", **args),
+            train_dataset=dataset(),
+            eval_dataset=dataset(rows=8),
+            callbacks=[StopAt(4)],
+        )
+        first.train()
+        kept = sorted(n for n in os.listdir("out") if n.startswith("checkpoint-"))
+        resumed = cls(
+            model=tiny_model(),
+            args=arguments("out", **args),
+            train_dataset=dataset(),
+            eval_dataset=dataset(rows=8),
+        )
+        resumed.train(resume_from_checkpoint=True)
+        seen[name] = (kept, first.state.best_model_checkpoint, training_state(resumed))
+    ours, theirs = seen["slipstream"], seen["plain"]
+    assert ours[:2] == theirs[:2]
+    assert theirs[0] == ["checkpoint-2", "checkpoint-4"]
+    assert_same_state(ours[2], theirs[2])
