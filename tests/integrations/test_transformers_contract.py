@@ -46,7 +46,7 @@ def run_saving_every_step(cls: type[Trainer], out: str) -> dict[str, Any]:
     before = SaveBeforeTheFirstStep()
     trainer = cls(
         model=tiny_model(),
-        args=arguments(out, max_steps=6, save_steps=1),
+        args=arguments(out, max_steps=4, save_steps=1),
         train_dataset=dataset(),
         callbacks=[before],
     )
@@ -58,12 +58,12 @@ def run_saving_every_step(cls: type[Trainer], out: str) -> dict[str, Any]:
 
 
 def test_saves_before_the_first_step_and_after_every_step_change_nothing(tmp_path):
-    """6 steps, saved before the first optimizer step and after every one: weights, AdamW
+    """4 steps, saved before the first optimizer step and after every one: weights, AdamW
     state, scheduler, step and torch's generator end bit for bit as in the run that never
     saved, as they do when the plain Trainer saves the same steps."""
     plain = Trainer(
         model=tiny_model(),
-        args=arguments(str(tmp_path / "unsaved"), max_steps=6, save_strategy="no"),
+        args=arguments(str(tmp_path / "unsaved"), max_steps=4, save_strategy="no"),
         train_dataset=dataset(),
     )
     plain.train()
@@ -80,7 +80,7 @@ def test_saves_before_the_first_step_and_after_every_step_change_nothing(tmp_pat
     assert torch.equal(ours["rng"], unsaved["rng"])
     saved = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
     assert saved == sorted(os.listdir(tmp_path / "plain"))
-    assert saved == [f"checkpoint-{s}" for s in range(7)]
+    assert saved == [f"checkpoint-{s}" for s in range(5)]
 
 
 class Recording(Trainer):
@@ -292,3 +292,41 @@ def test_a_relative_output_dir_saves_rotates_and_resumes_as_the_trainer_does(tmp
     assert ours[:2] == theirs[:2]
     assert theirs[0] == ["checkpoint-2", "checkpoint-4"]
     assert_same_state(ours[2], theirs[2])
+
+
+class ReadsTheCheckpointOnSave(TrainerCallback):
+    """What the Trainer's reporting integrations do in ``on_save`` (``WandbCallback`` with
+    ``log_model="checkpoint"``, ``MLflowCallback`` with artifacts): read
+    ``output_dir/checkpoint-<step>``, which the plain Trainer has written by then."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[str]]] = []
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        self.seen.append((state.global_step, [n for n in names if n in ON_SAVE_FILES]))
+
+
+ON_SAVE_FILES = ("config.json", "model.safetensors", "trainer_state.json", "training_args.bin")
+
+
+def test_on_save_callbacks_see_the_checkpoint_just_saved_as_with_the_trainer(tmp_path, caplog):
+    """Every ``on_save`` finds ``checkpoint-<step>`` complete, as with the plain Trainer;
+    the SlipstreamTrainer says once that such a callback makes each save wait for it."""
+    seen = {}
+    for name, cls in (("plain", Trainer), ("slipstream", SlipstreamTrainer)):
+        reader = ReadsTheCheckpointOnSave()
+        trainer = cls(
+            model=tiny_model(),
+            args=arguments(str(tmp_path / name), max_steps=4, save_steps=2),
+            train_dataset=dataset(),
+            callbacks=[reader],
+        )
+        with caplog.at_level("INFO", logger="slipstream.integrations.transformers"):
+            trainer.train()
+        seen[name] = reader.seen
+    assert seen["plain"] == [(2, list(ON_SAVE_FILES)), (4, list(ON_SAVE_FILES))]
+    assert seen["slipstream"] == seen["plain"]
+    said = [r for r in caplog.records if "ReadsTheCheckpointOnSave" in r.getMessage()]
+    assert len(said) == 1, caplog.text

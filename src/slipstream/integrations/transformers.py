@@ -21,6 +21,9 @@ Invariants:
   hidden name before deleting it, so none is ever seen (or left by a kill) half deleted.
   One save is in flight at a time: the next save waits for the previous one to finish.
 - ``train()`` returns (or raises) only after every save it started has finished.
+- A callback's ``on_save`` finds ``checkpoint-N`` complete, as with the Trainer's own save
+  (``WandbCallback`` and ``MLflowCallback`` upload it from there): while any callback has
+  an ``on_save`` of its own, each save waits until its checkpoint is in place (logged once).
 - A resume never picks an incomplete checkpoint: ``get_last_checkpoint`` sees complete
   ones only (above), a save of a step that already has a directory (after a resume)
   replaces it through a hidden name (:func:`.removal.delete_now`), and naming a
@@ -281,6 +284,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self._ss_pending: _PendingCheckpoint | None = None
         self._ss_fallback_logged = False
         self._ss_rng_warned = False
+        self._ss_on_save_logged = False
         self.add_callback(_WaitForStaging(self))
 
     # -- what the training loop waits for --------------------------------------------------
@@ -403,6 +407,27 @@ class SlipstreamTrainerMixin(_TrainerBase):
             self.slipstream_options,
         )
         self._ss_staging = self._ss_pending.staged
+        readers = self._ss_on_save_callbacks()
+        if readers:
+            # The plain Trainer has written checkpoint-N when on_save runs, and callbacks
+            # read it there (WandbCallback, MLflowCallback upload it): so must this one.
+            if not self._ss_on_save_logged:
+                self._ss_on_save_logged = True
+                log.info(
+                    "slipstream: %s handle on_save, which runs once the checkpoint is in "
+                    "place: each save waits until its checkpoint is complete (its write "
+                    "no longer overlaps training)",
+                    ", ".join(readers),
+                )
+            self.wait_for_checkpoints()
+
+    def _ss_on_save_callbacks(self) -> list[str]:
+        """The callbacks with an ``on_save`` of their own."""
+        return [
+            type(c).__name__
+            for c in self.callback_handler.callbacks
+            if type(c).on_save is not transformers.TrainerCallback.on_save
+        ]
 
     def _point_best_at(self, run_dir: str, best_before: str | None) -> None:
         """The Trainer looked for the best checkpoint in the staging directory: look again
