@@ -25,7 +25,16 @@ $(VENV)/.installed: $(VENV)/.demo pyproject.toml
 	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn spmd_types==0.2.3
 	touch $@
 
-setup: $(VENV)/.installed
+# accelerate's own checkpoint tests, for tests/integrations/test_accelerate_conformance.py:
+# its sdist for the installed version, extracted under $(VENV)/conformance (never committed).
+$(VENV)/.conformance: $(VENV)/.installed
+	rm -rf $(VENV)/conformance
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/conformance \
+		"accelerate==$$($(BIN)/python -c 'import accelerate; print(accelerate.__version__)')"
+	tar -xzf $(VENV)/conformance/accelerate-*.tar.gz -C $(VENV)/conformance
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/.conformance
 
 demo: $(VENV)/.demo
 	$(BIN)/python -m slipstream.demo

@@ -39,3 +39,18 @@ def s3_bucket(s3_server):
     name = f"test-{uuid.uuid4().hex[:16]}"
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
     return name
+
+
+_SUMMARY_LINES: list[str] = []
+
+
+@pytest.fixture
+def summary_line():
+    """Adds a line to the end of the run's terminal output, shown whatever ``-q``/``-s``
+    (for a result CI logs should show, such as a conformance count)."""
+    return _SUMMARY_LINES.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _SUMMARY_LINES:
+        terminalreporter.write_line(line)

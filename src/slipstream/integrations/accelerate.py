@@ -45,6 +45,7 @@ from typing import Any
 
 try:
     from accelerate import Accelerator
+    from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
     from accelerate.utils import DistributedType
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError(
@@ -53,6 +54,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
@@ -82,6 +84,29 @@ _OWN_CODE = (
     DistributedType.MEGATRON_LM,
     DistributedType.XLA,
 )
+
+
+PROBE_ENV = "SLIPSTREAM_ACCELERATE_PROBE"
+"""A file to which each ``save_state``/``load_state`` that goes through slipstream's own
+code (not accelerate's) appends a line: the call and the running pytest test (for the
+conformance test, tests/integrations/test_accelerate_conformance.py)."""
+
+
+def _probe(call: str) -> None:
+    path = os.environ.get(PROBE_ENV)
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        with open(path, "a") as out:
+            out.write(f"slipstream:{call}\t{test}\n")
+
+
+def _seedable_sampler(dataloader: Any) -> SeedableRandomSampler | None:
+    """The sampler whose position accelerate saves with a data loader: a
+    ``SeedableRandomSampler`` over an ``IterableDatasetShard`` (accelerate's own rule)."""
+    if not isinstance(getattr(dataloader, "dataset", None), IterableDatasetShard):
+        return None
+    sampler = dataloader.get_sampler()
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None
 
 
 def _checkpoint_folders(root: str) -> list[str]:
@@ -189,18 +214,24 @@ class SlipstreamAccelerator(Accelerator):
                 return optimizer_parameter_names(optimizer, module)
         return optimizer_parameter_names(optimizer, None)
 
-    def _ss_state(self) -> dict[str, Any]:
-        """Everything ``save_state`` saves, under stable keys: also the target that
-        ``load_state`` has ``ss.load`` fill."""
-        state: dict[str, Any] = {}
-        for i, module in enumerate(self._ss_modules()):
-            state[f"models.{i}"] = get_model_state_dict(module)
+    def _ss_state(self, models: list[dict[str, Any]]) -> dict[str, Any]:
+        """Everything ``save_state`` saves, under stable keys, with ``models`` the model
+        state dicts the save hooks left (as accelerate, which saves what its hooks leave in
+        ``weights``). Reads only: nothing saved changes (see :func:`optimizer_state`)."""
+        state: dict[str, Any] = {f"models.{i}": weights for i, weights in enumerate(models)}
         for i, wrapped in enumerate(self._optimizers):
             optimizer = torch_optimizer(wrapped)
-            names = self._ss_parameter_names(optimizer)
-            state[f"optimizers.{i}"] = optimizer_state(optimizer, names)
+            state[f"optimizers.{i}"] = optimizer_state(
+                optimizer, self._ss_parameter_names(optimizer)
+            )
         for i, scheduler in enumerate(self._schedulers):
             state[f"schedulers.{i}"] = scheduler.state_dict()
+        for i, dataloader in enumerate(self._dataloaders):
+            sampler = _seedable_sampler(dataloader)
+            if sampler is not None:
+                state[f"samplers.{i}"] = {"epoch": sampler.epoch, "seed": sampler.initial_seed}
+            if getattr(dataloader, "use_stateful_dataloader", False):
+                state[f"dataloaders.{i}"] = dataloader.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         for i, obj in enumerate(self._custom_objects):
@@ -252,9 +283,15 @@ class SlipstreamAccelerator(Accelerator):
         if not self._ss_supported():
             return str(super().save_state(output_dir, safe_serialization, **kwargs))
         self.wait_for_checkpoints()
+        _probe("save_state")
         path = self._ss_output_dir(output_dir)
         os.makedirs(path, exist_ok=True)
-        state = self._ss_state()
+        if kwargs:
+            log.warning("save_state: %s apply to DeepSpeed only; ignored", ", ".join(kwargs))
+        weights = [get_model_state_dict(module) for module in self._ss_modules()]
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, weights, path)
+        state = self._ss_state(weights)
         response = async_save(state, path, timeout=self.slipstream_timeout)
         self._ss_pending, self._ss_pending_dir = response, path
         self._ss_staging = response
@@ -274,9 +311,9 @@ class SlipstreamAccelerator(Accelerator):
     def _ss_only_optimizer_changes(self, state: dict[str, Any]) -> bool:
         """No saved buffers and no registered tensors: until the next optimizer step,
         a training loop changes none of the saved tensors."""
-        for i, module in enumerate(self._ss_modules()):
-            if has_saved_buffers(module, state[f"models.{i}"]):
-                return False
+        models = [v for k, v in state.items() if k.startswith("models.")]
+        if any(has_saved_buffers(m, w) for m in self._ss_modules() for w in models):
+            return False
         customs = {k: v for k, v in state.items() if k.startswith("custom.")}
         return not any(isinstance(v, torch.Tensor) for v in flatten(customs)[0].values())
 
@@ -312,7 +349,13 @@ class SlipstreamAccelerator(Accelerator):
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        """Restore everything :meth:`save_state` saved, in place."""
+        """Restore everything :meth:`save_state` saved, in place.
+
+        ``map_location`` is checked as accelerate checks it; the state goes where the
+        live objects are (an optimizer's onto its parameters' devices) either way, as
+        accelerate's ``load_state_dict`` calls put it. ``strict`` applies to the models;
+        ``load_kwargs`` (``torch.load`` arguments) and other keywords have nothing to
+        apply to in a slipstream checkpoint, and are refused."""
         self.wait_for_checkpoints()
         if not self._ss_supported():
             super().load_state(input_dir, load_kwargs, **kwargs)
@@ -321,6 +364,19 @@ class SlipstreamAccelerator(Accelerator):
         if not is_checkpoint(path):
             super().load_state(path, load_kwargs, **kwargs)
             return
+        map_location = kwargs.pop("map_location", None)
+        if map_location not in (None, "cpu", "on_device"):
+            raise TypeError(
+                "Unsupported optimizer map location passed, please choose one of `None`, "
+                f"`'cpu'`, or `'on_device'` (got {map_location!r})"
+            )
+        strict = kwargs.pop("strict", True)
+        if kwargs or load_kwargs:
+            raise TypeError(
+                f"load_state({path}): {', '.join([*kwargs, *(load_kwargs or {})])} cannot "
+                "apply to a slipstream checkpoint (no torch.load or DeepSpeed load runs)"
+            )
+        _probe("load_state")
         keys = saved_keys(path)
         saved = {k.split(".", 1)[0] + "." + k.split(".", 2)[1] for k in keys if "." in k}
         customs = sorted(k for k in saved if k.startswith("custom."))
@@ -329,9 +385,16 @@ class SlipstreamAccelerator(Accelerator):
                 f"{path} holds {len(customs)} custom object(s) but {len(self._custom_objects)} "
                 "are registered with register_for_checkpointing"
             )
-        target = self._ss_state()
-        for i in range(len(self._optimizers)):
-            target[f"optimizers.{i}"] = saved_subtree(path, f"optimizers.{i}")
+        models = list(self._models)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(models, path)
+        modules = [self.unwrap_model(m, keep_torch_compile=False) for m in models]
+        target = self._ss_state([get_model_state_dict(m) for m in modules])
+        for key in [k for k in target if k.startswith(("optimizers.", "dataloaders."))]:
+            target[key] = saved_subtree(path, key)
+        for key in [k for k in target if k.startswith(("samplers.", "dataloaders."))]:
+            if key not in saved:  # as accelerate, which loads a sampler file if there is one
+                del target[key]
         rank = f"rank{self.process_index}"
         if f"rng.{rank}" not in saved:
             log.info("%s holds no random state for process %d", path, self.process_index)
@@ -339,17 +402,27 @@ class SlipstreamAccelerator(Accelerator):
         elif "cuda" in target["rng"][rank] and f"rng.{rank}.cuda" not in keys:
             del target["rng"][rank]["cuda"]
         load(target, path, strict=False)
-        self._ss_apply(target, path)
+        self._ss_apply(target, modules, path, strict)
 
-    def _ss_apply(self, loaded: dict[str, Any], where: str) -> None:
-        for i, module in enumerate(self._ss_modules()):
-            set_model_state_dict(module, loaded[f"models.{i}"])
+    def _ss_apply(
+        self, loaded: dict[str, Any], modules: list[torch.nn.Module], where: str, strict: bool
+    ) -> None:
+        options = StateDictOptions(strict=strict)
+        for i, module in enumerate(modules):
+            set_model_state_dict(module, loaded[f"models.{i}"], options=options)
         for i, wrapped in enumerate(self._optimizers):
             optimizer = torch_optimizer(wrapped)
             names = self._ss_parameter_names(optimizer)
             restore_optimizer_state(optimizer, names, loaded[f"optimizers.{i}"], where)
         for i, scheduler in enumerate(self._schedulers):
             scheduler.load_state_dict(loaded[f"schedulers.{i}"])
+        for i, dataloader in enumerate(self._dataloaders):
+            sampler = _seedable_sampler(dataloader)
+            if sampler is not None and f"samplers.{i}" in loaded:
+                sampler.epoch = loaded[f"samplers.{i}"]["epoch"]
+                sampler.initial_seed = loaded[f"samplers.{i}"]["seed"]
+            if f"dataloaders.{i}" in loaded:
+                dataloader.load_state_dict(loaded[f"dataloaders.{i}"])
         if self.scaler is not None:
             self.scaler.load_state_dict(loaded["scaler"])
         for i, obj in enumerate(self._custom_objects):
