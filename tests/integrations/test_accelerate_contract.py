@@ -1,7 +1,8 @@
 """``SlipstreamAccelerator`` keeps ``Accelerator``'s checkpoint contract, checked against
 plain accelerate runs: saving changes nothing in the training run (a save before the first
-optimizer step included), and a resume mid-epoch with a stateful data loader continues at
-the next batch, as accelerate's does."""
+optimizer step included), a resume mid-epoch with a stateful data loader continues at the
+next batch, an optimizer over a model never prepared round-trips, and ``load_state``
+arguments are checked as accelerate checks them, never ignored."""
 
 from __future__ import annotations
 
@@ -135,3 +136,46 @@ def test_resume_mid_epoch_continues_at_the_next_batch(tmp_path: Path, shuffle: b
     _same(reference[1], resumed, "resumed")
     if not shuffle:  # accelerate's resumed shuffle order is not the first run's; ours is its
         _same(after, resumed, "resumed")  # batch 3 on, as without the interruption
+
+
+def _unprepared_optimizer_run(kind: type[Accelerator], directory: Path) -> dict[str, Any]:
+    """An optimizer over a model never passed to ``prepare()``: saved after two steps,
+    restored into fresh objects. Returns the restored optimizer state."""
+
+    def build() -> tuple[Accelerator, torch.nn.Module, Any]:
+        accelerator = kind()
+        model = _model()
+        return accelerator, model, accelerator.prepare(torch.optim.Adam(model.parameters()))
+
+    accelerator, model, optimizer = build()
+    for _ in range(2):
+        accelerator.backward(model(torch.ones(4, 6)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.save_state(str(directory))
+    if isinstance(accelerator, SlipstreamAccelerator):
+        accelerator.wait_for_checkpoints()
+    accelerator, model, optimizer = build()
+    accelerator.load_state(str(directory))
+    return optimizer.state_dict()
+
+
+def test_an_optimizer_over_an_unprepared_model_round_trips(tmp_path: Path) -> None:
+    restored = _unprepared_optimizer_run(SlipstreamAccelerator, tmp_path / "slipstream")
+    _same(restored, _unprepared_optimizer_run(Accelerator, tmp_path / "accelerate"), "optimizer")
+    assert len(restored["state"]) == 6
+
+
+def test_load_arguments_are_checked_not_ignored(tmp_path: Path) -> None:
+    accelerator = SlipstreamAccelerator()
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.save_state(str(tmp_path))
+    reference = Accelerator()
+    reference.prepare(torch.nn.Linear(2, 2))
+    reference.save_state(str(tmp_path / "accelerate"))
+    for instance, where in ((accelerator, tmp_path), (reference, tmp_path / "accelerate")):
+        with pytest.raises(TypeError, match="Unsupported optimizer map location"):
+            instance.load_state(str(where), map_location="invalid")
+    with pytest.raises(TypeError, match="weights_only"):
+        accelerator.load_state(str(tmp_path), load_kwargs={"weights_only": False})
+    accelerator.load_state(str(tmp_path), map_location="cpu")

@@ -1,11 +1,11 @@
 """``Accelerator.save_state`` / ``load_state`` through slipstream.
 
 ``SlipstreamAccelerator`` is an ``accelerate.Accelerator`` whose ``save_state`` stages
-the models, optimizers, schedulers, gradient scaler, step, random generators and the
-objects given to ``register_for_checkpointing`` with ``ss.async_save`` and returns once
-they are staged (the caller may change them at once, as after accelerate's own
-``save_state``); the write goes on in the background. ``load_state`` restores all of them
-in place, exactly.
+the models, optimizers, schedulers, data loader positions, gradient scaler, step, random
+generators and the objects given to ``register_for_checkpointing`` with ``ss.async_save``
+and returns once they are staged (the caller may change them at once, as after
+accelerate's own ``save_state``); the write goes on in the background. ``load_state``
+restores all of them in place, exactly.
 
 Invariants:
 
@@ -135,7 +135,13 @@ class SlipstreamAccelerator(Accelerator):
     overlaps the next forward and backward, and the next ``optimizer.step()`` waits for it.
     Only for loops where nothing but the optimizer step changes the saved state until then
     (it is off, and ``save_state`` waits, where a model saves buffers, which a forward may
-    update, or a registered object holds tensors).
+    update, a registered object holds tensors, or a stateful data loader is saved).
+
+    What ``save_state`` saves and ``load_state`` restores is what accelerate's do: models
+    (what the save hooks leave), optimizers (by parameter name, or by index for one over no
+    prepared model), schedulers, stateful data loader and seedable sampler positions, the
+    scaler, ``step``, every random generator and the registered objects; the save and load
+    pre-hooks run as in accelerate. A save changes nothing it saves.
     """
 
     def __init__(
@@ -288,6 +294,12 @@ class SlipstreamAccelerator(Accelerator):
         os.makedirs(path, exist_ok=True)
         if kwargs:
             log.warning("save_state: %s apply to DeepSpeed only; ignored", ", ".join(kwargs))
+        if self.project_configuration.save_on_each_node and self.num_processes > 1:
+            log.warning(
+                "save_state: save_on_each_node is not applied; every rank writes its part "
+                "of one checkpoint in %s, which needs a filesystem all nodes share",
+                path,
+            )
         weights = [get_model_state_dict(module) for module in self._ss_modules()]
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, path)
@@ -309,8 +321,11 @@ class SlipstreamAccelerator(Accelerator):
         self.wait_for_staging()
 
     def _ss_only_optimizer_changes(self, state: dict[str, Any]) -> bool:
-        """No saved buffers and no registered tensors: until the next optimizer step,
-        a training loop changes none of the saved tensors."""
+        """No saved buffers, no registered tensors and no data loader state: until the
+        next optimizer step, a training loop changes none of the saved state (the next
+        batch moves a data loader)."""
+        if any(k.startswith("dataloaders.") for k in state):
+            return False
         models = [v for k, v in state.items() if k.startswith("models.")]
         if any(has_saved_buffers(m, w) for m in self._ss_modules() for w in models):
             return False
