@@ -13,8 +13,8 @@ once, in a new seeded order, on the same model and optimizer:
 * ``SlipstreamTrainer``: the same call on ``SlipstreamTrainer``, then the steps, the
   first waiting for the save's staging before its optimizer step as the Trainer's loop
   does (``on_pre_optimizer_step``);
-* ``Accelerator.save_state`` and ``SlipstreamAccelerator.save_state`` (which returns once
-  the state is staged), then the steps;
+* ``Accelerator.save_state`` and ``SlipstreamAccelerator.save_state`` (with
+  ``background_write=True``: it returns once the state is staged), then the steps;
 * ``SlipstreamAccelerator(overlap_staging=True)``: its ``save_state`` returns at once and
   the first optimizer step waits for the staging;
 * a bare copy and durable write (a lower bound, no checkpoint format): a thread copies the
@@ -161,7 +161,7 @@ class Bench:
         )
         self.accelerator = Accelerator(cpu=True)
         self.accelerator.prepare(self.model, self.optimizer, self.scheduler)
-        self.ss_accelerator = SlipstreamAccelerator(cpu=True)
+        self.ss_accelerator = SlipstreamAccelerator(cpu=True, background_write=True)
         self.ss_accelerator.prepare(self.model, self.optimizer, self.scheduler)
         self.ss_overlap = SlipstreamAccelerator(cpu=True, overlap_staging=True)
         self.ss_overlap.prepare(self.model, self.optimizer, self.scheduler)

@@ -59,8 +59,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     out = parser.parse_args().out
 
-    # The one change: SlipstreamAccelerator for Accelerator.
-    accelerator = SlipstreamAccelerator(cpu=True)
+    # The one change: SlipstreamAccelerator for Accelerator; background_write=True to have
+    # save_state return once the state is staged (by default it returns once written).
+    accelerator = SlipstreamAccelerator(cpu=True, background_write=True)
     state = build(accelerator)
     train(accelerator, *state, steps=5)
     accelerator.save_state(out)  # returns once staged; written in the background

@@ -6,6 +6,7 @@ arguments are checked as accelerate checks them, never ignored."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 from torch.utils.data import DataLoader, TensorDataset
 
-from slipstream.integrations.accelerate import SlipstreamAccelerator
+from slipstream.integrations.accelerate import SlipstreamAccelerator, is_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -179,3 +180,18 @@ def test_load_arguments_are_checked_not_ignored(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="weights_only"):
         accelerator.load_state(str(tmp_path), load_kwargs={"weights_only": False})
     accelerator.load_state(str(tmp_path), map_location="cpu")
+
+
+def test_save_state_returns_with_the_checkpoint_written_and_rotated(tmp_path: Path) -> None:
+    """As accelerate's: when ``save_state`` returns, the checkpoint is complete and the
+    rotated-out one gone, nothing left to write or delete (the caller may remove it all)."""
+    config = ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1
+    )
+    accelerator = SlipstreamAccelerator(project_config=config)
+    model = torch.nn.Linear(64, 64)
+    accelerator.prepare(model, torch.optim.Adam(model.parameters()))
+    for i in range(3):
+        path = accelerator.save_state()
+        assert is_checkpoint(path)
+        assert os.listdir(tmp_path / "checkpoints") == [f"checkpoint_{i}"]  # none hidden

@@ -208,6 +208,7 @@ def _accelerate_run(report, root: str, steps: int) -> None:
 
     accelerator = SlipstreamAccelerator(
         cpu=True,
+        background_write=True,  # kills land while training goes on beside the write
         project_config=ProjectConfiguration(
             project_dir=root, automatic_checkpoint_naming=True, total_limit=3
         ),

@@ -3,16 +3,17 @@
 ``SlipstreamAccelerator`` is an ``accelerate.Accelerator`` whose ``save_state`` stages
 the models, optimizers, schedulers, data loader positions, gradient scaler, step, random
 generators and the objects given to ``register_for_checkpointing`` with ``ss.async_save``
-and returns once they are staged (the caller may change them at once, as after
-accelerate's own ``save_state``); the write goes on in the background. ``load_state``
-restores all of them in place, exactly.
+and returns once they are written, as accelerate's does, or, with ``background_write``,
+once they are staged (the caller may change them at once) while the write goes on in the
+background. ``load_state`` restores all of them in place, exactly.
 
 Invariants:
 
 - A directory holds a complete checkpoint once its ``.metadata`` exists: slipstream
   writes it last, after every rank's data is durable.
-- ``save_state`` returns once the state is staged (with ``overlap_staging``, the next
-  optimizer step waits for that instead).
+- ``save_state`` returns once the checkpoint is durable and its rotation done, as
+  accelerate's; with ``background_write``, once the state is staged (with
+  ``overlap_staging``, the next optimizer step waits for that instead).
 - One save is in flight at a time: ``save_state`` and ``load_state`` first wait for the
   previous save; so do ``wait_for_checkpoints()`` and ``end_training()``. With automatic
   checkpoint naming, ``total_limit`` rotation runs only after that wait, so it never
@@ -130,8 +131,13 @@ class SlipstreamAccelerator(Accelerator):
     """An ``Accelerator`` whose ``save_state``/``load_state`` go through slipstream.
 
     Takes accelerate's arguments, plus ``slipstream_timeout``: the bound on every wait on
-    another rank or on a previous save (``None``: slipstream's default); and
-    ``overlap_staging``: ``save_state`` returns before the state is staged, the copy
+    another rank or on a previous save (``None``: slipstream's default);
+    ``background_write``: ``save_state`` returns once the state is staged and the write
+    goes on in the background (off by default: as accelerate's, ``save_state`` returns once
+    the checkpoint is complete on disk and nothing of it is still being written or rotated
+    out, so the caller may read, copy or delete the directory at once); and
+    ``overlap_staging`` (implies ``background_write``): ``save_state`` returns before the
+    state is staged, the copy
     overlaps the next forward and backward, and the next ``optimizer.step()`` waits for it.
     Only for loops where nothing but the optimizer step changes the saved state until then
     (it is off, and ``save_state`` waits, where a model saves buffers, which a forward may
@@ -148,11 +154,13 @@ class SlipstreamAccelerator(Accelerator):
         self,
         *args: Any,
         slipstream_timeout: float | None = None,
+        background_write: bool = False,
         overlap_staging: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.slipstream_timeout = slipstream_timeout
+        self.background_write = background_write or overlap_staging
         self.overlap_staging = overlap_staging
         self._ss_staging: AsyncSaveResponse | None = None
         self._ss_step_hooks: list[Any] = []
@@ -314,6 +322,8 @@ class SlipstreamAccelerator(Accelerator):
             ]
         else:
             self.wait_for_staging()
+        if not self.background_write:
+            self.wait_for_checkpoints()
         self.project_configuration.iteration += 1
         return path
 
