@@ -12,7 +12,9 @@ rank's counter in the store every :data:`BEAT_SECONDS`. A rank waiting on others
 counters of those it is waiting for; one that has not moved for :data:`SILENT_AFTER_SECONDS`
 (as seen on the waiting rank's own clock, so hosts' clocks need not agree) belongs to a
 process that died or stopped (SIGKILL, SIGSTOP, a lost host), and the wait fails at once
-naming it, instead of running on until its timeout. A rank that has never beaten (its saver
+naming it, instead of running on until its timeout. The beat goes through a store client of
+its own (:func:`~slipstream.core.control_plane.own_client`), so a request blocked on the
+shared client cannot silence a live rank. A rank that has never beaten (its saver
 not made yet) gets the whole timeout. The mechanism is the control plane's
 (:class:`~slipstream.core.control_plane.Heartbeat`,
 :class:`~slipstream.core.control_plane.LivenessWatch`); the beat runs at the caller's
@@ -34,7 +36,13 @@ from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
-from ...core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
+from ...core.control_plane import (
+    Heartbeat,
+    LivenessWatch,
+    own_client,
+    store_key,
+    wait_for_keys,
+)
 from ...core.waits import Deadline
 from ...errors import MissingRanksError, PeerDiedError
 
@@ -80,7 +88,11 @@ class RankChannel:
             notice_of=lambda r: self._key("gone", r),
         )
         if world_size > 1:
-            self._heartbeat = Heartbeat(store, self._key("alive", rank), BEAT_SECONDS)
+            # a client of its own: a blocking request of another thread on the shared
+            # client (NCCL's lazy communicator setup waits in ``store.get``) must not stop
+            # the beats, or the peers would take this rank for dead
+            beat_store = own_client(store)
+            self._heartbeat = Heartbeat(beat_store, self._key("alive", rank), BEAT_SECONDS)
 
     @classmethod
     def local(cls) -> RankChannel:
