@@ -120,7 +120,7 @@ def test_device_snapshot_completes_staging_at_the_call_and_keeps_host_tensors_of
     state = _state()
     state["cpu_step"] = torch.tensor(4.0)
     want = {k: (v + 1 if torch.is_tensor(v) else v) for k, v in state.items()}
-    saver = CheckpointSaver()
+    saver = CheckpointSaver(options=SaveOptions(keep_device_snapshot=True))
     try:
         torch.cuda.synchronize()
         torch.cuda._sleep(SPIN_CYCLES)

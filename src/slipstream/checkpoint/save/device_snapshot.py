@@ -16,7 +16,9 @@ memory and there are no streams.
 
 Invariants: a layout's snapshot is gathered into only by the one save that holds it, and is
 released once that save's drain has ended (landed, failed or never begun) with no copy of it
-left queued; a save whose snapshot does not fit ``SaveOptions.device_snapshot_bytes``, or
+left queued; once released, its buffer goes back to the device's caching allocator unless
+``SaveOptions.keep_device_snapshot`` (so by default it holds no device memory between
+saves); a save whose snapshot does not fit ``SaveOptions.device_snapshot_bytes``, or
 whose tensors span several accelerators, stages the usual way, and the saver says so once.
 """
 
@@ -115,11 +117,14 @@ class DeviceSnapshots:
         job.progress.advance(nbytes)
 
     def release(self, job: SaveJob) -> None:
-        """``job`` is done with its snapshot (if it still holds one); idempotent."""
+        """``job`` is done with its snapshot (if it still holds one); idempotent. The
+        buffer is dropped (back to the allocator) unless the options keep it."""
         with self._lock:
             snap, job.device_snapshot = job.device_snapshot, None
             if snap is not None:
                 snap.in_use = False
+                if not self.options.keep_device_snapshot:
+                    self._snapshots.pop(snap.key, None)
 
     def clear(self) -> None:
         with self._lock:

@@ -34,6 +34,12 @@ class SaveOptions:
     """Most bytes the device snapshot may take; a save it does not fit stages straight to
     the host buffer, and the saver logs that once. ``None``: half of the memory the device
     has free when a layout is first saved (no limit for a snapshot in host memory)."""
+    keep_device_snapshot: bool = False
+    """Keep the device snapshot's buffer between saves, for the next save of the layout to
+    gather into (no allocation per save). ``False`` (the default): the buffer goes back to
+    the device's caching allocator as soon as the save's drain ends, so between saves the
+    snapshot holds no device memory and the training step can use it all; each save then
+    takes it again (from the allocator's cache, usually without a device allocation)."""
     direct_io: bool = True
     """On the local disk, write data files with ``O_DIRECT`` where the filesystem allows it
     (see :class:`~..storage.local.LocalDataWriter`)."""
