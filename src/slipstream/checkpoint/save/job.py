@@ -100,6 +100,9 @@ class SaveJob:
     device: torch.device | None
     response: AsyncSaveResponse
     after_commit: Callable[[], None] | None
+    timeout: float
+    """Seconds each of this save's waits (on another rank, or on its own staging) may
+    take: the call's, fixed for the save's life."""
     started: float = 0.0
     progress: Watermark = field(default_factory=Watermark)
     buffer: torch.Tensor | None = None

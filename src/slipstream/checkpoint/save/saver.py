@@ -148,6 +148,7 @@ class CheckpointSaver:
         after_commit: Callable[[], None] | None = None,
         storage_options: dict[str, Any] | None = None,
         storage_meta: StorageMeta | None = None,
+        timeout: float | None = None,
     ) -> AsyncSaveResponse:
         """Start a save; returns once the work is queued (see the module docstring).
 
@@ -158,12 +159,18 @@ class CheckpointSaver:
         ``storage_options`` configure an object store's client. ``storage_meta`` (rank
         0's counts) is what the committed ``Metadata`` records as its ``storage_meta``, as
         DCP records its writer's; without it, a new ``save_id`` and the location's URL.
+        ``timeout`` bounds this save's waits (``None``: ``options.timeout``); it never
+        changes another save's.
+
+        A save racing :meth:`close` either is queued before the close begins (which then
+        waits for it) or fails, telling the other ranks, once it has taken its number.
         """
         if self._closed:
             raise CheckpointError("this saver is closed")
+        timeout = self.options.timeout if timeout is None else timeout
         started = time.perf_counter()
         with tracing.span("slipstream.save.wait_previous"):
-            self.wait_previous()
+            self.wait_previous(timeout)
         dead = self.channel.known_dead()
         if dead:
             rank, why = min(dead.items())
@@ -173,14 +180,17 @@ class CheckpointSaver:
             )
         # Every rank numbers this save before anything can fail on its own thread, so a
         # save that fails on one rank only leaves the ranks' sequence numbers in step.
-        seq = self._seq
-        self._seq += 1
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("this saver is closed")
+            seq = self._seq
+            self._seq += 1
         try:
             storage = resolve_storage(
                 checkpoint_id, storage_options, direct_io=self.options.direct_io
             )
             with tracing.span("slipstream.save.prepare", url=storage.url):
-                layout, values, plan, templates = self._prepare(state_dict, seq, storage)
+                layout, values, plan, templates = self._prepare(state_dict, seq, storage, timeout)
             snapshot = state_dict if isinstance(state_dict, StagedState) else None
             hold = snapshot.hold(f"save to {storage.url}") if snapshot is not None else None
         except BaseException as exc:
@@ -203,13 +213,31 @@ class CheckpointSaver:
             device=device,
             response=response,
             after_commit=after_commit,
+            timeout=timeout,
             started=started,
             snapshot=snapshot,
             snapshot_hold=hold,
             storage_meta=storage_meta,
         )
         response.timings.nbytes = plan.data_bytes
-        if snapshot is not None and snapshot.image_matches(plan):
+        with self._lock:
+            if self._closed:
+                error = CheckpointError(f"this saver was closed before its save to {storage.url}")
+                if hold is not None and snapshot is not None:
+                    snapshot.release(hold)
+                self._announce_failure(seq, error)
+                raise error
+            self._queue(job, snapshot, devices)
+        self._last = response
+        response.timings.blocked = job.elapsed()
+        return response
+
+    def _queue(
+        self, job: SaveJob, snapshot: StagedState | None, devices: set[torch.device]
+    ) -> None:
+        """Hand ``job`` to the staging and upload threads (under ``_lock``, so never to
+        threads a :meth:`close` has begun to shut down)."""
+        if snapshot is not None and snapshot.image_matches(job.plan):
             job.holders = 1  # nothing to copy: staged before save returns
             self._stager.stage_snapshot(job)
             job.staging_ended.set()
@@ -218,9 +246,6 @@ class CheckpointSaver:
                 self._gather(job, devices)
             self._stage_thread.submit(self._stage, job)
         self._upload_thread.submit(self._upload, job)
-        self._last = response
-        response.timings.blocked = job.elapsed()
-        return response
 
     def _gather(self, job: SaveJob, devices: set[torch.device]) -> None:
         """Take ``job``'s device snapshot, if it has one (:mod:`.device_snapshot`), and
@@ -237,7 +262,7 @@ class CheckpointSaver:
             job.response.staging_completion.set_result(None)
 
     def _prepare(
-        self, state_dict: Mapping[str, Any], seq: int, storage: Storage
+        self, state_dict: Mapping[str, Any], seq: int, storage: Storage, timeout: float
     ) -> tuple[LocalLayout, dict[str, bytes], SavePlan, dict[int, CommitTemplate]]:
         """The caller's-thread part of save ``seq``: layout, serialized values, and the plan
         (made only for a new layout) with its commit templates. No storage request runs
@@ -250,7 +275,7 @@ class CheckpointSaver:
         signature = layout.signature
         cached = self._plans.get(signature)
         if cached is None:
-            plan = self._make_plan(layout, seq, storage.url, Deadline(self.options.timeout))
+            plan = self._make_plan(layout, seq, storage.url, Deadline(timeout))
             cached = (plan, {})
             if len(self._plans) >= MAX_CACHED_PLANS:
                 self._plans.pop(next(iter(self._plans)))
@@ -269,16 +294,18 @@ class CheckpointSaver:
         if self.rank == 0:
             self.channel.post(Topics.commit(seq), CommitOutcome(f"rank 0: {error}"))
 
-    def wait_previous(self) -> None:
-        """Block until the previous save has finished (its outcome is on its own futures)."""
+    def wait_previous(self, timeout: float | None = None) -> None:
+        """Block until the previous save has finished (its outcome is on its own futures),
+        at most ``timeout`` seconds (``None``: ``options.timeout``)."""
+        timeout = self.options.timeout if timeout is None else timeout
         if self._last is not None:
             try:
-                self._last.upload_completion.result(self.options.timeout)
+                self._last.upload_completion.result(timeout)
             except SlipstreamError:
                 pass
             except TimeoutError as exc:
                 raise CheckpointError(
-                    f"the previous save did not finish within {self.options.timeout} s"
+                    f"the previous save did not finish within {timeout} s"
                 ) from exc
 
     def _make_plan(self, layout: LocalLayout, seq: int, where: str, deadline: Deadline) -> SavePlan:
@@ -325,12 +352,12 @@ class CheckpointSaver:
             self._upload_and_commit(job)
         except BaseException as exc:
             job.abandoned = exc
-            if not job.staging_ended.wait(self.options.timeout):
+            if not job.staging_ended.wait(job.timeout):
                 logger.warning(
                     "staging of the failed save to %s did not end within %s s; its buffer is "
                     "released when it does",
                     job.storage.url,
-                    self.options.timeout,
+                    job.timeout,
                 )
             self._let_go(job)
             self._fail(job, exc)
@@ -365,7 +392,7 @@ class CheckpointSaver:
         except BaseException as exc:
             self.channel.post(Topics.written(job.seq), WriteReport(job.fingerprint, error=str(exc)))
             if self.rank == 0:
-                self._commit(job, Deadline(self.options.timeout))
+                self._commit(job, Deadline(job.timeout))
             raise
         try:
             self._report_and_await_commit(job, done)
@@ -411,7 +438,7 @@ class CheckpointSaver:
     def _report_and_await_commit(self, job: SaveJob, done: WriteReport) -> None:
         """Post this rank's write report; rank 0 commits; every rank awaits the outcome."""
         self.channel.post(Topics.written(job.seq), done)
-        deadline = Deadline(self.options.timeout)
+        deadline = Deadline(job.timeout)
         with tracing.span("slipstream.save.commit", url=job.storage.url):
             if self.rank == 0:
                 self._commit(job, deadline)
@@ -512,9 +539,10 @@ class CheckpointSaver:
 
     def close(self) -> None:
         """Wait for the save in flight, then join every thread this saver owns."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stage_thread.shutdown(wait=True)
         self._upload_thread.shutdown(wait=True)
         self._stager.close()

@@ -126,7 +126,7 @@ class Stager:
                 with streams.on_stream(side):
                     self._copy_records(job, head, side, True)
             finally:
-                wait_future(tail_copy, self.options.timeout, f"staging of {job.storage.url}")
+                wait_future(tail_copy, job.timeout, f"staging of {job.storage.url}")
             if side is not None:
                 side.synchronize()
             job.layout = LocalLayout([], {}, {}, {})

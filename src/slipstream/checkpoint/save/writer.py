@@ -38,7 +38,7 @@ class RankWriter:
         )
 
     def _write_piece(self, job: SaveJob, out: DataWriter, start: int, end: int) -> None:
-        job.progress.wait_for(end, self.options.timeout, f"staging of {out.path}")
+        job.progress.wait_for(end, job.timeout, f"staging of {out.path}")
         with tracing.span("slipstream.save.write_piece", start=start, end=end):
             out.write(start, end)
 
@@ -51,7 +51,7 @@ class RankWriter:
         """
         plan = job.plan
         where = f"{job.storage.url}/{job.file}"
-        job.progress.wait_for(0, self.options.timeout, f"a staging buffer for {where}")
+        job.progress.wait_for(0, job.timeout, f"a staging buffer for {where}")
         assert job.buffer is not None, "staging sets the buffer before the watermark's 0"
         image = byte_view(job.buffer)
         with job.storage.open_writer(job.file, image) as out:
@@ -61,7 +61,7 @@ class RankWriter:
                     for start, end in out.pieces(self.options.write_piece_bytes)
                 ]
                 try:
-                    job.progress.wait_for(len(image), self.options.timeout, f"staging of {where}")
+                    job.progress.wait_for(len(image), job.timeout, f"staging of {where}")
                     records = {
                         rec.chunk.record_key: block_checksums(
                             image[rec.data_offset : rec.data_offset + rec.nbytes]
@@ -70,7 +70,7 @@ class RankWriter:
                     }
                     values = self._append_values(job, out, len(image))
                 finally:
-                    _join_writes(writes, self.options.timeout, where)
+                    _join_writes(writes, job.timeout, where)
                 out.finish()
             except BaseException:
                 out.abort()
