@@ -29,10 +29,11 @@ from .format.names import METADATA_FILE
 from .format.safe_types import Trust, Trusted
 from .hf import load as hf_load
 from .load import loader
+from .load.agreement import agreement_for
 from .save.job import AsyncSaveResponse
 from .save.options import SaveOptions
 from .save.saver import CheckpointSaver
-from .storage import Location, resolve_storage
+from .storage import Location, Storage, resolve_storage
 
 _savers: dict[tuple[Any, ...], CheckpointSaver] = {}
 _savers_lock = threading.Lock()
@@ -51,9 +52,10 @@ def _current_store() -> dist.Store | None:
     return dist.distributed_c10d._get_default_store()
 
 
-def _saver(
-    process_group: dist.ProcessGroup | None, timeout: float | None, no_dist: bool = False
-) -> CheckpointSaver:
+def _saver(process_group: dist.ProcessGroup | None, no_dist: bool = False) -> CheckpointSaver:
+    """The group's shared saver (its channel also agrees on the group's loads). Its options
+    are never changed once made: a call's ``timeout`` goes with that call's save alone, so
+    it cannot change the waits of a save already in flight."""
     key = _group_key(process_group, no_dist)
     with _savers_lock:
         saver = _savers.get(key)
@@ -63,7 +65,6 @@ def _saver(
         if saver is None:
             saver = CheckpointSaver(process_group, SaveOptions(), no_dist=no_dist)
             _savers[key] = saver
-        saver.options.timeout = SaveOptions.timeout if timeout is None else timeout
         return saver
 
 
@@ -144,11 +145,12 @@ def begin_async_save(
         dcp_compat.log_once(staging.note)
     if not target.overwrite:
         _refuse_overwrite(target.location, storage_options)
-    response = _saver(process_group, timeout, no_dist).save(
+    response = _saver(process_group, no_dist).save(
         state_dict,
         target.location,
         storage_options=storage_options,
         storage_meta=dcp_compat.writer_storage_meta(storage_writer, checkpoint_id),
+        timeout=timeout,
     )
     return Started(response, staging.returns_at_once)
 
@@ -292,18 +294,24 @@ def load_state(
             no_dist=no_dist,
         )
         return
-    storage = resolve_storage(location, storage_options)
-    if hf_load.is_hf_directory(storage):
-        hf_load.load_hf(state_dict, storage, strict=strict)
-        return
-    loader.load(
-        state_dict,
-        storage,
-        strict=strict,
-        trusted=trusted,
-        cast=cast,
-        extensions=dcp_compat.reader_extensions(storage_reader),
-    )
+
+    def load_here() -> None:
+        storage = resolve_storage(location, storage_options)
+        if hf_load.is_hf_directory(storage):
+            hf_load.load_hf(state_dict, storage, strict=strict)
+            return
+        loader.load(
+            state_dict,
+            storage,
+            strict=strict,
+            trusted=trusted,
+            cast=cast,
+            extensions=dcp_compat.reader_extensions(storage_reader),
+        )
+
+    saver = _saver(process_group, no_dist)
+    where = location.url if isinstance(location, Storage) else str(location)
+    agreement_for(saver.channel).run(f"load of {where}", load_here, saver.options.timeout)
 
 
 def load(
@@ -322,10 +330,13 @@ def load(
     """Load a committed checkpoint (slipstream- or DCP-written) into ``state_dict`` in place.
 
     Resharding is implicit: each rank reads the parts of the saved chunks its tensors
-    and DTensor shards cover. ``process_group`` and ``no_dist`` are accepted for DCP
-    compatibility; loading needs no communication. ``storage_reader`` and ``planner``
-    take DCP's filesystem and fsspec readers and its default load planner; others (DCP's
-    Hugging Face reader, a planner of your own) are handed to ``dcp.load`` when
+    and DTensor shards cover. Every rank of ``process_group`` calls it together: a load
+    that fails on one rank fails on every rank (agreed through the job's store, never a
+    collective; a rank that died is named within seconds), each rank's error naming the
+    ranks that failed and why. ``no_dist=True`` loads on this process alone.
+    ``storage_reader`` and ``planner`` take DCP's filesystem and fsspec readers and its
+    default load planner; others (DCP's Hugging Face reader, a planner of your own) are
+    handed to ``dcp.load`` when
     ``trusted=True`` (see :mod:`.dcp_compat`). A directory of Hugging Face safetensors (and
     no DCP checkpoint) is read by :func:`~slipstream.load_hf`, its name prefix found from
     the keys.

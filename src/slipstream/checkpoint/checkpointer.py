@@ -34,6 +34,7 @@ from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
 from .load import loader
+from .load.agreement import agreement_for
 from .save.commit import uncommit
 from .save.job import AsyncSaveResponse
 from .save.messages import SkipDecision, Topics
@@ -150,12 +151,28 @@ class Checkpointer:
     def latest(self) -> int | None:
         """The newest step the job can load: committed in the durable tier, or (with a
         local tier, every rank calling together) rebuildable from the nodes' local tiers."""
-        steps = self.steps()
-        durable = steps[-1] if steps else None
         if self.local_tier is None:
-            return durable
+            steps = self.steps()
+            return steps[-1] if steps else None
         local = max(self.local_tier.rebuildable(), default=None)
+        durable = max(self._durable_steps(), default=None)
         return max((s for s in (durable, local) if s is not None), default=None)
+
+    def _durable_steps(self) -> list[int]:
+        """:meth:`steps`, every rank calling together (with a local tier): a rank that
+        cannot list them fails the call on every rank, naming itself and why."""
+        assert self.local_tier is not None
+        error, steps = None, []
+        try:
+            steps = self.steps()
+        except Exception as exc:
+            error = f"rank {self._saver.rank}: {type(exc).__name__}: {exc}"
+        errors = self.local_tier.agree(f"list the committed steps under {self.root}", error)
+        if errors:
+            raise CheckpointError(
+                f"listing the committed steps under {self.root} failed; " + "; ".join(errors)
+            )
+        return steps
 
     def save(self, step: int, state_dict: Mapping[str, Any] | Stateful) -> AsyncSaveResponse:
         """Start saving ``state_dict`` as ``step``; see :func:`slipstream.async_save`.
@@ -363,15 +380,12 @@ class Checkpointer:
         in :attr:`last_load_tier`."""
         target = state_dict if isinstance(state_dict, dict) else state_dict.state_dict()
         if self.local_tier is None:
-            if step is None:
-                durable = self.steps()
-                if not durable:
-                    raise CheckpointError(f"no committed checkpoint under {self.root}")
-                step = durable[-1]
-            elif not self._step(step).exists(METADATA_FILE):
-                raise self._not_committed(step, max(self.steps()[-1:], default=None))
-            loader.load(target, self._step(step), strict=strict, trusted=trusted)
-            logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
+            channel = self._saver.channel
+            step = agreement_for(channel).run(
+                f"load of a step under {self.root}",
+                lambda: self._load_durable(target, step, strict, trusted),
+                self._saver.options.timeout,
+            )
             tier: Literal["local", "durable"] = "durable"
         else:
             step, tier = self._load_two_tier(target, step, strict, trusted)
@@ -380,6 +394,22 @@ class Checkpointer:
         if self.local_tier is not None:
             self.local_tier.discard_newer(step)
         self.last_load_tier = tier
+        return step
+
+    def _load_durable(
+        self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
+    ) -> int:
+        """Load ``step`` (``None``: the newest committed one) from the durable tier into
+        ``target``, on this rank; returns the step."""
+        if step is None:
+            durable = self.steps()
+            if not durable:
+                raise CheckpointError(f"no committed checkpoint under {self.root}")
+            step = durable[-1]
+        elif not self._step(step).exists(METADATA_FILE):
+            raise self._not_committed(step, max(self.steps()[-1:], default=None))
+        loader.load(target, self._step(step), strict=strict, trusted=trusted)
+        logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
         return step
 
     def _load_two_tier(
@@ -396,7 +426,7 @@ class Checkpointer:
         loads; the error then says that ``target`` may hold part of a failed attempt."""
         assert self.local_tier is not None
         local = self.local_tier.rebuildable()
-        durable = self.steps()
+        durable = self._durable_steps()
         if step is None:
             candidates = sorted(set(local) | set(durable), reverse=True)
             if not candidates:
@@ -475,11 +505,13 @@ class Checkpointer:
         """Wait for the save in flight and join the threads; errors were already reported.
         Rank 0 of a Checkpointer that saved then deletes the spare data files (one that
         only read, such as a reader in another process, never deletes the writer's)."""
-        if self.local_tier is not None:
-            self.local_tier.close()
-        self._saver.close()
-        if self._saver.rank == 0 and self._saved:
-            self.storage.discard_spares()
+        try:
+            if self.local_tier is not None:
+                self.local_tier.close()
+        finally:
+            self._saver.close()  # joined even when the local tier's close raised
+            if self._saver.rank == 0 and self._saved:
+                self.storage.discard_spares()
 
     def __enter__(self) -> Checkpointer:
         return self
