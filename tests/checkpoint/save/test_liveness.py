@@ -84,6 +84,13 @@ def _rank1_killed_mid_write(rank: int, world: int, root: str) -> None:
         assert health.last_durable_step == 1 and health.failed_saves == 2, health
         assert ck.steps() == [1]
         target = _state(rank, 0)
+        # a load is collective: in the group rank 1 died in it fails at once, naming rank 1
+        with pytest.raises(ss.PeerDiedError, match="rank 1"):
+            ck.load(target, strict=False)
+    # the survivor loads in a group of its own
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with ss.Checkpointer(root, keep_last=None) as ck:
         assert ck.load(target, strict=False) == 1
         assert torch.equal(target["w"], _state(rank, 1)["w"])
 
