@@ -153,12 +153,96 @@ def test_the_buffer_is_not_restaged_while_a_save_still_writes_it(tmp_path):
 
 
 def test_a_holder_that_never_lets_go_is_named(tmp_path):
-    snap = ss.stage(_state(1))
+    state = _state(1)
+    snap = ss.stage(state)
     hold = snap.hold("publish of version 7")
     with pytest.raises(PeerTimeoutError, match="publish of version 7"):
-        ss.stage(_state(1), timeout=0.1)
+        ss.stage(state, timeout=0.1)
     snap.release(hold)
-    assert not ss.stage(_state(1)).expired and snap.expired
+    assert not ss.stage(state).expired and snap.expired
+
+
+# -- issue 47, item a: stage() against holds and other stage() calls ----------------------
+
+
+def test_a_hold_taken_as_stage_claims_the_buffer_finds_the_snapshot_expired():
+    """A hold that comes in right after ``stage()`` found the buffer free must not land on
+    the generation the stage is about to overwrite."""
+    state = _state(2)
+    snap = ss.stage(state, timeout=GATE_TIMEOUT)
+    outcome: list[str] = []
+
+    class HoldRightAfterTheWait(threading.Condition):
+        """Runs another reader's hold the moment stage() leaves the lock after its wait."""
+
+        armed = False
+
+        def wait_for(self, predicate, timeout=None):  # type: ignore[no-untyped-def]
+            found = super().wait_for(predicate, timeout)
+            self.armed = True
+            return found
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            super().__exit__(*exc)
+            if self.armed:
+                self.armed = False
+                try:
+                    held.append(snap.hold("a publish starting just then"))
+                    outcome.append("held")
+                except CheckpointError:
+                    outcome.append("expired")
+
+    held: list[int] = []
+    snap._buffer.lock = HoldRightAfterTheWait()
+    ss.stage(state, timeout=GATE_TIMEOUT)
+    for hold in held:
+        snap.release(hold)
+    assert outcome == ["expired"], (
+        "a hold landed on the buffer between stage()'s wait for readers and its claim: "
+        "the stage then overwrote a held snapshot"
+    )
+
+
+def test_two_stage_calls_never_copy_into_one_buffer_at_once(monkeypatch):
+    from slipstream.checkpoint.save import snapshot as snapshot_module
+
+    state = _state(3)
+    ss.stage(state, timeout=GATE_TIMEOUT)  # the buffer exists
+    copying, go = threading.Event(), threading.Event()
+    copy_records = snapshot_module.copy_records
+
+    def gated(*args, **kwargs):  # type: ignore[no-untyped-def]
+        copying.set()
+        assert go.wait(GATE_TIMEOUT)
+        return copy_records(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot_module, "copy_records", gated)
+    first = threading.Thread(target=lambda: ss.stage(state, timeout=GATE_TIMEOUT))
+    first.start()
+    try:
+        assert copying.wait(GATE_TIMEOUT)
+        monkeypatch.setattr(snapshot_module, "copy_records", copy_records)
+        with pytest.raises(PeerTimeoutError, match="another stage"):
+            ss.stage(state, timeout=0.2)  # the first one is still copying into the buffer
+    finally:
+        go.set()
+        first.join(GATE_TIMEOUT)
+    assert not ss.stage(state, timeout=GATE_TIMEOUT).expired
+
+
+def test_a_policy_and_its_ema_copy_are_staged_into_buffers_of_their_own():
+    policy = _state(4)
+    ema = _clone(policy)  # the same layout, other tensors
+    policy_snap = ss.stage(policy, timeout=GATE_TIMEOUT)
+    hold = policy_snap.hold("save of the policy")
+    try:
+        ema["model"]["w"].add_(1)
+        ema_snap = ss.stage(ema, timeout=0.2)  # must not wait for the policy's save
+        assert not policy_snap.expired and not ema_snap.expired
+        assert torch.equal(policy_snap["model"]["w"], policy["model"]["w"])
+        assert torch.equal(ema_snap["model"]["w"], ema["model"]["w"])
+    finally:
+        policy_snap.release(hold)
 
 
 def _dtensor_snapshot_run(rank: int, world: int, root: str) -> None:

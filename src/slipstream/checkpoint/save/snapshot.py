@@ -12,17 +12,24 @@ mapping shaped like the state dict whose tensors are views of that buffer. Then
 - ``WeightPublisher.publish(snap["model"], version=step)`` reads its tensors from it.
 
 Lifetime: each movement holds the snapshot while it reads it (a save until its writes are
-done, a publish until its bytes have left or been copied) and lets go after. A later
-:func:`stage` of the same layout reuses the buffer only once nobody holds it (it waits, up
-to ``timeout``, then raises naming the holders), and from then on the older
-:class:`StagedState` is *expired*: saving or publishing it raises.
+done, a publish until its bytes have left or been copied) and lets go after. Each state has
+a buffer of its own: buffers are keyed by the layout *and* the storage of the state's
+tensors, so a policy and its EMA copy (one layout, other tensors) never share one. A later
+:func:`stage` of the same state reuses its buffer only once nobody holds it and no other
+:func:`stage` is copying into it (it waits, up to ``timeout``, then raises naming the
+holders), and from then on the older :class:`StagedState` is *expired*: saving or
+publishing it raises. A buffer is freed, once idle, when a tensor of its state was freed
+or its state is staged with another layout.
 
-Invariant: a buffer is never written while a save or publish holds a snapshot of it.
+Invariant: a buffer is never written while a save or publish holds a snapshot of it, nor
+by two :func:`stage` calls at once; a hold is only ever taken on the generation a buffer
+holds whole.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -30,6 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...core import streams
 from ...core.buffers import allocate_host
@@ -49,17 +57,79 @@ except ImportError:  # pragma: no cover - torch without DTensor
 DEFAULT_TIMEOUT = 600.0
 
 
-class _Buffer:
-    """One layout's host image, who reads it now, and how many times it was staged."""
+class BufferState(enum.Enum):
+    """What a buffer's image is now."""
 
-    def __init__(self, plan: SavePlan, pin: bool) -> None:
+    READY = "ready"
+    """Whole: the generation it holds may be held and read."""
+    STAGING = "staging"
+    """A :func:`stage` is copying a new generation into it."""
+
+
+_SourceKey = tuple[tuple[str, int], ...]
+_BufferKey = tuple[LayoutSignature, _SourceKey]
+
+
+def _source_key(layout: LocalLayout) -> _SourceKey:
+    """Which tensors a state's are: the device and storage address of each."""
+    return tuple((str(t.device), t.untyped_storage().data_ptr()) for t in layout.tensors.values())
+
+
+def _weak(tensor: torch.Tensor) -> StorageWeakRef:
+    """A weak reference to ``tensor``'s storage (torch's, which sees the storage itself
+    freed, not a Python wrapper of it)."""
+    return StorageWeakRef(tensor.untyped_storage())  # type: ignore[no-untyped-call]
+
+
+class _Buffer:
+    """One state's host image, who reads it now, how many times it was staged, and
+    whether a :func:`stage` is copying into it."""
+
+    def __init__(self, plan: SavePlan, pin: bool, layout: LocalLayout) -> None:
         self.plan = plan
         self.image = allocate_host(max(plan.image_bytes, 1), pin)
         plan.write_frames(self.image)
         self.holders: dict[int, str] = {}
         self.generation = 0
+        self.state = BufferState.READY
         self._next_hold = 0
         self.lock = threading.Condition()
+        self._watch(layout)
+
+    def _watch(self, layout: LocalLayout) -> None:
+        self._refs = [_weak(t) for t in layout.tensors.values()]
+
+    def source_freed(self) -> bool:
+        """Whether a tensor of the state this buffer copies was freed."""
+        return any(bool(r.expired()) for r in self._refs)  # type: ignore[no-untyped-call]
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.holders and self.state is BufferState.READY
+
+    def claim(self, timeout: float, layout: LocalLayout) -> int:
+        """Wait (up to ``timeout``) until nobody holds the buffer and no other
+        :func:`stage` copies into it, then take it for a new generation, in one step: no
+        hold can land between the wait and the claim. Returns the new generation."""
+        with self.lock:
+            if not self.lock.wait_for(
+                lambda: not self.holders and self.state is BufferState.READY, timeout
+            ):
+                who = sorted(self.holders.values()) or ["another stage() copying into it"]
+                raise PeerTimeoutError(
+                    f"stage(): the previous snapshot of this state is still read after "
+                    f"{timeout:.1f} s by {who}; its buffer cannot be reused yet"
+                )
+            self.state = BufferState.STAGING
+            self.generation += 1
+            self._watch(layout)
+            return self.generation
+
+    def ready(self) -> None:
+        """The copy of a :meth:`claim` ended (done or failed): others may claim or hold."""
+        with self.lock:
+            self.state = BufferState.READY
+            self.lock.notify_all()
 
     def hold(self, who: str, generation: int) -> int:
         with self.lock:
@@ -77,17 +147,8 @@ class _Buffer:
             self.holders.pop(hold, None)
             self.lock.notify_all()
 
-    def wait_unheld(self, timeout: float) -> None:
-        with self.lock:
-            if not self.lock.wait_for(lambda: not self.holders, timeout):
-                raise PeerTimeoutError(
-                    f"stage(): the previous snapshot of this state is still read after "
-                    f"{timeout:.1f} s by {sorted(self.holders.values())}; its buffer cannot "
-                    "be reused yet"
-                )
 
-
-_buffers: dict[LayoutSignature, _Buffer] = {}
+_buffers: dict[_BufferKey, _Buffer] = {}
 _buffers_lock = threading.Lock()
 
 
@@ -197,14 +258,14 @@ def stage(state_dict: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT) -> St
     layout = local_layout(resolved)
     flat, _ = flatten(resolved)
     buffer = _buffer_for(layout)
-    buffer.wait_unheld(timeout)
-    with buffer.lock:
-        buffer.generation += 1
-        generation = buffer.generation
-    for device in copy_records(buffer.image, buffer.plan.records, layout.tensors):
-        stream = streams.current_stream(device)
-        if stream is not None:
-            stream.synchronize()
+    generation = buffer.claim(timeout, layout)
+    try:
+        for device in copy_records(buffer.image, buffer.plan.records, layout.tensors):
+            stream = streams.current_stream(device)
+            if stream is not None:
+                stream.synchronize()
+    finally:
+        buffer.ready()
     views = {rec.chunk.record_key: record_view(buffer.image, rec) for rec in buffer.plan.records}
     staged = replace(layout, tensors=views, values=copy.deepcopy(layout.values))
     tree = unflatten({**_leaves(staged, flat), **staged.values}, layout.paths)
@@ -212,19 +273,21 @@ def stage(state_dict: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT) -> St
 
 
 def _buffer_for(layout: LocalLayout) -> _Buffer:
-    """The buffer of ``layout`` (made on its first stage); buffers of other layouts that
-    nobody holds are freed."""
-    signature = layout.signature
+    """The buffer of this state in ``layout`` (made on its first stage). Idle buffers of
+    states a tensor of which was freed, and of this state in another layout, are freed."""
+    sources = _source_key(layout)
+    key = (layout.signature, sources)
     with _buffers_lock:
-        buffer = _buffers.get(signature)
-        for key in [k for k, b in _buffers.items() if k != signature and not b.holders]:
-            del _buffers[key]
+        buffer = _buffers.get(key)
+        for other in [k for k, b in _buffers.items() if k != key and b.idle()]:
+            if other[1] == sources or _buffers[other].source_freed():
+                del _buffers[other]
         if buffer is None:
             plan = make_save_plan(0, [LayoutDescription.of(layout)], [layout.fingerprint()])
             pin = torch.cuda.is_available() and any(
                 streams.is_accelerator(t.device) for t in layout.tensors.values()
             )
-            buffer = _buffers[signature] = _Buffer(plan, pin)
+            buffer = _buffers[key] = _Buffer(plan, pin, layout)
         return buffer
 
 
