@@ -8,7 +8,8 @@
 #   benchmarks/gpu_check.sh OUT_DIR --dry-run   # on CPU, tiny sizes (CI runs this)
 #
 # OUT_DIR receives: cuda_tests.xml and cuda_tests.log (pytest), gpu.json (the benchmark's
-# results, BENCHMARKS.md's format), train_loop_trace.json (Chrome trace), gpu.log, and
+# results, BENCHMARKS.md's format), train_loop_trace.json (Chrome trace), gpu.log,
+# memory_limit.json and .log (training near the memory limit, a checkpoint every step), and
 # summary.txt (each step's exit status). The exit status is non-zero when a step failed.
 # GPU_CHECK_PYTHON names the interpreter (default: the repository's .venv/bin/python).
 set -uo pipefail
@@ -51,4 +52,7 @@ step "cuda tests" "$tests_limit" "$out/cuda_tests.log" \
 # The benchmark, the profiler trace of the training loop among its sections.
 step "gpu.py" 300 "$out/gpu.log" \
     "$python" benchmarks/gpu.py $dry --out "$out/gpu.json" --trace-dir "$out"
+# Training near the device's memory limit with a checkpoint every step: no out-of-memory.
+step "memory limit" 120 "$out/memory_limit.log" \
+    "$python" benchmarks/memory_limit.py $dry --out "$out/memory_limit.json"
 exit $status

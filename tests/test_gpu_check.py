@@ -32,6 +32,10 @@ def test_the_device_check_dry_runs_on_cpu_into_one_folder(tmp_path):
     assert proc.returncode == 0, (proc.stdout, proc.stderr, logs)
     summary = (out / "summary.txt").read_text()
     assert "cuda tests: exit 0" in summary and "gpu.py: exit 0" in summary, summary
+    assert "memory limit: exit 0" in summary, summary
+    memory = json.loads((out / "memory_limit.json").read_text())
+    assert memory["snapshot_allocations"] == memory["steps"] > 0  # one per save, given back
+    assert not any(memory["snapshot_bytes_between_saves"]), memory
     assert (out / "cuda_tests.xml").read_text().count("<testcase") >= 2  # collected, skipped
     result = json.loads((out / "gpu.json").read_text())
     titles = [t["title"] for t in result["tables"]]
