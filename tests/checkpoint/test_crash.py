@@ -121,7 +121,7 @@ def _overwrite_same_path(rank: int, world: int, root: str) -> None:
                     return
                 old = {"own0": torch.zeros(1000), "own1": torch.zeros(1000)}
                 try:
-                    ss.load(old, path)
+                    ss.load(old, path, no_dist=True)  # a reader of its own, not the group
                     seen = f"{old['own0'][0].item()},{old['own1'][0].item()}"
                 except ss.CheckpointError as exc:
                     seen = f"error: {exc}"
