@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.state_dict_saver import (
 
 from ..errors import CheckpointError, UnsafeCheckpointError
 from . import dcp_compat
+from .agreement import agreement_for
 from .format.names import METADATA_FILE
 from .format.safe_types import Trust, Trusted
 from .hf import load as hf_load
 from .load import loader
-from .load.agreement import agreement_for
 from .save.job import AsyncSaveResponse
 from .save.options import SaveOptions
 from .save.saver import CheckpointSaver
@@ -336,10 +336,9 @@ def load(
     ranks that failed and why. ``no_dist=True`` loads on this process alone.
     ``storage_reader`` and ``planner`` take DCP's filesystem and fsspec readers and its
     default load planner; others (DCP's Hugging Face reader, a planner of your own) are
-    handed to ``dcp.load`` when
-    ``trusted=True`` (see :mod:`.dcp_compat`). A directory of Hugging Face safetensors (and
-    no DCP checkpoint) is read by :func:`~slipstream.load_hf`, its name prefix found from
-    the keys.
+    handed to ``dcp.load`` when ``trusted=True`` (see :mod:`.dcp_compat`). A directory of
+    Hugging Face safetensors (and no DCP checkpoint) is read by
+    :func:`~slipstream.load_hf`, its name prefix found from the keys.
 
     Keys: every key of ``state_dict`` must be in the checkpoint (an error names those
     missing); with ``strict`` (the default) the checkpoint may hold no others.

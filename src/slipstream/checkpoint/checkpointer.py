@@ -30,11 +30,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
+from .agreement import agreement_for
 from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
 from .load import loader
-from .load.agreement import agreement_for
 from .save.commit import uncommit
 from .save.job import AsyncSaveResponse
 from .save.messages import SkipDecision, Topics

@@ -4,7 +4,7 @@ A load reads on each rank alone, so what one rank cannot load (a corrupt byte, a
 error, a missing file or key) would fail there only while the others return, and then hang
 in their next collective. DCP fails such a load on every rank; so does slipstream: after
 its own part each rank posts a :class:`LoadOutcome` through a
-:class:`~..save.channel.RankChannel` (the saver's, which already beats for the group) and
+:class:`~.save.channel.RankChannel` (the saver's, which already beats for the group) and
 gathers everyone's. A rank that failed fails the load on every rank at once; a rank that
 died is named within seconds by its silent heartbeat; each rank's error names every
 failing rank and its cause.
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
-from ...core.control_plane import ranks_text, store_key
-from ...core.waits import Deadline
-from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from ..format.fields import Fields, decode_json
-from ..save.channel import RankChannel
+from ..core.control_plane import ranks_text, store_key
+from ..core.waits import Deadline
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from .format.fields import Fields, decode_json
+from .save.channel import RankChannel
 
 _T = TypeVar("_T")
 
