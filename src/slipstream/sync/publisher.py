@@ -30,11 +30,13 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Any, Literal, cast
 
 import torch
@@ -51,6 +53,7 @@ from .layout.plan import HEADER_CAP, BucketPlan, TensorSpec, layout_json
 from .round.negotiation import LOCAL_TRANSPORTS, TRANSPORTS, candidates, negotiate
 from .round.protocol import Keys, Request
 from .round.trainer_round import TrainerRound
+from .round.versions import RolloutVersions
 from .trainer.host_cache import HostCache
 from .trainer.packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
 from .trainer.refetch import RefetchServer
@@ -65,6 +68,20 @@ MODES = ("direct", "cached")
 #: tensors, as with ``delta=False``; the next one refreshes the copy and the one after
 #: diffs again), in ``cached`` mode they copy into the cache without comparing.
 PLAIN_AFTER_NO_GAIN = 8
+
+
+class PublisherState(Enum):
+    """Where a :class:`WeightPublisher` stands; it only moves forward, OPEN -> CLOSING ->
+    CLOSED (in the manner of FSDP2's ``TrainingState``)."""
+
+    OPEN = auto()
+    """Publishes and ``set_rollouts`` are taken."""
+    CLOSING = auto()
+    """``close`` was called: the worker was told to stop after the queued rounds but has
+    not been joined yet (a ``close`` that timed out leaves it here; calling ``close``
+    again waits again). Nothing new is taken."""
+    CLOSED = auto()
+    """The worker was joined and the transport and host cache let go."""
 
 
 @dataclass
@@ -205,7 +222,7 @@ class WeightPublisher:
         self.delta = delta and self.group.device.type == "cpu"
         self._differ = Differ() if self.delta else None
         self._plain_publishes = 0
-        self.rollout_versions: dict[int, int | None] = dict.fromkeys(self.rollout_ranks)
+        self._versions = RolloutVersions(self.rollout_ranks)
         self.bytes_sent = 0
         self.peak_gathered_bytes = 0
         self._round = 0
@@ -215,7 +232,7 @@ class WeightPublisher:
         self._checksums: dict[int, dict[int, int]] = {}
         self._last_round: Future[int] | None = None
         self._jobs: queue.Queue[tuple[Callable[[], int], PublishHandle, int] | None] = queue.Queue()
-        self._closed = False
+        self.state = PublisherState.OPEN
         self._offer = negotiate(
             self.group,
             self.rollout_ranks,
@@ -235,7 +252,7 @@ class WeightPublisher:
             self.rollout_ranks,
             self._offer,
             self.timeout,
-            self.rollout_versions,
+            self._versions,
         )
         self._cache = HostCache(self.rank, self.timeout)
         self._refetch = RefetchServer(
@@ -245,7 +262,7 @@ class WeightPublisher:
             self.transport,
             separate_min_bytes,
             self.timeout,
-            self.rollout_versions,
+            self._versions,
         )
         self._thread = threading.Thread(
             target=self._work, name="slipstream-sync-publisher", daemon=True
@@ -293,8 +310,8 @@ class WeightPublisher:
         ``cached`` mode the first iterator is read whole (as a mapping would be) and gives
         its layout.
         """
-        if self._closed:
-            raise SyncError("publish on a closed WeightPublisher")
+        if self.state is not PublisherState.OPEN:
+            raise SyncError(f"publish on a WeightPublisher that is {self.state.name.lower()}")
         if version is None:
             version = self.next_version
         elif self._last_version is not None and version <= self._last_version:
@@ -386,8 +403,8 @@ class WeightPublisher:
         (``cma``, ``shm``) needs every added rollout on this host (``ValueError`` names
         those that are not; open a new channel for them)."""
         ranks = list(rollout_ranks)
-        if self._closed:
-            raise SyncError("set_rollouts on a closed WeightPublisher")
+        if self.state is not PublisherState.OPEN:
+            raise SyncError(f"set_rollouts on a WeightPublisher that is {self.state.name.lower()}")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"a rollout rank appears twice in {ranks}")
         if set(ranks) & set(self.trainer_ranks):
@@ -403,10 +420,7 @@ class WeightPublisher:
                     f"channel {self.channel!r} publishes over {self.transport!r}, which "
                     "needs every rollout there; open a new channel for them"
                 )
-        for r in ranks:
-            self.rollout_versions.setdefault(r, None)
-        for r in [r for r in self.rollout_versions if r not in ranks]:
-            del self.rollout_versions[r]
+        self._versions.set_members(ranks)
         self.rollout_ranks = ranks
         self._rounds.rollout_ranks = list(ranks)
         self._refetch.set_rollouts(ranks)
@@ -655,7 +669,7 @@ class WeightPublisher:
         handle: PublishHandle,
         deltas: dict[int, BucketDelta | None],
     ) -> int:
-        start, requests = self._rounds.start(k, version, plan.plan_id, idle=self._refetch.poll)
+        start, requests = self._rounds.start(k, version, plan.plan_id, idle=self._poll_refetches)
         handle.absent = start.absent_ranks()
 
         @tracing.spanned("slipstream.sync.publish.send")
@@ -691,7 +705,7 @@ class WeightPublisher:
             try:
                 item = self._jobs.get(timeout=poll)
             except queue.Empty:
-                self._refetch.poll()
+                self._poll_refetches()
                 continue
             if item is None:
                 return
@@ -722,6 +736,15 @@ class WeightPublisher:
             )
             handle.delivered.set_result(version)
 
+    def _poll_refetches(self) -> None:
+        """Serve the rollouts that asked again. Whatever this raises is the asking
+        rollout's trouble, never the worker's: it is logged and the worker goes on, so the
+        publishes queued behind it still run."""
+        try:
+            self._refetch.poll()
+        except Exception:
+            logger.exception("trainer rank %d: looking for refetches failed", self.rank)
+
     @property
     def next_version(self) -> int:
         """The version a publish with ``version=None`` takes: one more than the last
@@ -740,6 +763,12 @@ class WeightPublisher:
         sender = self._rounds.sender.buffer_bytes if self._rounds.sender is not None else 0
         return sender + self._cache.nbytes
 
+    @property
+    def rollout_versions(self) -> dict[int, int | None]:
+        """Per rollout, the version it acknowledged last (``None``: holds no complete
+        version, or was left out as dead): a copy, consistent at one moment."""
+        return self._versions.snapshot()
+
     def staleness(self) -> dict[int, int | None]:
         """Versions behind the last publish, per rollout (``None``: holds no complete version)."""
         last = self._last_version
@@ -749,25 +778,48 @@ class WeightPublisher:
         }
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish queued rounds (up to ``timeout``), stop and join the worker, free buffers."""
-        if self._closed:
+        """Finish queued rounds (up to ``timeout``, the publisher's when left out), stop and
+        join the worker, free the transport and the host cache.
+
+        When the worker is still running a round at the timeout, raises
+        :class:`~slipstream.errors.PeerTimeoutError` and frees nothing it may still use:
+        the publisher stays CLOSING (no publish is taken) and calling ``close`` again
+        waits again, and frees everything once the worker ended. Once CLOSED, ``close``
+        does nothing."""
+        if self.state is PublisherState.CLOSED:
             return
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join(self.timeout if timeout is None else timeout)
+        if self.state is PublisherState.OPEN:
+            self.state = PublisherState.CLOSING
+            self._jobs.put(None)
+        wait = self.timeout if timeout is None else timeout
+        self._thread.join(wait)
         if self._thread.is_alive():
             raise PeerTimeoutError(
                 f"trainer rank {self.rank}: the publisher's worker did not finish within "
-                f"{self.timeout:.1f} s (a rollout is not receiving?)"
+                f"{wait:.1f} s (a rollout is not receiving?); rollout versions: "
+                f"{self.rollout_versions}; call close() again to keep waiting"
             )
         self._rounds.drop_sender()
         self._cache.clear()
+        self.state = PublisherState.CLOSED
 
     def __enter__(self) -> WeightPublisher:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """Close; when the block raised, its error is the one that propagates and a
+        failure to close is logged (and, on Python 3.11+, added to it as a note), never
+        put in its place."""
+        try:
+            self.close()
+        except Exception as close_error:
+            if exc is None:
+                raise
+            logger.error(
+                "trainer rank %d: closing the publisher failed: %s", self.rank, close_error
+            )
+            if sys.version_info >= (3, 11):
+                exc.add_note(f"closing the publisher then failed too: {close_error}")
 
 
 def _never(slice_index: int, checksum: int | None) -> bool:

@@ -26,6 +26,7 @@ from ..transport.network import Sender, let_go
 from .culprits import post_abort, read_abort, read_ack, who_broke
 from .negotiation import build_sender, epoch_tag
 from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
+from .versions import RolloutVersions
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class TrainerRound:
         rollout_ranks: Sequence[int],
         offer: TransportOffer,
         timeout: float,
-        rollout_versions: dict[int, int | None],
+        rollout_versions: RolloutVersions,
     ) -> None:
         self.group = group
         self.rank = group.rank
@@ -93,7 +94,7 @@ class TrainerRound:
                     "version or on the tensors' names/shapes/dtypes"
                 )
         for r in start.absent:
-            self.rollout_versions[int(r)] = None
+            self.rollout_versions.record(int(r), None)
         if not requests:  # the lead read them while gathering the round
             requests = {
                 r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
@@ -238,7 +239,7 @@ class TrainerRound:
         errors = []
         for r in start.members:
             ack = read_ack(self.group, r, k)
-            self.rollout_versions[r] = ack.holds
+            self.rollout_versions.record(r, ack.holds)
             if ack.error:
                 errors.append(f"rollout rank {r}: {ack.error}")
         if errors:

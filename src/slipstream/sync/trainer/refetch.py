@@ -29,6 +29,7 @@ from ..round.protocol import (
     decode,
     encode,
 )
+from ..round.versions import RolloutVersions
 from ..transport.network import let_go
 from .host_cache import HostCache
 from .sending import send_cached
@@ -51,7 +52,7 @@ class RefetchServer:
         kind: str,
         separate_min: int | None | str,
         timeout: float,
-        rollout_versions: dict[int, int | None],
+        rollout_versions: RolloutVersions,
     ) -> None:
         self.group = group
         self.cache = cache
@@ -148,7 +149,7 @@ class RefetchServer:
             ack = decode(Ack, self.group.get_text(Keys.again_ack(r, n), r, what, self.timeout))
         finally:
             self.cache.lock.release()
-        self.rollout_versions[r] = ack.holds
+        self.rollout_versions.record(r, ack.holds)  # not if r was dropped meanwhile
         logger.info(
             "trainer rank %d served version %s again to rollout rank %d from its cache",
             self.rank,
