@@ -799,7 +799,7 @@ class WeightPublisher:
                 f"{wait:.1f} s (a rollout is not receiving?); rollout versions: "
                 f"{self.rollout_versions}; call close() again to keep waiting"
             )
-        self._rounds.drop_sender()
+        self._rounds.close()
         self._cache.clear()
         self.state = PublisherState.CLOSED
 

@@ -52,6 +52,7 @@ from .rollout.sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
 from .round.negotiation import network_receiver, read_offer
 from .round.protocol import Ack, AgainGo, AgainOffer, AgainRequest, Keys, encode
 from .round.rollout_round import RolloutRound
+from .round.state import EpochState
 from .transport.cma import CacheReader
 from .transport.network import Pending, Receiver
 
@@ -252,7 +253,7 @@ class WeightSubscriber:
                 )
         except BaseException as exc:
             items.clear()
-            broken = self._rounds.epoch < 0  # the transfer broke and let the transport go
+            broken = self._rounds.state is EpochState.BROKEN  # the transport was let go
             self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
             if stopped:
                 return None

@@ -7,8 +7,8 @@ changed. When its transfer breaks it drops them (freeing every member relaying f
 and names the rank that broke the round (:mod:`.culprits`); it acknowledges every round it
 took part in, with the error when it did not apply the version.
 
-Invariant: the receivers belong to exactly one epoch (``epoch`` is -1 when there are none),
-and a rank's requests go to consecutive rounds.
+Invariant: the receivers belong to exactly one epoch and are held exactly while ``state`` is
+:attr:`.state.EpochState.READY`; a rank's requests go to consecutive rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..transport.network import Receiver, let_go
 from .culprits import in_transfer, post_abort, read_abort, who_broke
 from .negotiation import build_receiver, epoch_tag
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
+from .state import EpochState
 
 _T = TypeVar("_T")
 
@@ -46,7 +47,9 @@ class RolloutRound:
         self._round: int | None = None
         self._live_round = -1
         self.receivers: dict[int, Receiver] = {}
+        self.state = EpochState.NONE
         self.epoch = -1
+        """The epoch whose receivers are held (meaningful in READY only)."""
         self._members: list[int] = []
 
     def join(self, held: int | None, delta_base: int | None) -> tuple[int, RoundStart]:
@@ -69,7 +72,7 @@ class RolloutRound:
                 break
         self._round = k
         self._live_round = k - 1
-        if start.epoch != self.epoch:
+        if start.epoch != self.epoch or self.state is not EpochState.READY:
             self._enter_epoch(k - 1, start)
         return k - 1, start
 
@@ -88,19 +91,21 @@ class RolloutRound:
                     self._watch,
                 )
         except BaseException as exc:
-            self.drop_receivers()
+            self.drop_receivers(EpochState.BROKEN)
             raise self.explain(k, exc) from exc
         self.epoch, self._members = start.epoch, list(start.members)
+        self.state = EpochState.READY
 
-    def drop_receivers(self) -> None:
+    def drop_receivers(self, then: EpochState = EpochState.NONE) -> None:
         """Let the epoch's receivers go: their process groups' connections close, so a
-        member blocked on one (relaying from us) is freed at once."""
+        member blocked on one (relaying from us) is freed at once. ``then``: BROKEN when a
+        round broke, NONE when the subscriber closes or a new epoch is entered."""
         for receiver in self.receivers.values():
             receiver.close()
         self.receivers = {}
         for t in self.trainer_ranks:
             self.group.drop_subgroup([t, *self._members], epoch_tag(self.epoch))
-        self.epoch = -1
+        self.state = then
 
     def _watch(self) -> None:
         """Raise when the trainers gave the current round up (a ring wait runs this)."""
@@ -117,7 +122,7 @@ class RolloutRound:
         try:
             return step()
         except BaseException as exc:
-            self.drop_receivers()
+            self.drop_receivers(EpochState.BROKEN)
             forget()  # the round's own references to the receivers
             let_go(exc)
             raise self.explain(k, exc) from exc

@@ -26,6 +26,7 @@ from ..transport.network import Sender, let_go
 from .culprits import post_abort, read_abort, read_ack, who_broke
 from .negotiation import build_sender, epoch_tag
 from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
+from .state import EpochState
 from .versions import RolloutVersions
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,11 @@ class TrainerRound:
         self.rollout_versions = rollout_versions
         self.sender: Sender | None = None
         self._sent_by_old_senders = 0
+        self.state = EpochState.NONE
         self._epoch = -1
+        """The current epoch's number (the last one entered; -1 before the first)."""
         self._members: list[int] = []
         self._lives: dict[str, int] = {}
-        self._broken = False
         self._live_round = -1
         self._acked_whole: set[int] = set()
         """Members whose acknowledgement of the live round said their transfer was whole."""
@@ -138,7 +140,7 @@ class TrainerRound:
         members = [r for r in self.rollout_ranks if r not in absent]
         lives = {str(r): lives[str(r)] for r in members}
         epoch = self._epoch
-        if lives != self._lives or self._broken or self._epoch < 0:
+        if lives != self._lives or self.state is not EpochState.READY:
             epoch = self._epoch + 1
         if absent:
             logger.warning(
@@ -162,8 +164,14 @@ class TrainerRound:
             self.sender = build_sender(
                 self.group, self._offer, start.epoch, start.members, self.timeout, self._watch
             )
-        self._epoch, self._members, self._broken = start.epoch, list(start.members), False
+        self._epoch, self._members = start.epoch, list(start.members)
         self._lives = dict(start.lives)
+        self.state = EpochState.READY
+
+    def close(self) -> None:
+        """Let the transport go for good (the publisher closes)."""
+        self.drop_sender()
+        self.state = EpochState.NONE
 
     def drop_sender(self) -> None:
         """Let the current epoch's transport go: its process group's connections close."""
@@ -202,7 +210,7 @@ class TrainerRound:
         """Give round ``k`` up: drop the epoch's transport (freeing every member blocked on
         it), post the abort naming the members found dead, and return the error to raise:
         the dead rank as its subject when one is found, else the members' own refusals."""
-        self._broken = True
+        self.state = EpochState.BROKEN
         self.drop_sender()
         let_go(exc)
         dead: dict[int, str] = {}
@@ -243,7 +251,7 @@ class TrainerRound:
             if ack.error:
                 errors.append(f"rollout rank {r}: {ack.error}")
         if errors:
-            self._broken = True
+            self.state = EpochState.BROKEN
             raise SyncError(
                 f"version {start.version} was not applied everywhere: " + "; ".join(errors)
             )
