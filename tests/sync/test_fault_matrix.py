@@ -39,6 +39,9 @@ ROLLOUTS = [1, 2, 3, 4]
 DEATHS = {2: 4, 4: 2, 6: 1}
 LAST = 7
 DIES_AT_CALL = 3
+#: How long the victim's forked child outlives it: past :data:`NAMED_WITHIN`, so a death
+#: noticed only once the child lets go of the victim's sockets fails the bound.
+CHILD_OUTLIVES = NAMED_WITHIN + 5.0
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:
@@ -167,3 +170,84 @@ def test_a_dead_rollout_is_named_within_seconds_by_the_trainer_and_every_survivo
     assert not slow, slow
     assert out[3][LAST] == ["received", LAST, LAST]
     assert [r for r in ROLLOUTS if r in out] == [3]
+
+
+def _forked_then_killed(rank, port, transport):
+    """Rollout 2 (the relay's tail) forks a child that outlives it (as an engine starting
+    its workers does) and is SIGKILLed inside its third ``load_weights`` of version 2; the
+    child holds every descriptor it inherited. Rollout 1 receives atomically."""
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=GROUP_TIMEOUT)
+    if rank == 0:
+        pub = ss.WeightPublisher(
+            group,
+            [0],
+            [1, 2],
+            bucket_bytes=BUCKET,
+            transport=transport,
+            separate_min_bytes=SEPARATE,
+        )
+        assert pub.publish(weights(1), version=1).delivered.result(timeout=GROUP_TIMEOUT) == 1
+        try:
+            pub.publish(weights(2), version=2).delivered.result(timeout=2 * GROUP_TIMEOUT)
+            error: BaseException | None = None
+        except PeerDiedError as exc:
+            error = exc
+        took = _since_death(group, 2)
+        assert isinstance(error, PeerDiedError) and error.ranks == [2], repr(error)
+        assert pub.publish(weights(3), version=3).delivered.result(timeout=GROUP_TIMEOUT) == 3
+        pub.close()
+        group.close()
+        return took
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    target = holder()
+    assert sub.receive(target, atomic=True) == 1
+    if rank == 2:
+        parent = os.getpid()
+        if os.fork() == 0:  # the child: lives while its parent does, then a while more
+            _keep_only_sockets()  # no pipe of the runner's: its reader would wait for it
+            while os.getppid() == parent:
+                time.sleep(0.05)
+            time.sleep(CHILD_OUTLIVES)  # holding what it inherited, as a worker would
+            os._exit(0)
+        calls = [0]
+
+        def die(batch):
+            calls[0] += 1
+            if calls[0] == DIES_AT_CALL:
+                group.set_json("test/died_at/2", time.time())
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        sub.receive(die)
+        raise AssertionError("the victim outlived its receive")
+    try:
+        out = ["received", sub.receive(target, atomic=True)]
+    except PeerDiedError as exc:
+        out = ["named", exc.ranks, held_version(target), _since_death(group, 2)]
+    assert sub.receive(target, atomic=True) == 3
+    sub.close()
+    group.close()
+    return out
+
+
+def _keep_only_sockets() -> None:
+    """Close every inherited descriptor but the sockets (what the test is about)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                os.close(int(name))
+        except OSError:
+            continue
+
+
+@pytest.mark.parametrize("transport", ["relay", "broadcast"])
+def test_a_rollout_killed_while_a_forked_child_holds_its_sockets_is_named_within_seconds(
+    transport,
+):
+    out = spawn(_forked_then_killed, 3, transport, timeout=200, may_die=(2,))
+    print(f"\n{transport}, forked child: trainer {out[0]:.2f} s, rollout 1 {out[1]}")
+    assert out[0] < NAMED_WITHIN, out[0]
+    if out[1][0] == "named":
+        assert out[1][1] == [2] and out[1][2] == 1, out[1]
+        assert out[1][3] < NAMED_WITHIN, out[1]
+    else:
+        assert out[1] == ["received", 2], out[1]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
+from ..core.fork_closed import SYNC_SOCKETS, open_sockets
 from ..core.waits import Deadline
 from ..errors import PeerTimeoutError, SyncError
 
@@ -142,6 +143,7 @@ class SyncGroup:
         # the one other threads (other channels, the publisher's worker) poll with
         prefix = dist.PrefixStore(STORE_PREFIX + name, self._store_client())
         rank_in_group = key.index(self.rank)
+        before = open_sockets()
         try:
             if self.backend == "gloo":
                 opts = _GLOO._Options()
@@ -161,13 +163,19 @@ class SyncGroup:
                 f"rank {self.rank}: building the sync subgroup over ranks {list(key)} failed "
                 f"within {self.timeout} s (a member did not join?): {exc}"
             ) from exc
+        # gloo connects every pair while it is built: the sockets opened meanwhile are its
+        # (and the store client's); a forked child lets go of them (core.fork_closed)
+        opened = open_sockets()
+        SYNC_SOCKETS.add(id(pg), {fd: s for fd, s in opened.items() if before.get(fd) != s})
         self._subgroups[(self.channel_name, tag, key)] = pg
         return pg
 
     def drop_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
         """Forget the process group of ``ranks`` and ``tag`` and let it go: its connections
         close, so every member blocked on one of its messages fails at once."""
-        self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)
+        pg = self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)
+        if pg is not None:
+            SYNC_SOCKETS.discard(id(pg))
 
     def _store_client(self) -> dist.Store:
         """A new connection to the group's store (its own lock, its own blocking waits)."""
@@ -310,6 +318,7 @@ class SyncGroup:
         named.
         """
         for pg in self._subgroups.values():
+            SYNC_SOCKETS.discard(id(pg))
             shutdown = getattr(pg, "shutdown", None)
             if shutdown is not None:
                 try:
