@@ -173,7 +173,8 @@ def test_a_dead_rollout_is_named_within_seconds_by_the_trainer_and_every_survivo
 
 
 def _forked_then_killed(rank, port, transport):
-    """Rollout 2 (the relay's tail) forks a child that outlives it (as an engine starting
+    """The reported shape (direct mode, two rollouts): rollout 2 (the relay's tail) forks a
+    child that outlives it (as an engine starting
     its workers does) and is SIGKILLed inside its third ``load_weights`` of version 2; the
     child holds every descriptor it inherited. Rollout 1 receives atomically."""
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=GROUP_TIMEOUT)
@@ -239,7 +240,7 @@ def _keep_only_sockets() -> None:
             continue
 
 
-@pytest.mark.parametrize("transport", ["relay", "broadcast"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_rollout_killed_while_a_forked_child_holds_its_sockets_is_named_within_seconds(
     transport,
 ):
