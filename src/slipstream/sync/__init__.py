@@ -18,7 +18,7 @@ importing only the folders beneath it (``tests/test_layering.py``):
 
 from .group import SyncGroup, init_group
 from .layout.plan import BucketPlan, LayoutMismatch, TensorSpec
-from .publisher import PublishHandle, PublishTimings, WeightPublisher
+from .publisher import PublisherState, PublishHandle, PublishTimings, WeightPublisher
 from .subscriber import WeightSubscriber
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "LayoutMismatch",
     "PublishHandle",
     "PublishTimings",
+    "PublisherState",
     "SyncGroup",
     "TensorSpec",
     "WeightPublisher",
