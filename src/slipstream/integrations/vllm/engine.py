@@ -1,0 +1,196 @@
+"""The vLLM worker's end: :class:`SlipstreamWeightTransferEngine`, a ``WeightTransferEngine``
+that receives slipstream publishes straight into the worker's model.
+
+vLLM builds one per worker process (``LLM(weight_transfer_config={"backend": "slipstream"})``
+or ``vllm serve --weight-transfer-config '{"backend": "slipstream"}'``) and forwards the RL
+weight-update calls to it:
+
+- ``init_weight_transfer_engine(init_info)``: the worker joins the trainer's sync group as a
+  rollout, at rank ``init_info["rank"]`` plus its own rank in the engine, and builds its
+  :class:`~slipstream.sync.WeightSubscriber` (a second call leaves the old group first: a
+  new trainer, or the same one restarted);
+- ``start_weight_update()``: nothing; the model is not touched yet;
+- ``update_weights({"version": v})``: receives the next published version, every byte,
+  over slipstream's transports (never through vLLM's RPC, which carries only this dict)
+  into a host buffer (``atomic=True``), and only once it is whole loads it into the model
+  through vLLM's layerwise reload (a CPU worker's linear weights are repacked for oneDNN:
+  a load must go through it), in one ``load_weights`` call;
+- ``finish_weight_update()``: nothing more to do (the caller records the version).
+
+Invariant: the model holds one complete published version (or the one it was started
+with). A transfer that breaks (the trainer or another rollout dying, a bucket that does not
+check) raises from ``update_weights`` before any weight is touched, naming who broke it;
+a version whose tensors differ in names, shapes or dtypes from the one the model took
+first is refused the same way. The engine keeps serving the version it holds, and takes
+the next publish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from ...errors import SyncError
+from ...sync import SyncGroup, WeightSubscriber, init_group
+
+logger = logging.getLogger(__name__)
+
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass
+class SlipstreamInitInfo(WeightTransferInitInfo):
+    """Where the trainer's sync group is and this engine's place in it.
+
+    ``rank`` is the rank of the engine's first worker (the others follow it); ``world_size``
+    counts every rank of the group up to this engine's last worker (a group grows when an
+    engine joins past its first size); ``trainer_ranks`` and ``rollout_ranks`` are the
+    publisher's, ``channel`` its name."""
+
+    host: str
+    port: int
+    world_size: int
+    rank: int
+    trainer_ranks: list[int]
+    rollout_ranks: list[int]
+    channel: str
+    timeout: float = 60.0
+
+
+@dataclass
+class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
+    """The version the trainer publishes; its bytes come over the sync group."""
+
+    version: int
+
+
+@dataclass
+class _Ends:
+    """The worker's membership of one sync group."""
+
+    group: SyncGroup
+    subscriber: WeightSubscriber
+
+    def close(self) -> None:
+        self.subscriber.close()
+        self.group.close()
+
+
+@dataclass
+class _Applied:
+    """What the last loaded version looked like (checked against every later one)."""
+
+    layout: Layout = field(default_factory=dict)
+
+
+class SlipstreamWeightTransferEngine(
+    WeightTransferEngine[SlipstreamInitInfo, SlipstreamUpdateInfo]
+):
+    """vLLM's weight-transfer backend ``"slipstream"`` (see the module's docstring)."""
+
+    init_info_cls = SlipstreamInitInfo
+    update_info_cls = SlipstreamUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ends: _Ends | None = None
+        self._applied = _Applied()
+
+    @property
+    def rank_in_engine(self) -> int:
+        return int(self.parallel_config.rank)
+
+    def init_transfer_engine(self, init_info: SlipstreamInitInfo) -> None:
+        """Join the trainer's sync group (leaving any earlier one) and subscribe."""
+        self.shutdown()
+        info = init_info
+        rank = info.rank + self.rank_in_engine
+        group = init_group(info.host, info.port, info.world_size, rank, timeout=info.timeout)
+        try:
+            subscriber = WeightSubscriber(
+                group, info.trainer_ranks, info.rollout_ranks, channel=info.channel
+            )
+        except BaseException:
+            group.close()
+            raise
+        self._ends = _Ends(group, subscriber)
+        logger.info("slipstream: worker joined the sync group at rank %d", rank)
+
+    def start_weight_update(self) -> None:
+        """Nothing: the model is touched only once a whole version is here."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receive the version ``update_info`` names and load it (a CPU worker has nothing
+        asynchronous to wait for, so no device synchronization)."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
+        ends = self._ends
+        if ends is None:
+            raise SyncError(
+                "slipstream: update_weights before init_weight_transfer_engine on this worker"
+            )
+        version = ends.subscriber.receive(self._load, atomic=True, full=True)
+        if version != update_info.version:
+            raise SyncError(
+                f"slipstream: the trainer published version {version}, "
+                f"update_weights asked for {update_info.version}"
+            )
+
+    def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a whole version (views of the subscriber's host buffer) into the model."""
+        layout = {name: (tuple(t.shape), t.dtype) for name, t in batch}
+        problems = _differences(self._applied.layout, layout)
+        if problems:
+            raise SyncError(
+                "slipstream: refused a version unlike the one the model holds, before "
+                "touching any weight: " + "; ".join(problems)
+            )
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(batch)
+        finally:  # layers left incomplete get their old tensors back: never left on meta
+            finalize_layerwise_reload(self.model, self.model_config)
+        self._applied.layout = layout
+
+    def finish_weight_update(self) -> None:
+        """Nothing: the version was loaded whole by ``update_weights``."""
+
+    def shutdown(self) -> None:
+        """Leave the sync group (the engine keeps serving what it holds)."""
+        ends, self._ends = self._ends, None
+        if ends is not None:
+            ends.close()
+
+
+def _differences(held: Layout, new: Layout, shown: int = 5) -> Sequence[str]:
+    """How ``new`` differs from ``held`` (nothing when ``held`` is empty: the first one)."""
+    if not held:
+        return []
+    problems = []
+    missing = sorted(set(held) - set(new))
+    extra = sorted(set(new) - set(held))
+    changed = sorted(n for n in set(held) & set(new) if held[n] != new[n])
+    if missing:
+        problems.append(f"missing {missing[:shown]}")
+    if extra:
+        problems.append(f"unknown {extra[:shown]}")
+    for name in changed[:shown]:
+        problems.append(f"{name}: held {held[name]}, sent {new[name]}")
+    return problems
