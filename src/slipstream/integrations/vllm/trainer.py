@@ -17,6 +17,7 @@ and those engines keep serving the version they held (see :mod:`.engine`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -163,13 +164,16 @@ class VLLMWeightSync:
             publisher.set_rollouts(self.rollout_ranks)
             raise
 
-    def remove_engine(self, engine: Engine) -> None:
-        """Stop publishing to ``engine``; it leaves the group and serves what it holds."""
+    def remove_engine(self, engine: Engine, leave: bool = True) -> None:
+        """Stop publishing to ``engine``; it leaves the group (``leave=False``: it is not
+        asked to, e.g. it died) and serves what it holds."""
         member = next((m for m in self.members if m.engine is engine), None)
         if member is None:
             raise ValueError(f"{engine.name!r} is not published to")
         self.members.remove(member)
         self._publisher().set_rollouts(self.rollout_ranks)
+        if not leave:
+            return
         _run_all(
             "shutdown_weight_transfer_engine",
             {engine.name: engine.shutdown_weight_transfer_engine},
@@ -246,8 +250,9 @@ def _run_all(
         except BaseException as exc:
             own = exc
     silent = []
+    deadline = time.monotonic() + timeout
     for name, thread in threads:
-        thread.join(timeout)
+        thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             silent.append(name)
     problems = [f"{name}: {type(e).__name__}: {e}" for name, e in errors.items()]

