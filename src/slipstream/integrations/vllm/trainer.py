@@ -143,7 +143,8 @@ class VLLMWeightSync:
         def send() -> None:
             publisher.publish(named_tensors, v).wait(self.timeout)
 
-        _run_all(f"the update to version {v}", calls, self.timeout, send)
+        ranks = {r: m.engine.name for m in self.members for r in m.ranks}
+        _run_all(f"the update to version {v} (engines' ranks: {ranks})", calls, self.timeout, send)
         self.version = v
         return v
 
