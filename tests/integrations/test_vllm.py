@@ -6,8 +6,9 @@ built here on a tiny Llama saved from a config with a tokenizer trained here
 prompts, :data:`vllm_model.TOKENS` tokens each) must equal transformers' ``generate`` on the
 trainer's new weights, and differ from the last version's. Faults: an engine's worker
 SIGKILLed while it receives; a trainer that publishes a version unlike the one the engines
-hold (the trainer SIGKILLed mid-publish is :mod:`test_vllm_serve`'s). The survivors keep serving their last complete version (checked by generations) and
-the next publish lands. ``vllm serve`` is covered by :mod:`test_vllm_serve`.
+hold. The survivors keep serving their last complete version (checked by generations) and
+the next publish lands. ``vllm serve``, and a trainer SIGKILLed mid-publish, are
+:mod:`test_vllm_serve`'s.
 """
 
 from __future__ import annotations
