@@ -70,6 +70,7 @@ class _Engine:
         workers = [p for p in new if p.ppid() != os.getpid()]
         assert len(workers) == 1, f"expected one worker process of {name}, found {new}"
         self.worker = workers[0]
+        self.processes = new
         self.client = OfflineEngine(self.llm, name=name)
 
     def generations(self) -> list[list[int]]:
@@ -80,7 +81,10 @@ class _Engine:
         return int(self.llm.get_weight_version())
 
     def close(self) -> None:
+        """Shut the engine down and wait for its processes (reaping its EngineCore)."""
         self.llm.llm_engine.engine_core.shutdown()
+        _, alive = psutil.wait_procs(self.processes, timeout=30)
+        assert not alive, f"{self.client.name}: processes {alive} outlived the shutdown"
 
 
 @pytest.fixture(scope="module")
