@@ -119,6 +119,10 @@ def on_all(engines: list[Engine], call: Callable[[Engine], object]) -> None:
         raise errors[0]
 
 
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def inline_update(engine: Engine, weights: dict[str, torch.Tensor], bucket: int) -> None:
     """The official API with each chunk's bytes in ``update_info``."""
     llm = engine.llm
