@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -165,6 +166,9 @@ def main() -> None:
     net = vm.model(0, **SIZES)
     weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
     unique = {t.data_ptr(): t for t in weights.values()}
+    # safetensors refuses tensors sharing memory: the tied name is left out, as
+    # save_pretrained leaves it out
+    shm_weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     model_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     del net
     engines = [Engine(model_dir, "engine-a"), Engine(model_dir, "engine-b")]
@@ -189,14 +193,14 @@ def main() -> None:
         return run(lambda: sync.publish(weights, version[0]))
 
     def shm(rep: int) -> dict[str, float]:
-        path = Path("/dev/shm") / f"vllm-sync-bench-{os.getpid()}.safetensors"
+        folder = Path(tempfile.mkdtemp(prefix="vllm-sync-bench-", dir="/dev/shm"))
 
         def go() -> None:
-            save_file(weights, str(path))
+            save_file(shm_weights, str(folder / "model.safetensors"))
             on_all(
                 engines,
                 lambda e: (
-                    e.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)}),
+                    e.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)}),
                     e.llm.reset_prefix_cache(),
                 ),
             )
@@ -204,7 +208,7 @@ def main() -> None:
         try:
             return run(go)
         finally:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(folder)
 
     def inline(rep: int) -> dict[str, float]:
         return run(lambda: on_all(engines, lambda e: inline_update(e, weights, bucket)))

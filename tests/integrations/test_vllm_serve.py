@@ -5,7 +5,7 @@ The trainer drives the server over HTTP (:class:`~slipstream.integrations.vllm.H
 after each of five versions the server's greedy completions (token ids) equal transformers'
 ``generate`` on the new weights and differ from the last version's. Then a trainer process
 is SIGKILLed mid-publish: the server keeps serving the last complete version, and a new
-trainer's next version lands.
+trainer's next version lands; a trainer without the workers' token is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pytest
 import vllm_model as vm
 from dist_utils import free_port
 
+from slipstream.errors import SyncError
 from slipstream.integrations.vllm import HTTPEngine, VLLMWeightSync
 
 HERE = Path(__file__).parent
@@ -105,7 +106,12 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         *("--max-model-len", "256", "--block-size", "32", "--max-num-seqs", "4"),
         *("--weight-transfer-config", json.dumps({"backend": "slipstream"})),
     ]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "SLIPSTREAM_VLLM_TOKEN": key,
+    }
     with open(log, "wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -131,7 +137,7 @@ def references(model_dir: Path) -> dict[int, list[list[int]]]:
 def test_five_versions_over_http(server, references):
     assert server.generations() == references[0]
     engine = HTTPEngine(server.url, server.api_key, timeout=TIMEOUT, name="serve")
-    with VLLMWeightSync([engine], timeout=TIMEOUT) as sync:
+    with VLLMWeightSync([engine], timeout=TIMEOUT, token=server.api_key) as sync:
         for version in range(1, 6):
             sync.publish(vm.model(version).state_dict(), version)
             got = server.generations()
@@ -159,7 +165,18 @@ def test_trainer_killed_mid_publish(server, references):
     assert server.generations() == references[5]
     assert server.version() == "5"
     engine = HTTPEngine(server.url, server.api_key, timeout=TIMEOUT, name="serve")
-    with VLLMWeightSync([engine], timeout=TIMEOUT) as sync:
+    with VLLMWeightSync([engine], timeout=TIMEOUT, token=server.api_key) as sync:
         sync.publish(vm.model(8).state_dict(), 8)
+    assert server.generations() == references[8]
+    assert server.version() == "8"
+
+
+def test_wrong_token_refused(server, references):
+    """The server's workers hold ``SLIPSTREAM_VLLM_TOKEN``: a trainer without it cannot
+    point them at its sync group (vLLM's ``--api-key`` does not guard the RL routes); the
+    server keeps serving version 8."""
+    engine = HTTPEngine(server.url, server.api_key, timeout=TIMEOUT, name="serve")
+    with pytest.raises(SyncError, match="token does not match"):
+        VLLMWeightSync([engine], timeout=5.0, token="not-the-token")
     assert server.generations() == references[8]
     assert server.version() == "8"

@@ -2,7 +2,8 @@
 :class:`~slipstream.integrations.vllm.VLLMWeightSync` and publishes version ``VERSION`` of
 :mod:`vllm_model`'s weights, SIGKILLing itself once half of the tensors were read (mid-publish).
 
-Run as ``python vllm_trainer_scenario.py URL API_KEY VERSION``; prints ``joined`` once the
+Run as ``python vllm_trainer_scenario.py URL API_KEY VERSION`` (the key is the workers'
+token too); prints ``joined`` once the
 engine is in its sync group.
 """
 
@@ -18,7 +19,7 @@ from slipstream.integrations.vllm import HTTPEngine, VLLMWeightSync
 
 
 def main(url: str, api_key: str, version: int) -> None:
-    sync = VLLMWeightSync([HTTPEngine(url, api_key, timeout=60.0)], timeout=60.0)
+    sync = VLLMWeightSync([HTTPEngine(url, api_key, timeout=60.0)], timeout=60.0, token=api_key)
     print("joined", flush=True)
     weights = vm.model(version).state_dict()
 

@@ -8,7 +8,10 @@ weight-update calls to it:
 - ``init_weight_transfer_engine(init_info)``: the worker joins the trainer's sync group as a
   rollout, at rank ``init_info["rank"]`` plus its own rank in the engine, and builds its
   :class:`~slipstream.sync.WeightSubscriber` (a second call leaves the old group first: a
-  new trainer, or the same one restarted);
+  new trainer, or the same one restarted). Where the worker's environment sets
+  ``SLIPSTREAM_VLLM_TOKEN``, ``init_info["token"]`` must match it, or nothing is joined
+  (``vllm serve``'s ``--api-key`` does not guard its RL routes: this says who may point the
+  engine at a sync group);
 - ``start_weight_update()``: nothing; the model is not touched yet;
 - ``update_weights({"version": v})``: receives the next published version, every byte,
   over slipstream's transports (never through vLLM's RPC, which carries only this dict)
@@ -27,7 +30,9 @@ the next publish.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +53,8 @@ from ...sync import SyncGroup, WeightSubscriber, init_group
 
 logger = logging.getLogger(__name__)
 
+TOKEN_ENV = "SLIPSTREAM_VLLM_TOKEN"
+
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -58,7 +65,8 @@ class SlipstreamInitInfo(WeightTransferInitInfo):
     ``rank`` is the rank of the engine's first worker (the others follow it); ``world_size``
     counts every rank of the group up to this engine's last worker (a group grows when an
     engine joins past its first size); ``trainer_ranks`` and ``rollout_ranks`` are the
-    publisher's, ``channel`` its name."""
+    publisher's, ``channel`` its name; ``token`` must match the worker's
+    ``SLIPSTREAM_VLLM_TOKEN`` where that is set."""
 
     host: str
     port: int
@@ -68,6 +76,7 @@ class SlipstreamInitInfo(WeightTransferInitInfo):
     rollout_ranks: list[int]
     channel: str
     timeout: float = 60.0
+    token: str = ""
 
 
 @dataclass
@@ -116,8 +125,14 @@ class SlipstreamWeightTransferEngine(
 
     def init_transfer_engine(self, init_info: SlipstreamInitInfo) -> None:
         """Join the trainer's sync group (leaving any earlier one) and subscribe."""
-        self.shutdown()
         info = init_info
+        expected = os.environ.get(TOKEN_ENV)
+        if expected and not hmac.compare_digest(expected.encode(), info.token.encode()):
+            raise PermissionError(
+                f"slipstream: init_weight_transfer_engine refused: its token does not match "
+                f"this worker's {TOKEN_ENV}"
+            )
+        self.shutdown()
         rank = info.rank + self.rank_in_engine
         group = init_group(info.host, info.port, info.world_size, rank, timeout=info.timeout)
         try:

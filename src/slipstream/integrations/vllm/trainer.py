@@ -46,7 +46,8 @@ class VLLMWeightSync:
 
     ``engines``: the engines present from the start (more come with :meth:`add_engine`);
     ``bucket_bytes`` and ``transport`` are the publisher's; ``timeout`` (seconds) bounds
-    every wait of the group and every engine call.
+    every wait of the group and every engine call; ``token`` is sent to every engine, whose
+    workers check it against their ``SLIPSTREAM_VLLM_TOKEN`` where that is set.
     """
 
     def __init__(
@@ -57,11 +58,13 @@ class VLLMWeightSync:
         bucket_bytes: int = 64 * 2**20,
         transport: str = "auto",
         timeout: float = 120.0,
+        token: str = "",
     ) -> None:
         if not engines:
             raise ValueError("VLLMWeightSync needs at least one engine")
         self.host = host
         self.timeout = timeout
+        self.token = token
         self.members: list[_Member] = []
         self.version: int | None = None
         self._next_rank = 1
@@ -117,6 +120,7 @@ class VLLMWeightSync:
             "rollout_ranks": self.rollout_ranks,
             "channel": CHANNEL,
             "timeout": self.timeout,
+            "token": self.token,
         }
 
     def _publisher(self) -> WeightPublisher:
