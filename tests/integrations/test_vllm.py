@@ -32,6 +32,7 @@ from slipstream.integrations.vllm import OfflineEngine, VLLMWeightSync  # noqa: 
 
 TIMEOUT = 60.0
 BUCKET = 64 * 1024  # several buckets per version
+EMBED = "model.embed_tokens.weight"
 GREEDY = SamplingParams(temperature=0, max_tokens=vm.TOKENS, min_tokens=vm.TOKENS)
 
 
@@ -113,7 +114,14 @@ def test_versions_two_engines_and_one_joining_and_leaving(engines, references):
                 sync.add_engine(b.client)
             if version == 5:
                 sync.remove_engine(b.client)
-            assert sync.publish(_weights(version), version) == version
+            weights = _weights(version)
+            sent_before = sync.publisher.bytes_sent if sync.publisher is not None else 0
+            assert sync.publish(weights, version) == version
+            if version == 1:  # the tied embedding went once, under both names
+                assert weights["lm_head.weight"].data_ptr() == weights[EMBED].data_ptr()
+                unique = {t.data_ptr(): t.nbytes for t in weights.values()}
+                sent = sync.publisher.bytes_sent - sent_before if sync.publisher else 0
+                assert sum(unique.values()) <= sent < sum(unique.values()) + weights[EMBED].nbytes
             _serves(a, version, references)
             assert a.version() == version
             if version in (3, 4):
