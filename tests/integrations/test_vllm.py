@@ -68,7 +68,11 @@ class _Engine:
             max_num_seqs=4,
             weight_transfer_config={"backend": "slipstream"},
         )
-        new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        new = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and "VLLM::" in " ".join(p.cmdline())
+        ]  # its EngineCore and Worker (not a resource tracker the first engine started)
         workers = [p for p in new if p.ppid() != os.getpid()]
         assert len(workers) == 1, f"expected one worker process of {name}, found {new}"
         self.worker = workers[0]
