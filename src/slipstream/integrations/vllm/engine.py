@@ -35,7 +35,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -179,7 +179,7 @@ class SlipstreamWeightTransferEngine(
             )
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(batch)
+            cast(Any, self.model).load_weights(batch)  # vLLM's models, not nn.Module's
         finally:  # layers left incomplete get their old tensors back: never left on meta
             finalize_layerwise_reload(self.model, self.model_config)
         self._applied.layout = layout
