@@ -84,6 +84,7 @@ bench: setup
 	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
 	$(BIN)/python benchmarks/hf_trainer_checkpoint.py --out benchmarks/results/hf_trainer.json
 	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
+	$(BIN)/python benchmarks/vllm_sync.py --out benchmarks/results/vllm_sync.json
 	$(MAKE) report
 
 report: setup
@@ -92,7 +93,7 @@ report: setup
 		benchmarks/results/sync_realistic.json benchmarks/results/sync_streaming.json \
 		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
-		benchmarks/results/two_tier.json \
+		benchmarks/results/two_tier.json benchmarks/results/vllm_sync.json \
 		--out BENCHMARKS.md
 
 # The device check on a host with a CUDA device: the CUDA tests, a profiler trace of the
