@@ -7,17 +7,22 @@ again, once, as soon as its first process has exited (a replacement joining the 
 group: :func:`life` tells the two apart); its result is the replacement's. The processes are
 run by ``dist_utils.supervise``, as ``run_workers``'s are: results read while they run, a
 process that overstays the timeout killed, a failed rank's traceback raised in the test.
-:func:`wait_root_key` waits for a sync group's store key from outside the group.
+:func:`wait_root_key` waits for a sync group's store key from outside the group;
+:func:`long_transfer`, :func:`zeros_module` and :func:`held_version` are the weights, the
+target and the check of the tests that kill a rank mid-transfer.
 """
 
 from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from dist_utils import free_port, supervise, wait_for_key, worker_context
+from torch import nn
 
 from slipstream.sync.group import STORE_PREFIX
 
@@ -86,3 +91,29 @@ def remote_reads_allowed() -> bool:
     with open("/proc/self/status") as f:
         caps = next(line for line in f if line.startswith("CapEff:"))
     return bool(int(caps.split()[1], 16) >> 19 & 1)
+
+
+def long_transfer(version: int) -> dict[str, torch.Tensor]:
+    """About 3 MiB over some 50 buckets of 64 KiB: a transfer long enough to die in, each
+    tensor's value naming its version."""
+    return {f"t{i}": torch.full((20_000,), float(100 * version + i)) for i in range(40)}
+
+
+def zeros_module(
+    named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> nn.Module:
+    """A receive's target: a module whose buffers are zeros shaped like ``named``."""
+    m = nn.Module()
+    for name, t in named.items() if isinstance(named, Mapping) else named:
+        m.register_buffer(name, torch.zeros_like(t))
+    return m
+
+
+def held_version(
+    m: nn.Module, weights: Callable[[int], Mapping[str, torch.Tensor]], last: int
+) -> int | None:
+    """The one version (0 to ``last``) every buffer of ``m`` holds, or None for a mix."""
+    for version in range(last + 1):
+        if all(torch.equal(m.get_buffer(n), t) for n, t in weights(version).items()):
+            return version
+    return None

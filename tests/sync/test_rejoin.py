@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from dist_utils import wait_for_key
-from sync_procs import life, remote_reads_allowed, spawn, wait_root_key
+from sync_procs import life, remote_reads_allowed, spawn, wait_root_key, zeros_module
 from torch import nn
 
 import slipstream as ss
@@ -35,10 +35,7 @@ def weights(version: int) -> dict[str, torch.Tensor]:
 
 
 def holder() -> nn.Module:
-    m = nn.Module()
-    for name, t in weights(0).items():
-        m.register_buffer(name, torch.zeros_like(t))
-    return m
+    return zeros_module(weights(0))
 
 
 def exact(m: nn.Module, version: int) -> bool:

@@ -22,8 +22,9 @@ import signal
 import time
 
 import pytest
-import torch
-from sync_procs import remote_reads_allowed, spawn
+from sync_procs import held_version as held
+from sync_procs import long_transfer as weights
+from sync_procs import remote_reads_allowed, spawn, zeros_module
 from torch import nn
 
 import slipstream as ss
@@ -44,23 +45,12 @@ DIES_AT_CALL = 3
 CHILD_OUTLIVES = NAMED_WITHIN + 5.0
 
 
-def weights(version: int) -> dict[str, torch.Tensor]:
-    """About 3 MiB over some 50 buckets: a transfer long enough to die in."""
-    return {f"t{i}": torch.full((20_000,), float(100 * version + i)) for i in range(40)}
-
-
 def holder() -> nn.Module:
-    m = nn.Module()
-    for name, t in weights(0).items():
-        m.register_buffer(name, torch.zeros_like(t))
-    return m
+    return zeros_module(weights(0))
 
 
 def held_version(m: nn.Module) -> int | None:
-    for version in range(LAST + 1):
-        if all(torch.equal(m.get_buffer(n), t) for n, t in weights(version).items()):
-            return version
-    return None
+    return held(m, weights, LAST)
 
 
 def _since_death(group, version: int) -> float:

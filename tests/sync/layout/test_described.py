@@ -20,7 +20,7 @@ import signal
 
 import pytest
 import torch
-from sync_procs import life, remote_reads_allowed, spawn, wait_root_key
+from sync_procs import life, remote_reads_allowed, spawn, wait_root_key, zeros_module
 from torch import nn
 
 import slipstream as ss
@@ -45,10 +45,7 @@ def items(version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def holder() -> nn.Module:
-    m = nn.Module()
-    for name, t in items(0):
-        m.register_buffer(name, torch.zeros_like(t))
-    return m
+    return zeros_module(items(0))
 
 
 def exact(got: dict[str, torch.Tensor], version: int) -> bool:

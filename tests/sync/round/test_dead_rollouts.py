@@ -14,8 +14,9 @@ import signal
 import time
 
 import pytest
-import torch
-from sync_procs import remote_reads_allowed, spawn
+from sync_procs import held_version as held
+from sync_procs import long_transfer as weights
+from sync_procs import remote_reads_allowed, spawn, zeros_module
 from torch import nn
 
 import slipstream as ss
@@ -29,24 +30,12 @@ NOTICED_WITHIN = 2 * (SILENT_AFTER_SECONDS + 1.0)
 """What noticing a death needs (the silence that marks a rank dead, and one look), twice."""
 
 
-def weights(version: int) -> dict[str, torch.Tensor]:
-    """About 3 MiB over 49 buckets: a transfer long enough to die in."""
-    return {f"t{i}": torch.full((20_000,), float(100 * version + i)) for i in range(40)}
-
-
 def holder() -> nn.Module:
-    m = nn.Module()
-    for name, t in weights(0).items():
-        m.register_buffer(name, torch.zeros_like(t))
-    return m
+    return zeros_module(weights(0))
 
 
 def held_version(m: nn.Module) -> int | None:
-    """The one version every buffer of ``m`` holds, or None when they hold a mix."""
-    for version in range(4):
-        if all(torch.equal(m.get_buffer(n), t) for n, t in weights(version).items()):
-            return version
-    return None
+    return held(m, weights, 3)
 
 
 def _died_at(group) -> float:

@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 from dist_utils import wait_for_key
-from sync_procs import life, remote_reads_allowed, spawn, wait_root_key
+from sync_procs import life, remote_reads_allowed, spawn, wait_root_key, zeros_module
 from torch import nn
 
 import slipstream as ss
@@ -70,10 +70,7 @@ def weights(version: int) -> dict[str, torch.Tensor]:
 
 
 def holder() -> nn.Module:
-    m = nn.Module()
-    for name, t in initial().items():
-        m.register_buffer(name, torch.zeros_like(t))
-    return m
+    return zeros_module(initial())
 
 
 def exact(m: nn.Module, version: int) -> bool:
