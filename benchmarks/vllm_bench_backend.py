@@ -14,6 +14,7 @@ vLLM's workers import this module through ``worker_extension_cls=
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -82,7 +83,12 @@ class BenchEngine(WeightTransferEngine):
 
 
 class BenchExtension:
-    """Imported by each worker (``worker_extension_cls``): registers the backend."""
+    """Imported by each worker (``worker_extension_cls``): registers the backend, and lets
+    the benchmark read the last slipstream update's timings (``collective_rpc``)."""
+
+    def slipstream_timings(self) -> dict[str, float]:
+        timings = self.weight_transfer_engine.slipstream.last_update  # type: ignore[attr-defined]
+        return dataclasses.asdict(timings)
 
 
 if BACKEND not in WeightTransferEngineFactory._registry:

@@ -20,6 +20,9 @@ weight-update calls to it:
   a load must go through it), in one ``load_weights`` call;
 - ``finish_weight_update()``: nothing more to do (the caller records the version).
 
+Each update is logged with its timings (:class:`UpdateTimings`: receiving the version whole,
+then loading it), and :attr:`SlipstreamWeightTransferEngine.last_update` keeps the last one.
+
 Invariant: the model holds one complete published version (or the one it was started
 with). A transfer that breaks (the trainer or another rollout dying, a bucket that does not
 check) raises from ``update_weights`` before any weight is touched, naming who broke it;
@@ -33,6 +36,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -86,6 +90,17 @@ class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
     version: int
 
 
+@dataclass(frozen=True)
+class UpdateTimings:
+    """One update on this worker: ``received_s`` from ``update_weights`` until the version
+    was whole in the host buffer, ``loaded_s`` for loading it into the model (vLLM's
+    layerwise reload, repacking included)."""
+
+    version: int
+    received_s: float
+    loaded_s: float
+
+
 @dataclass
 class _Ends:
     """The worker's membership of one sync group."""
@@ -118,6 +133,9 @@ class SlipstreamWeightTransferEngine(
         super().__init__(*args, **kwargs)
         self._ends: _Ends | None = None
         self._applied = _Applied()
+        self.last_update: UpdateTimings | None = None
+        self._started = 0.0
+        self._load_began = 0.0
 
     @property
     def rank_in_engine(self) -> int:
@@ -161,15 +179,27 @@ class SlipstreamWeightTransferEngine(
             raise SyncError(
                 "slipstream: update_weights before init_weight_transfer_engine on this worker"
             )
+        self._started = self._load_began = time.perf_counter()
         version = ends.subscriber.receive(self._load, atomic=True, full=True)
         if version != update_info.version:
             raise SyncError(
                 f"slipstream: the trainer published version {version}, "
                 f"update_weights asked for {update_info.version}"
             )
+        done = time.perf_counter()
+        self.last_update = UpdateTimings(
+            version, self._load_began - self._started, done - self._load_began
+        )
+        logger.info(
+            "slipstream: version %d received in %.3f s, loaded in %.3f s",
+            version,
+            self.last_update.received_s,
+            self.last_update.loaded_s,
+        )
 
     def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """Load a whole version (views of the subscriber's host buffer) into the model."""
+        self._load_began = time.perf_counter()
         layout = {name: (tuple(t.shape), t.dtype) for name, t in batch}
         problems = _differences(self._applied.layout, layout)
         if problems:
