@@ -134,7 +134,6 @@ class SlipstreamWeightTransferEngine(
         self._ends: _Ends | None = None
         self._applied = _Applied()
         self.last_update: UpdateTimings | None = None
-        self._started = 0.0
         self._load_began = 0.0
 
     @property
@@ -179,7 +178,7 @@ class SlipstreamWeightTransferEngine(
             raise SyncError(
                 "slipstream: update_weights before init_weight_transfer_engine on this worker"
             )
-        self._started = self._load_began = time.perf_counter()
+        started = self._load_began = time.perf_counter()
         version = ends.subscriber.receive(self._load, atomic=True, full=True)
         if version != update_info.version:
             raise SyncError(
@@ -188,7 +187,7 @@ class SlipstreamWeightTransferEngine(
             )
         done = time.perf_counter()
         self.last_update = UpdateTimings(
-            version, self._load_began - self._started, done - self._load_began
+            version, self._load_began - started, done - self._load_began
         )
         logger.info(
             "slipstream: version %d received in %.3f s, loaded in %.3f s",
