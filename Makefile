@@ -62,8 +62,12 @@ check: lint typecheck test
 check-busy: setup
 	$(BIN)/python tests/busy_machine.py -- $(MAKE) check
 
+# The suite waits far more than it computes (processes waiting on each other, heartbeats,
+# timeouts), so it runs in PYTEST_WORKERS pytest-xdist workers, one test file each at a
+# time (--dist loadfile: a module's fixtures, such as its vLLM engines, start once).
+PYTEST_WORKERS ?= 4
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples

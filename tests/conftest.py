@@ -45,10 +45,16 @@ _SUMMARY_LINES: list[str] = []
 
 
 @pytest.fixture
-def summary_line():
+def summary_line(request):
     """Adds a line to the end of the run's terminal output, shown whatever ``-q``/``-s``
-    (for a result CI logs should show, such as a conformance count)."""
-    return _SUMMARY_LINES.append
+    (for a result CI logs should show, such as a conformance count). The line travels in
+    the test's report, so it reaches the terminal from a pytest-xdist worker too."""
+    return lambda line: request.node.user_properties.append(("summary_line", line))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _SUMMARY_LINES.extend(v for k, v in report.user_properties if k == "summary_line")
 
 
 def pytest_terminal_summary(terminalreporter):

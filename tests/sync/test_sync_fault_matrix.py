@@ -10,9 +10,8 @@ with :class:`~slipstream.errors.PeerDiedError` naming exactly the dead rank, mea
 the moment the victim posted its time of death; the next version then reaches every
 survivor. The group's timeout is 60 s, so a death noticed only by a timeout shows.
 
-The bound asserted is :data:`NAMED_WITHIN` (15 s): the behaviour wanted is "within 5 s",
-but this suite runs on a loaded 2-core machine; the measured times are printed
-(``pytest -s``) and reported.
+The bound asserted is :data:`NAMED_WITHIN`, the issue's 5 s, measured from the victim's
+recorded time of death; the measured times are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from slipstream.errors import PeerDiedError
 BUCKET = 64 * 1024
 SEPARATE = 4096
 GROUP_TIMEOUT = 60.0
-NAMED_WITHIN = 15.0
+NAMED_WITHIN = 5.0
 TRANSPORTS = ["relay", "broadcast", "shm", "ipc", *(["cma"] if remote_reads_allowed() else [])]
 ROLLOUTS = [1, 2, 3, 4]
 #: version -> the rollout killed during it (tail, middle, head of the relay chain)
