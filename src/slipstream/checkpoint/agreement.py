@@ -9,8 +9,9 @@ gathers everyone's. A rank that failed fails the load on every rank at once; a r
 died is named within seconds by its silent heartbeat; each rank's error names every
 failing rank and its cause.
 
-Invariant: every rank of the group leaves :meth:`LoadAgreement.run` the same way: all with
-their result, or all raising an error naming each rank that failed and why.
+Invariant: every rank of the group leaves :meth:`LoadAgreement.run` (and
+:meth:`LoadAgreement.values`) the same way: all with their result (with every rank's
+value), or all raising an error naming each rank that failed and why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..core.control_plane import ranks_text, store_key
 from ..core.waits import Deadline
@@ -39,11 +40,12 @@ on one; any other failure is raised as :class:`CheckpointError`."""
 
 @dataclass(frozen=True)
 class LoadOutcome:
-    """A rank's part of a load: done (``error`` is ``None``), or why not and the class of
-    its error (``kind``)."""
+    """A rank's part of a load: done (``error`` is ``None``, with the JSON ``value`` its
+    part gave, if any), or why not and the class of its error (``kind``)."""
 
     error: str | None = None
     kind: str = CheckpointError.__name__
+    value: Any = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -53,7 +55,7 @@ class LoadOutcome:
         f = Fields(decode_json(text, what, CheckpointError), what, CheckpointError)
         error = f.get("error", str, optional=True)
         kind = f.get("kind", str, optional=True) or CheckpointError.__name__
-        return cls(error, kind)
+        return cls(error, kind, f.get("value", object, optional=True))
 
     @classmethod
     def failed(cls, exc: BaseException) -> LoadOutcome:
@@ -75,13 +77,31 @@ class LoadAgreement:
         rank succeeded, else an error naming the failed ranks (``what``: the load, for it)."""
         if self.channel.world_size == 1:
             return work()
+        result, _ = self._round(what, work, lambda _: None, timeout)
+        return result
+
+    def values(self, what: str, work: Callable[[], Any], timeout: float | None) -> list[Any]:
+        """As :meth:`run`, for a ``work()`` that returns a JSON value: every rank's value,
+        by rank, the same list on every rank."""
+        if self.channel.world_size == 1:
+            return [work()]
+        _, reports = self._round(what, work, lambda value: value, timeout)
+        return [m.value for m in reports]
+
+    def _round(
+        self,
+        what: str,
+        work: Callable[[], _T],
+        shared: Callable[[_T], Any],
+        timeout: float | None,
+    ) -> tuple[_T, list[LoadOutcome]]:
         with self._lock:
             number = self._rounds
             self._rounds += 1
         own: Exception | None = None
         try:
             result = work()
-            outcome = LoadOutcome()
+            outcome = LoadOutcome(value=shared(result))
         except Exception as exc:
             own, outcome = exc, LoadOutcome.failed(exc)
         topic = store_key("load", number)
@@ -99,7 +119,7 @@ class LoadAgreement:
             self.channel.forget(store_key("load", number - 1), [self.channel.rank])
         failed = {r: m for r, m in enumerate(reports) if m.error is not None}
         if not failed:
-            return result
+            return result, reports
         kinds = {m.kind for m in failed.values()}
         kind = _KINDS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
         causes = "; ".join(f"rank {r}: {m.error}" for r, m in sorted(failed.items()))

@@ -27,10 +27,11 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..core.control_plane import ranks_text
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
-from .agreement import agreement_for
+from .agreement import LoadAgreement, agreement_for
 from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
@@ -380,11 +381,13 @@ class Checkpointer:
         in :attr:`last_load_tier`."""
         target = state_dict if isinstance(state_dict, dict) else state_dict.state_dict()
         if self.local_tier is None:
-            channel = self._saver.channel
-            step = agreement_for(channel).run(
-                f"load of a step under {self.root}",
-                lambda: self._load_durable(target, step, strict, trusted),
-                self._saver.options.timeout,
+            agreement = agreement_for(self._saver.channel)
+            timeout = self._saver.options.timeout
+            chosen = self._agreed_newest(agreement, timeout) if step is None else step
+            step = agreement.run(
+                f"load of step {chosen} under {self.root}",
+                lambda: self._load_durable(target, chosen, strict, trusted),
+                timeout,
             )
             tier: Literal["local", "durable"] = "durable"
         else:
@@ -396,17 +399,36 @@ class Checkpointer:
         self.last_load_tier = tier
         return step
 
+    def _agreed_newest(self, agreement: LoadAgreement, timeout: float | None) -> int:
+        """The newest step every rank sees committed, the same on every rank (a rank whose
+        listing lags, or that was given another copy of the root, makes every rank load
+        the newest step it sees too; the difference is logged)."""
+        newest = agreement.values(
+            f"listing of the committed steps under {self.root}",
+            lambda: max(self.steps(), default=None),
+            timeout,
+        )
+        empty = [r for r, s in enumerate(newest) if s is None]
+        if empty:
+            raise CheckpointError(
+                f"no committed checkpoint under {self.root} (as listed by {ranks_text(empty)})"
+            )
+        step = min(newest)
+        if max(newest) != step:
+            logger.warning(
+                "ranks see different newest steps under %s (%s); every rank loads step %d, "
+                "the newest that every rank sees",
+                self.root,
+                ", ".join(f"rank {r}: {s}" for r, s in enumerate(newest)),
+                step,
+            )
+        return int(step)
+
     def _load_durable(
-        self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
+        self, target: dict[str, Any], step: int, strict: bool, trusted: Trusted
     ) -> int:
-        """Load ``step`` (``None``: the newest committed one) from the durable tier into
-        ``target``, on this rank; returns the step."""
-        if step is None:
-            durable = self.steps()
-            if not durable:
-                raise CheckpointError(f"no committed checkpoint under {self.root}")
-            step = durable[-1]
-        elif not self._step(step).exists(METADATA_FILE):
+        """Load ``step`` from the durable tier into ``target``, on this rank; returns it."""
+        if not self._step(step).exists(METADATA_FILE):
             raise self._not_committed(step, max(self.steps()[-1:], default=None))
         loader.load(target, self._step(step), strict=strict, trusted=trusted)
         logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
