@@ -368,6 +368,8 @@ class Checkpointer:
         trusted: Trusted = None,
     ) -> int:
         """Load ``step`` (default: the latest committed one) into ``state_dict``; return it.
+        Every rank of the group calls it together, and every rank loads the same step
+        (without ``step``: the newest step that every rank sees committed).
 
         ``state_dict`` may be a bare ``Stateful``: its ``state_dict()`` is loaded in place,
         then given to its ``load_state_dict``. ``trusted``: see :func:`slipstream.load`.
