@@ -228,6 +228,11 @@ class SyncGroup:
     def has(self, key: str) -> bool:
         return self._call(lambda: self.store.check([key]), f"looking for {key}")
 
+    def read(self, key: str) -> bytes:
+        """The bytes at ``key``, which :meth:`has` found there (no wait)."""
+        result: bytes = self._call(lambda: self.store.get(key), f"reading {key}")
+        return result
+
     def count(self, key: str, delta: int = 0) -> int:
         """Add ``delta`` to the counter at ``key`` (created at 0) and return its new value."""
         return int(self._call(lambda: self.store.add(key, delta), f"counter {key}"))

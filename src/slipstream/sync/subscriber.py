@@ -362,8 +362,11 @@ class WeightSubscriber:
         """Ask every trainer to serve its cache again (request ``n``); return their offers,
         which name one version and plan. When a trainer cannot serve, or the caches hold
         different versions, tell the trainers not to send and raise."""
-        self.group.post(Keys.again(self.rank, n), encode(AgainRequest(self.group.incarnation)))
-        self.group.count(Keys.ASK_AGAIN_COUNT, 1)
+        # a ticket orders this request among every rollout's: the trainers serve them in
+        # that one order, so two rollouts refetching at once never wait on each other
+        ticket = self.group.count(Keys.ASK_AGAIN_COUNT, 1)
+        request = AgainRequest(self.group.incarnation, self.rank, n)
+        self.group.post(Keys.again_ticket(ticket), encode(request))
         offers = {
             t: AgainOffer.read(
                 self.group.get_text(

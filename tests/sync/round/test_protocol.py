@@ -58,7 +58,7 @@ def test_keys_of_different_messages_never_collide():
         "ring": Keys.ring,
         "ring_opened": lambda a, b: Keys.ring_opened(a, b, 0),
         "again_count": lambda a, b: Keys.again_count(a),
-        "again": Keys.again,
+        "again_ticket": lambda a, b: Keys.again_ticket(a),
         "again_offer": lambda a, b: Keys.again_offer(a, b, 0),
         "again_go": Keys.again_go,
         "again_ack": Keys.again_ack,
@@ -69,7 +69,8 @@ def test_keys_of_different_messages_never_collide():
         key = build(a, b)
         want = (
             (kind, a)
-            if kind in ("round", "abort", "transport", "probe", "again_count", "plan")
+            if kind
+            in ("round", "abort", "transport", "probe", "again_count", "again_ticket", "plan")
             else (kind, a, b)
         )
         assert meaning.setdefault(key, want) == want, (key, meaning[key], want)

@@ -118,11 +118,11 @@ def _dropped_during_refetch(rank, port):
         serving, dropped, served = threading.Event(), threading.Event(), threading.Event()
         serve = pub._refetch._serve
 
-        def held_serve(r: int, n: int) -> None:
+        def held_serve(request) -> None:
             serving.set()
             assert dropped.wait(20), "the caller never dropped the rank"
             try:
-                serve(r, n)
+                serve(request)
             finally:
                 served.set()
 

@@ -185,7 +185,12 @@ class RingInfo:
 
 @dataclass
 class AgainRequest:
+    """Rollout ``rollout``'s refetch request ``n`` (its own count), from its process of
+    ``incarnation``; posted under the request's ticket (:meth:`Keys.again_ticket`)."""
+
     incarnation: int
+    rollout: int
+    n: int
 
 
 @dataclass
@@ -286,8 +291,10 @@ class Keys:
         return store_key("again", rollout, "count")
 
     @staticmethod
-    def again(rollout: int, n: int) -> str:
-        return store_key("again", rollout, n)
+    def again_ticket(ticket: int) -> str:
+        """The refetch request holding ``ticket`` (from :data:`ASK_AGAIN_COUNT`): every
+        trainer serves requests in ticket order."""
+        return store_key("again", "ticket", ticket)
 
     @staticmethod
     def again_offer(rollout: int, n: int, trainer: int) -> str:

@@ -68,53 +68,88 @@ class RefetchServer:
         self.separate_min = separate_min
         self.timeout = timeout
         self.rollout_versions = rollout_versions
-        self._seen = 0
+        self._served = 0
+        """Tickets served (or passed over) so far: every trainer serves them in one order."""
+        self._waiting: tuple[int, float] | None = None
+        """The ticket whose request this server has been waiting for, and since when."""
         self._looked = 0.0
-        self._next = dict.fromkeys(self.rollout_ranks, 0)
 
     def set_rollouts(self, rollout_ranks: Sequence[int]) -> None:
-        """Serve ``rollout_ranks`` from now on (a rank served before keeps its count of
-        requests; the list is replaced whole, so the worker reads one or the other)."""
-        for r in rollout_ranks:
-            self._next.setdefault(r, 0)
+        """Serve ``rollout_ranks`` from now on (the list is replaced whole, so the worker
+        reads one or the other)."""
         self.rollout_ranks = list(rollout_ranks)
 
     def poll(self) -> None:
-        """Serve every rollout that asked since the last look (at most every
-        :data:`ASK_AGAIN_POLL` seconds). A request that cannot be served is answered with
-        the reason; a failure while serving one is the asking rollout's error (it times out
-        or sees a broken transfer), logged here, and never fails a publish."""
+        """Serve every refetch asked since the last look (at most every
+        :data:`ASK_AGAIN_POLL` seconds), in ticket order. A request that cannot be served is
+        answered with the reason; a failure while serving one is the asking rollout's error
+        (it times out or sees a broken transfer), logged here, and never fails a publish.
+
+        Every trainer serving the same order is what keeps two rollouts refetching at once
+        from waiting on each other (each trainer holding an offer for one while the other
+        waits for its offer). A ticket's request that is not there yet (it is posted just
+        after the ticket is taken), or that comes from a rank not yet among this trainer's
+        rollouts, is looked for again at the next poll, for up to the timeout; then it is
+        passed over (answered, where the rank is known), and the later tickets served."""
         now = time.monotonic()
         if now - self._looked < ASK_AGAIN_POLL:
             return
         self._looked = now
         try:
             count = self.group.count(Keys.ASK_AGAIN_COUNT)
-            if count == self._seen:
-                return
-            for r in self.rollout_ranks:
-                while self.group.has(Keys.again(r, self._next[r])):
-                    n = self._next[r]
-                    self._next[r] += 1
-                    try:
-                        self._serve(r, n)
-                    except (SyncError, RuntimeError) as exc:
-                        logger.warning(
-                            "trainer rank %d could not serve rollout rank %d's refetch: %s",
-                            self.rank,
-                            r,
-                            exc,
-                        )
-            self._seen = count
+            while self._served < count:
+                request = self._request(self._served + 1, now)
+                if request is None:
+                    return
+                self._served += 1
+                self._waiting = None
+                try:
+                    self._serve(request)
+                except (SyncError, RuntimeError) as exc:
+                    logger.warning(
+                        "trainer rank %d could not serve rollout rank %d's refetch: %s",
+                        self.rank,
+                        request.rollout,
+                        exc,
+                    )
         except (SyncError, RuntimeError) as exc:
             logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
 
+    def _request(self, ticket: int, now: float) -> AgainRequest | None:
+        """The request holding ``ticket`` if it can be served now; ``None`` to look again
+        later. Past the timeout, a request still missing is passed over and one from a rank
+        that is not a rollout here is answered with why."""
+        if self._waiting is None or self._waiting[0] != ticket:
+            self._waiting = (ticket, now)
+        overdue = now - self._waiting[1] > self.timeout
+        key = Keys.again_ticket(ticket)
+        if not self.group.has(key):
+            if overdue:
+                logger.warning(
+                    "trainer rank %d passed over refetch ticket %d: no request came for it "
+                    "within %s s",
+                    self.rank,
+                    ticket,
+                    self.timeout,
+                )
+                self._served += 1
+            return None
+        request = decode(AgainRequest, self.group.read(key))
+        if request.rollout in self.rollout_ranks:
+            return request
+        if overdue:
+            why = f"rank {request.rollout} is not among trainer rank {self.rank}'s rollouts"
+            offer_key = Keys.again_offer(request.rollout, request.n, self.rank)
+            self.group.post(offer_key, encode(AgainOffer(error=why)))
+            self._served += 1
+        return None
+
     @tracing.spanned("slipstream.sync.refetch.serve")
-    def _serve(self, r: int, n: int) -> None:
-        """Answer rollout ``r``'s request ``n`` with this rank's offer and, once the rollout
-        accepts, send every byte of this rank's buckets from the cache (over ``cma`` the
-        rollout reads them itself). The cache stays locked until the rollout acknowledged."""
-        request = decode(AgainRequest, self.group.get_text(Keys.again(r, n), r, "a refetch"))
+    def _serve(self, request: AgainRequest) -> None:
+        """Answer ``request`` with this rank's offer and, once the rollout accepts, send
+        every byte of this rank's buckets from the cache (over ``cma`` the rollout reads
+        them itself). The cache stays locked until the rollout acknowledged."""
+        r, n = request.rollout, request.n
         offer_key = Keys.again_offer(r, n, self.rank)
         if not self.cache.lock.acquire(blocking=False):
             why = f"trainer rank {self.rank} is snapshotting a newer version; receive() it"
