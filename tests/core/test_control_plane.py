@@ -28,20 +28,23 @@ def test_store_keys_join_their_parts_and_need_one():
 
 def test_a_wait_returns_once_every_key_is_written_by_another_thread():
     store = dist.HashStore()
+    last_written = []
 
     def write_later():
         time.sleep(0.2)
         store.set("k/1", "x")
         time.sleep(0.1)
+        last_written.append(time.monotonic())  # just before: the wait may end at once
         store.set("k/2", "y")
 
     writer = threading.Thread(target=write_later)
     writer.start()
-    started = time.monotonic()
     dropped = wait_for_keys(store, {1: "k/1", 2: "k/2"}, "the keys", Deadline(5), "rank 0")
+    returned = time.monotonic()
     writer.join()
     assert dropped == {}
-    assert 0.3 <= time.monotonic() - started < 2
+    # not before the last key was written, and long before the deadline
+    assert last_written[0] <= returned < last_written[0] + 2
 
 
 def test_a_wait_that_expires_names_the_missing_ranks_what_and_how_long():
