@@ -98,7 +98,7 @@ class RefetchServer:
         try:
             count = self.group.count(Keys.ASK_AGAIN_COUNT)
             while self._served < count:
-                request = self._request(self._served + 1, now)
+                request = self._request(self._served + 1)
                 if request is None:
                     return
                 self._served += 1
@@ -115,10 +115,11 @@ class RefetchServer:
         except (SyncError, RuntimeError) as exc:
             logger.warning("trainer rank %d could not look for refetches: %s", self.rank, exc)
 
-    def _request(self, ticket: int, now: float) -> AgainRequest | None:
+    def _request(self, ticket: int) -> AgainRequest | None:
         """The request holding ``ticket`` if it can be served now; ``None`` to look again
         later. Past the timeout, a request still missing is passed over and one from a rank
         that is not a rollout here is answered with why."""
+        now = time.monotonic()
         if self._waiting is None or self._waiting[0] != ticket:
             self._waiting = (ticket, now)
         overdue = now - self._waiting[1] > self.timeout
