@@ -178,7 +178,7 @@ class SlipstreamWeightTransferEngine(
             raise SyncError(
                 "slipstream: update_weights before init_weight_transfer_engine on this worker"
             )
-        started = self._load_began = time.perf_counter()
+        started = time.perf_counter()
         version = ends.subscriber.receive(self._load, atomic=True, full=True)
         if version != update_info.version:
             raise SyncError(

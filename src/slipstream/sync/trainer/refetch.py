@@ -102,7 +102,6 @@ class RefetchServer:
                 if request is None:
                     return
                 self._served += 1
-                self._waiting = None
                 try:
                     self._serve(request)
                 except (SyncError, RuntimeError) as exc:
