@@ -14,15 +14,12 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     STORAGE_TYPES,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -56,19 +53,20 @@ class CommitTemplate:
     def for_plan(cls, plan: SavePlan, generation: int) -> CommitTemplate:
         """The template of ``plan`` written in ``generation`` (see :mod:`..format.names`)."""
         tensors = {
-            fqn: TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype_from_name(dtype)),
+            fqn: dcp_metadata.TensorStorageMetadata(
+                properties=dcp_metadata.TensorProperties(dtype=dtype_from_name(dtype)),
                 size=torch.Size(shape),
                 chunks=[
-                    ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in chunks
+                    dcp_metadata.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                    for c in chunks
                 ],
             )
             for fqn, (dtype, shape, chunks) in plan.tensor_meta.items()
         }
         records = {
-            MetadataIndex(rec.chunk.fqn, torch.Size(rec.chunk.offsets), i): _StorageInfo(
-                data_file(rec.file, generation), rec.offset, rec.length
-            )
+            dcp_metadata.MetadataIndex(
+                rec.chunk.fqn, torch.Size(rec.chunk.offsets), i
+            ): _StorageInfo(data_file(rec.file, generation), rec.offset, rec.length)
             for recs in plan.records_by_rank
             for i, rec in enumerate(recs)
         }
@@ -79,7 +77,7 @@ def build_metadata(
     template: CommitTemplate,
     done: list[WriteReport],
     checkpoint_id: str,
-    storage_meta: StorageMeta | None = None,
+    storage_meta: dcp_metadata.StorageMeta | None = None,
 ) -> Metadata:
     """DCP metadata for a save of ``template``'s plan whose ranks reported ``done`` (index =
     rank): the template's tensor entries, shared, and the entries of this save's values.
@@ -89,14 +87,16 @@ def build_metadata(
     storage_data: dict[MetadataIndex, _StorageInfo] = dict(template.records)
     for report in done:
         for fqn, value in report.values.items():
-            state_dict_metadata[fqn] = BytesStorageMetadata()
-            storage_data[MetadataIndex(fqn)] = _StorageInfo(value.file, value.offset, value.length)
-    return Metadata(
+            state_dict_metadata[fqn] = dcp_metadata.BytesStorageMetadata()
+            storage_data[dcp_metadata.MetadataIndex(fqn)] = _StorageInfo(
+                value.file, value.offset, value.length
+            )
+    return dcp_metadata.Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=template.paths,
         storage_data=storage_data,
         storage_meta=storage_meta
-        or StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
+        or dcp_metadata.StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())),
         version=DCP_VERSION,
     )
 
