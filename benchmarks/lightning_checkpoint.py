@@ -8,7 +8,12 @@ the run; each run trains the same steps with one of:
 * ``TorchCheckpointIO``: Lightning's default, ``torch.save`` on the training thread;
 * ``AsyncCheckpointIO``: Lightning's threaded wrapper (clones every tensor on the training
   thread, then ``torch.save`` on a thread);
-* ``SlipstreamCheckpointIO``: ``slipstream.integrations.lightning``.
+* ``SlipstreamCheckpointIO()``: ``slipstream.integrations.lightning`` as it comes, Lightning's
+  own write on the training thread, then an fsync;
+* ``SlipstreamCheckpointIO(background_write=True)``: the tensors copied into reused host
+  memory on the training thread, the same file written on a thread of its own.
+
+Every CheckpointIO writes the same file: one ``torch.save`` archive per checkpoint.
 
 A run's loop time is from the first training batch's start to the last one's end. A
 save's cost is (loop time - the ``none`` run's loop time in the same round) / saves: the
@@ -43,8 +48,16 @@ from common import Result, Table, fmt, median, scratch  # noqa: E402
 NONE = "none (no checkpoints)"
 TORCH = "TorchCheckpointIO (default)"
 ASYNC = "AsyncCheckpointIO"
-SLIPSTREAM = "SlipstreamCheckpointIO"
-PEERS = [NONE, TORCH, ASYNC, SLIPSTREAM]
+SLIPSTREAM_SYNC = "SlipstreamCheckpointIO() (default)"
+SLIPSTREAM = "SlipstreamCheckpointIO(background_write=True)"
+PEERS = [NONE, TORCH, ASYNC, SLIPSTREAM_SYNC, SLIPSTREAM]
+DIRECTORY = {
+    NONE: "none",
+    TORCH: "torch",
+    ASYNC: "async",
+    SLIPSTREAM_SYNC: "ss",
+    SLIPSTREAM: "ss_bg",
+}
 SHUFFLE_SEED = 0
 
 
@@ -116,13 +129,15 @@ def run_once(
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch * args.steps, args.width, generator=g)
     data = DataLoader(TensorDataset(x, torch.zeros_like(x)), batch_size=args.batch)
-    dirpath = root / peer.split()[0]
+    dirpath = root / DIRECTORY[peer]
     shutil.rmtree(dirpath, ignore_errors=True)
     plugins: list[Any] = []
     if peer == ASYNC:
         plugins = [AsyncCheckpointIO(TorchCheckpointIO())]
-    elif peer == SLIPSTREAM:
+    elif peer == SLIPSTREAM_SYNC:
         plugins = [SlipstreamCheckpointIO()]
+    elif peer == SLIPSTREAM:
+        plugins = [SlipstreamCheckpointIO(background_write=True)]
     clock = LoopClock()
     callbacks: list[Any] = [clock.callback()]
     if peer != NONE:
@@ -143,6 +158,9 @@ def run_once(
     teardown = time.perf_counter() - clock.end
     if peer == TORCH and not nbytes:
         nbytes.append(max(_size(entry) for entry in dirpath.iterdir()))
+    if peer != NONE:
+        files = sorted(p.name for p in dirpath.iterdir())
+        assert files and all(p.endswith(".ckpt") and (dirpath / p).is_file() for p in files), files
     shutil.rmtree(dirpath, ignore_errors=True)
     os.sync()  # what is left to write back does so now, not in the next peer's run
     steps = [b - a for a, b in zip(clock.step_starts, clock.step_starts[1:], strict=False)]
@@ -173,7 +191,7 @@ def main() -> None:
     result = Result(
         "lightning",
         "Lightning: training-loop time each checkpoint costs, SlipstreamCheckpointIO vs "
-        "TorchCheckpointIO and AsyncCheckpointIO",
+        "TorchCheckpointIO and AsyncCheckpointIO, each writing Lightning's .ckpt file",
     )
     result.note_load("start")
     nbytes: list[int] = []
@@ -244,15 +262,26 @@ def main() -> None:
     )
     ratio = med[SLIPSTREAM]["cost"] / med[TORCH]["cost"]
     result.floor(
-        "SlipstreamCheckpointIO's loop cost per save / TorchCheckpointIO's",
+        "SlipstreamCheckpointIO(background_write=True)'s loop cost per save / TorchCheckpointIO's",
         ratio,
         "<= 0.2",
         ratio <= 0.2,
     )
+    to_async = med[SLIPSTREAM]["cost"] / med[ASYNC]["cost"]
+    result.floor(
+        "SlipstreamCheckpointIO(background_write=True)'s loop cost per save / AsyncCheckpointIO's",
+        to_async,
+        "<= 0.6",
+        to_async <= 0.6,
+    )
     result.notes.append(
         "held: the median step that ran a save less the run's median plain step, the "
         "training thread's wait alone; the cost per save adds what the save's background "
-        "work (a copy, a write, checksums) took from the other steps on this host's cores."
+        "work (a copy, a write) took from the other steps on this host's cores. The default "
+        "SlipstreamCheckpointIO() is synchronous because Lightning's flow reads a checkpoint "
+        "as soon as save_checkpoint returns (its own test_model_checkpoint_no_extraneous_"
+        "invocations counts torch.save calls in on_train_end; trainer.save_checkpoint is "
+        "followed by load_from_checkpoint throughout its tests)."
     )
     for row in rows:
         print(row)

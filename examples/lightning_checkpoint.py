@@ -56,7 +56,8 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=args.epochs,
-        plugins=[SlipstreamCheckpointIO()],  # the one line that moves saving off the loop
+        # the one line that moves saving off the loop (Lightning's .ckpt files, written beside it)
+        plugins=[SlipstreamCheckpointIO(background_write=True)],
         callbacks=[
             ModelCheckpoint(dirpath=checkpoints, monitor="val_loss", save_top_k=2, save_last=True)
         ],

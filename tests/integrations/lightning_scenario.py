@@ -6,9 +6,9 @@ epoch so that top-k files rotate:
 
 - ``torch``: Lightning's default ``TorchCheckpointIO``, 2 epochs, then resumed to 3 from
   ``last.ckpt`` (the reference for which files stay and what a checkpoint holds);
-- ``slipstream``: the same with ``SlipstreamCheckpointIO``, in the same directory name
-  (the torch run's directory is moved aside first, so the paths inside both checkpoints
-  are equal);
+- ``slipstream``: the same with ``SlipstreamCheckpointIO`` (``background_write`` as
+  asked), in the same directory name (the torch run's directory is moved aside first, so
+  the paths inside both checkpoints are equal);
 - ``uninterrupted``: 3 epochs in one go, no checkpoints (the reference for resuming).
 
 Run as a script (``--strategy ddp --devices 2``), Lightning launches the second process
@@ -166,15 +166,16 @@ def _run_with_checkpoints(
     }
 
 
-def scenario(root: str, devices: int = 1, strategy: str = "auto") -> dict[str, Any]:
+def scenario(
+    root: str, devices: int = 1, strategy: str = "auto", background_write: bool = False
+) -> dict[str, Any]:
     """The three runs described in the module docstring; returns what each left."""
     # torch.load refuses the hyper-parameters' dataclass unless told to trust the file.
     torch_run = _run_with_checkpoints(root, [], devices, strategy, weights_only=False)
     if _is_rank_zero():
         os.rename(os.path.join(root, "ckpts"), os.path.join(root, "torch_ckpts"))
-    ss_run = _run_with_checkpoints(
-        root, [SlipstreamCheckpointIO(timeout=60, trusted=[Widths, Act])], devices, strategy, None
-    )
+    io = SlipstreamCheckpointIO(timeout=60, background_write=background_write)
+    ss_run = _run_with_checkpoints(root, [io], devices, strategy, weights_only=False)
     trainer, model, _ = _fit(None, 3, [], devices, strategy)
     return {"torch": torch_run, "slipstream": ss_run, "uninterrupted": _state(trainer, model)}
 
@@ -185,9 +186,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--background-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = scenario(args.root, args.devices, args.strategy)
+    results = scenario(args.root, args.devices, args.strategy, args.background_write)
     if _is_rank_zero():
         torch.save(results, args.out)
 

@@ -200,6 +200,16 @@ class _Counter:
         self.step = state["step"]
 
 
+_ACCELERATE_FILES = [
+    "custom_checkpoint_0.pkl",
+    "model.safetensors",
+    "optimizer.bin",
+    "random_states_0.pkl",
+]
+"""What accelerate's ``save_state`` writes for the run below: a checkpoint is complete
+when it holds exactly these."""
+
+
 def _accelerate_run(report, root: str, steps: int) -> None:
     from accelerate.utils import ProjectConfiguration
 
@@ -219,14 +229,14 @@ def _accelerate_run(report, root: str, steps: int) -> None:
     accelerator.register_for_checkpointing(counter)
     checkpoints = os.path.join(root, "checkpoints")
     try:
-        accelerator.load_state()  # the newest complete checkpoint_<i>
+        accelerator.load_state()  # the newest checkpoint_<i>
     except CheckpointError as error:
-        if "no complete checkpoint" not in str(error):  # the one way to start from nothing
+        if "no checkpoint in" not in str(error):  # the one way to start from nothing
             raise
         report("resumed", 0, None, None, False)
     else:
         path = os.path.join(checkpoints, f"checkpoint_{counter.step}")
-        complete = os.path.isfile(os.path.join(path, ".metadata"))
+        complete = sorted(os.listdir(path)) == _ACCELERATE_FILES
         report("resumed", counter.step, state_digest(model, optimizer), path, complete)
     for s in range(counter.step + 1, steps + 1):
         _train_step(model, optimizer, s)
@@ -239,6 +249,11 @@ def _accelerate_run(report, root: str, steps: int) -> None:
     report("done", state_digest(model, optimizer))
 
 
+def _saving_under(directory: str) -> bool:
+    """Whether a save was cut short in ``directory``: its hidden ``.<name>.saving-<id>``."""
+    return os.path.isdir(directory) and any(".saving-" in n for n in os.listdir(directory))
+
+
 @pytest.mark.parametrize("zygote", ["accelerate"], indirect=True)
 def test_accelerate_load_state_resumes_from_a_complete_checkpoint_after_any_kill(tmp_path, zygote):
     _run_crash_trials(
@@ -246,11 +261,20 @@ def test_accelerate_load_state_resumes_from_a_complete_checkpoint_after_any_kill
         _accelerate_run,
         tmp_path,
         2,
-        lambda root: _incomplete_under(os.path.join(root, "checkpoints")),
+        lambda root: _saving_under(os.path.join(root, "checkpoints")),
     )
 
 
 # -- Lightning ---------------------------------------------------------------------------
+
+
+def _loads(path: str) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` archive."""
+    try:
+        torch.load(path, weights_only=False)
+    except Exception:  # noqa: BLE001 - any failure to read means not whole
+        return False
+    return True
 
 
 def _lightning_run(report, root: str, steps: int) -> None:
@@ -297,7 +321,7 @@ def _lightning_run(report, root: str, steps: int) -> None:
                 return
             self.resumed = True
             path = trainer.ckpt_path
-            complete = path is not None and os.path.isfile(os.path.join(path, ".metadata"))
+            complete = path is not None and _loads(path)
             digest = state_digest(module.net, trainer.optimizers[0]) if path else None
             report("resumed", trainer.global_step, digest, path, complete)
 
@@ -310,7 +334,7 @@ def _lightning_run(report, root: str, steps: int) -> None:
         max_steps=steps,
         accelerator="cpu",
         devices=1,
-        plugins=[Reporting()],
+        plugins=[Reporting(background_write=True)],
         callbacks=[
             steps_seen,
             ModelCheckpoint(
@@ -342,7 +366,7 @@ def test_lightning_ckpt_path_last_resumes_from_a_complete_checkpoint_after_any_k
         _lightning_run,
         tmp_path,
         3,
-        lambda root: _incomplete_under(os.path.join(root, "checkpoints")),
+        lambda root: _leftovers(os.path.join(root, "checkpoints")) != [],
     )
 
 

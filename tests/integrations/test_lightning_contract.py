@@ -157,7 +157,7 @@ def test_saves_before_the_first_step_and_after_every_step_change_nothing(tmp_pat
     assert_same(training_state(trainer, model), unsaved, "torch.save run vs unsaved")
     os.rename(ckpts, tmp_path / "torch_ckpts")  # the same paths inside both runs' checkpoints
 
-    trainer, model = fit(ckpts, [SlipstreamCheckpointIO(timeout=60)])
+    trainer, model = fit(ckpts, [SlipstreamCheckpointIO(timeout=60, background_write=True)])
     assert_same(training_state(trainer, model), unsaved, "slipstream run vs unsaved")
 
     names = sorted(os.listdir(ckpts))
@@ -204,7 +204,7 @@ def test_mid_epoch_resume_continues_at_the_next_batch_as_lightning_does(tmp_path
 
 
 def _slipstream() -> SlipstreamCheckpointIO:
-    return SlipstreamCheckpointIO(timeout=60)
+    return SlipstreamCheckpointIO(timeout=60, background_write=True)
 
 
 def _fit_twice_in_one_directory(root: str, io: Any) -> dict[str, Any]:

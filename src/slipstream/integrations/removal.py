@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 
+from ..checkpoint.files.atomic import SAVING_MARK
 from ..checkpoint.format.names import is_temporary
 from ..errors import CheckpointError
 from .training_state import is_incomplete
@@ -38,19 +39,9 @@ HIDDEN_MARK = ".removing-"
 """Part of the name a checkpoint is renamed to while it is deleted."""
 
 
-SAVING_MARK = ".saving-"
-"""Part of the hidden name a checkpoint is written under before it is renamed into place."""
-
-
 def is_being_removed(name: str) -> bool:
     """Whether a directory entry is a checkpoint :class:`Remover` is deleting."""
     return name.startswith(".") and HIDDEN_MARK in name
-
-
-def saving_name(path: str) -> str:
-    """A hidden sibling of ``path`` to write a checkpoint into before renaming it to ``path``."""
-    parent, name = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f".{name}{SAVING_MARK}{uuid.uuid4().hex[:8]}")
 
 
 def _is_hidden_leftover(name: str) -> bool:
