@@ -17,8 +17,8 @@ is when it is written, and that it is durable:
 - With ``background_write=True`` it returns once every tensor is copied into host memory
   that the plugin reuses from save to save; the model and optimizer may change from then
   on, and the file is written on a thread of its own that ends with the write. A later
-  save waits for the write before it reuses the memory. Until the file is complete the
-  path holds the previous file (or nothing).
+  save waits until the write has serialized the copy before it reuses the memory. Until
+  the file is complete the path holds the previous file (or nothing).
   ``load_checkpoint``, ``remove_checkpoint`` and a save to a path being written wait for
   that write, in this plugin or any other in the process. A local file is written to a
   hidden sibling, fsynced and renamed over the path; the plugin's first such write in a
@@ -52,7 +52,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without lightnin
     ) from exc
 
 import slipstream as ss
-from slipstream.checkpoint.files import BackgroundWrites, HostCopy, torch_save, wait_for_path
+from slipstream.checkpoint.files import (
+    BackgroundWrites,
+    HostCopy,
+    async_torch_save,
+    wait_for_path,
+)
 from slipstream.checkpoint.format.names import METADATA_FILE
 from slipstream.checkpoint.storage.files import fsync_dir
 
@@ -101,23 +106,7 @@ class SlipstreamCheckpointIO(TorchCheckpointIO):
         fs = get_filesystem(path)
         fs.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's, on the caller
         self._sweep(os.fspath(path))
-        staged = self._host.copy(checkpoint)
-        self._host.hold()
-
-        def write() -> None:
-            try:
-                if "://" in os.fspath(path):
-                    self._write(staged, path, None)
-                else:
-                    torch_save(staged, path)
-            finally:
-                self._host.release()
-
-        try:
-            self._writes.start([os.fspath(path)], write)
-        except BaseException:
-            self._host.release()
-            raise
+        async_torch_save(checkpoint, path, host_copy=self._host, writes=self._writes)
 
     def _sweep(self, path: str) -> None:
         """Before this plugin's first background write into a local directory, remove the

@@ -70,12 +70,17 @@ class BackgroundWrites:
         self._writes: list[_Write] = []
 
     def start(
-        self, paths: Sequence[str | os.PathLike[str]], write: Callable[[], None]
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        write: Callable[[], None],
+        timeout: float | None,
     ) -> Future[None]:
-        """Run ``write`` (which produces ``paths``) on a new thread; return its future."""
+        """Run ``write`` (which produces ``paths``) on a new thread; return its future.
+        A write over one in flight waits (up to ``timeout``) for it first, so it lands
+        after it."""
         keys = [_key(p) for p in paths]
         for key in keys:
-            wait_for_path(key, None)  # a write over one in flight lands after it
+            wait_for_path(key, timeout)
         name = f"slipstream-write-{os.path.basename(keys[0].rstrip('/')) if keys else 'files'}"
         done: Future[None] = Future()
         thread = threading.Thread(target=self._run, args=(keys, done, write), name=name)

@@ -13,6 +13,7 @@ holds the previous file until the new one is complete and durable.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,11 +30,26 @@ _default_writes = BackgroundWrites(nice=SaveOptions.thread_nice)
 
 
 def torch_save(
-    obj: Any, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    obj: Any,
+    path: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    serialized: Callable[[], None] | None = None,
 ) -> None:
-    """``torch.save(obj, path)`` through a hidden sibling renamed into place once durable."""
-    with atomic_file(path, storage_options) as f:
-        torch.save(obj, f)
+    """``torch.save(obj, path)`` through a hidden sibling renamed into place once durable.
+
+    ``serialized`` is called once ``obj`` has been read whole (before the fsync), or when
+    the save fails before that: a staged copy may be reused from then on.
+    """
+    told = False
+    try:
+        with atomic_file(path, storage_options) as f:
+            torch.save(obj, f)
+            told = True
+            if serialized is not None:
+                serialized()
+    finally:
+        if not told and serialized is not None:
+            serialized()
 
 
 def async_torch_save(
@@ -50,20 +66,17 @@ def async_torch_save(
     ``upload_completion`` future resolves once the file is in place and durable, or raises
     the write's error. ``host_copy`` keeps the host memory reused from one save of this
     state to the next (the process shares one by default, so a save waits for the write of
-    the one before); ``writes`` owns the write's thread.
+    the one before has been serialized); ``writes`` owns the write's thread.
     """
     copier = host_copy or _default_copy
     staged_obj = copier.copy(obj)
     copier.hold()
 
     def write() -> None:
-        try:
-            torch_save(staged_obj, path, storage_options)
-        finally:
-            copier.release()
+        torch_save(staged_obj, path, storage_options, serialized=copier.release)
 
     try:
-        done = (writes or _default_writes).start([path], write)
+        done = (writes or _default_writes).start([path], write, copier.timeout)
     except BaseException:
         copier.release()
         raise
