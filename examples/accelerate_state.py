@@ -1,7 +1,9 @@
-"""accelerate's save_state / load_state through slipstream.
+"""accelerate's save_state written in the background by slipstream, as accelerate's files.
 
-Trains a small model, saves its state (the call returns once the state is staged), trains
-on, then restores the saved state into fresh objects and shows training continues alike::
+Trains a small model, saves its state (the call returns once the state is copied; the
+files are written in the background), trains on, then restores the saved state into fresh
+objects with a plain ``accelerate.Accelerator`` (the files are accelerate's own) and shows
+training continues alike::
 
     python examples/accelerate_state.py --out /tmp/accelerate_state
 """
@@ -9,8 +11,10 @@ on, then restores the saved state into fresh objects and shows training continue
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
+from accelerate import Accelerator
 
 from slipstream.integrations.accelerate import SlipstreamAccelerator
 
@@ -28,7 +32,7 @@ class Seen:
         self.batches = state["batches"]
 
 
-def build(accelerator: SlipstreamAccelerator):  # type: ignore[no-untyped-def]
+def build(accelerator: Accelerator):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
@@ -60,15 +64,16 @@ def main() -> None:
     out = parser.parse_args().out
 
     # The one change: SlipstreamAccelerator for Accelerator; background_write=True to have
-    # save_state return once the state is staged (by default it returns once written).
+    # save_state return once the state is copied (by default it returns once written).
     accelerator = SlipstreamAccelerator(cpu=True, background_write=True)
     state = build(accelerator)
     train(accelerator, *state, steps=5)
-    accelerator.save_state(out)  # returns once staged; written in the background
+    accelerator.save_state(out)  # returns once copied; written in the background
     after = train(accelerator, *state, steps=3)
     accelerator.end_training()  # waits for the save
+    print(f"accelerate's files: {' '.join(sorted(os.listdir(out)))}")
 
-    again = SlipstreamAccelerator(cpu=True)
+    again = Accelerator(cpu=True)  # accelerate's own load_state reads them
     restored = build(again)
     again.load_state(out)
     print(f"restored after {restored[3].batches} batches")

@@ -6,8 +6,10 @@ The tests come from accelerate's sdist for the installed version, which ``make s
 extracts under ``<venv>/conformance/accelerate-<version>/`` (never committed here). They run
 from a temporary copy, with a generated ``conftest.py`` that records each passed test and,
 in the shipped run, each call of ``Accelerator.save_state``/``load_state``; in the swapped
-run ``SlipstreamAccelerator`` records the calls that went through its own code (not
-accelerate's) when ``SLIPSTREAM_ACCELERATE_PROBE`` names a file.
+run ``SlipstreamAccelerator`` records the calls that went through its own code (its
+background writer for ``save_state``, its wait before accelerate's own ``load_state``; not
+a fallback to accelerate's ``save_state``) when ``SLIPSTREAM_ACCELERATE_PROBE`` names a
+file.
 
 Selected: the whole of ``test_state_checkpointing.py`` and, of ``test_accelerator.py``, the
 tests that call ``save_state``/``load_state`` (:data:`ACCELERATOR_TESTS`, a ``-k``

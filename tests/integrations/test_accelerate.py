@@ -1,130 +1,126 @@
-"""``SlipstreamAccelerator.save_state`` / ``load_state``: a round trip restores the model,
-optimizer, scheduler, step, random generators and registered objects exactly, so training
-continues as the uninterrupted run did; accelerate's own directories still load."""
+"""``SlipstreamAccelerator.save_state`` writes accelerate's own files: exactly the set a
+plain ``Accelerator`` writes for the same objects, which a plain ``Accelerator`` loads in a
+process where slipstream cannot be imported, giving back bit for bit the state at the
+``save_state`` call (the state moved on while the write went on in the background); a
+directory a plain ``Accelerator`` wrote loads into a ``SlipstreamAccelerator``; training
+after a round trip continues as the uninterrupted run did; rotation keeps only finished
+checkpoints."""
 
 from __future__ import annotations
 
 import os
-import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
+from accelerate_plain_load import build, load_without_slipstream, state_of, train
 
-from slipstream.integrations.accelerate import SlipstreamAccelerator, is_checkpoint
+from slipstream import CheckpointError
+from slipstream.integrations.accelerate import SlipstreamAccelerator
 
-pytestmark = pytest.mark.timeout(120)
-
-
-class Counter:
-    """A custom object registered for checkpointing."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-        self.history = torch.zeros(4)
-
-    def state_dict(self) -> dict[str, object]:
-        return {"seen": self.seen, "history": self.history}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.seen = state["seen"]  # type: ignore[assignment]
-        self.history = state["history"]  # type: ignore[assignment]
+pytestmark = pytest.mark.timeout(180)
 
 
-def setup(accelerator: Accelerator):  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4)
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    counter = Counter()
-    accelerator.register_for_checkpointing(counter)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    return model, optimizer, scheduler, counter
+def _same(a: Any, b: Any, where: str = "state") -> None:
+    """``a`` and ``b`` are equal, tensors and arrays bit for bit (dtype included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), f"{where}: differs"
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype, where
+        assert np.array_equal(a, b), f"{where}: differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {a.keys()} != {b.keys()}"
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def train(accelerator, model, optimizer, scheduler, counter, steps: int) -> list[float]:  # type: ignore[no-untyped-def]
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(16, 8)  # torch's RNG: data and dropout both depend on it
-        noise = float(np.random.rand()) + random.random()
-        loss = (model(x) ** 2).mean() + noise * 0
-        accelerator.backward(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        counter.seen += 1
-        counter.history[counter.seen % 4] = loss.detach()
-        accelerator.step += 1
-        losses.append(loss.item())
-    return losses
+def _plain_listing(directory: Path, safe_serialization: bool) -> list[str]:
+    """What a plain ``Accelerator`` writes for the objects :func:`build` makes, trained."""
+    plain = Accelerator(cpu=True)
+    objects = build(plain)
+    train(plain, *objects, steps=1)
+    plain.save_state(str(directory), safe_serialization=safe_serialization)
+    return sorted(os.listdir(directory))
 
 
-def state_of(model, optimizer, scheduler, counter, accelerator):  # type: ignore[no-untyped-def]
-    return {
-        "model": {k: v.clone() for k, v in model.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "counter": (counter.seen, counter.history.clone()),
-        "step": accelerator.step,
-        "rng": (random.random(), float(np.random.rand()), torch.rand(3)),
-    }
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "bin"])
+def test_a_plain_accelerator_without_slipstream_loads_the_state_at_the_save(
+    tmp_path: Path, safe_serialization: bool
+) -> None:
+    accelerator = SlipstreamAccelerator(cpu=True, background_write=True)
+    objects = build(accelerator)
+    train(accelerator, *objects, steps=3)
+    at_save = state_of(accelerator, *objects)
+    path = accelerator.save_state(str(tmp_path / "ckpt"), safe_serialization=safe_serialization)
+    train(accelerator, *objects, steps=2)  # everything saved moves on during the write
+    assert accelerator.step == 5
+    accelerator.wait_for_checkpoints()
+
+    assert sorted(os.listdir(path)) == _plain_listing(tmp_path / "plain", safe_serialization)
+    loaded = load_without_slipstream(str(path), str(tmp_path / "loaded.pt"))
+    _same(at_save, loaded)
+    assert loaded["step"] == 3 and loaded["counter"]["seen"] == 3
 
 
-def assert_equal_states(a, b) -> None:  # type: ignore[no-untyped-def]
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    for idx, st in a["optimizer"]["state"].items():
-        for key, value in st.items():
-            assert torch.equal(value, b["optimizer"]["state"][idx][key]), (idx, key)
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-    assert a["scheduler"] == b["scheduler"]
-    assert a["counter"][0] == b["counter"][0]
-    assert torch.equal(a["counter"][1], b["counter"][1])
-    assert a["step"] == b["step"]
-    assert a["rng"][:2] == b["rng"][:2]
-    assert torch.equal(a["rng"][2], b["rng"][2])
-
-
-def test_round_trip_is_exact_and_training_continues_identically(tmp_path):
-    accelerator = SlipstreamAccelerator(cpu=True)
-    objects = setup(accelerator)
+def test_round_trip_continues_training_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    accelerator = SlipstreamAccelerator(cpu=True, background_write=True)
+    objects = build(accelerator)
     train(accelerator, *objects, steps=3)
     path = accelerator.save_state(str(tmp_path / "ckpt"))
-    # The state changes right after save_state returns, as in any training loop.
     losses_after = train(accelerator, *objects, steps=4)
-    expected = state_of(*objects, accelerator)
-    assert accelerator.step == 7
-    accelerator.wait_for_checkpoints()
-    assert is_checkpoint(path)
-    assert not any(name.endswith((".bin", ".pkl", ".pt")) for name in os.listdir(path))
+    expected = state_of(accelerator, *objects)
+    accelerator.end_training()
 
     fresh = SlipstreamAccelerator(cpu=True)
-    restored = setup(fresh)
-    fresh.load_state(path)
-    assert fresh.step == 3
-    assert restored[3].seen == 3
+    restored = build(fresh)
+    fresh.load_state(str(path))
+    assert fresh.step == 3 and restored[3].seen == 3
     assert train(fresh, *restored, steps=4) == losses_after
-    assert_equal_states(expected, state_of(*restored, fresh))
+    _same(expected, state_of(fresh, *restored))
 
 
-def test_automatic_naming_rotates_only_finished_checkpoints(tmp_path):
+def test_a_directory_a_plain_accelerator_wrote_loads(tmp_path: Path) -> None:
+    plain = Accelerator(cpu=True)
+    objects = build(plain)
+    train(plain, *objects, steps=2)
+    plain.save_state(str(tmp_path / "plain"))
+    expected = state_of(plain, *objects)
+
+    accelerator = SlipstreamAccelerator(cpu=True)
+    restored = build(accelerator)
+    accelerator.load_state(str(tmp_path / "plain"))
+    _same(expected, state_of(accelerator, *restored))
+
+
+def test_automatic_naming_rotates_only_finished_checkpoints(tmp_path: Path) -> None:
+    """Every save is still being written when the next one starts: rotation must wait for
+    it before deleting, and the last two, each complete, remain."""
     config = ProjectConfiguration(
         project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2
     )
-    accelerator = SlipstreamAccelerator(cpu=True, project_config=config)
-    objects = setup(accelerator)
+    accelerator = SlipstreamAccelerator(cpu=True, project_config=config, background_write=True)
+    objects = build(accelerator)
     for _ in range(4):
         train(accelerator, *objects, steps=1)
+        expected = state_of(accelerator, *objects)
         accelerator.save_state()
-    expected = state_of(*objects, accelerator)
     accelerator.end_training()
     root = tmp_path / "checkpoints"
     assert sorted(os.listdir(root)) == ["checkpoint_2", "checkpoint_3"]
-    assert all(is_checkpoint(root / name) for name in os.listdir(root))
+    listing = _plain_listing(tmp_path / "plain", safe_serialization=True)
+    for name in os.listdir(root):
+        assert sorted(os.listdir(root / name)) == listing, name
 
     fresh = SlipstreamAccelerator(
         cpu=True,
@@ -132,78 +128,93 @@ def test_automatic_naming_rotates_only_finished_checkpoints(tmp_path):
             project_dir=str(tmp_path), automatic_checkpoint_naming=True
         ),
     )
-    restored = setup(fresh)
-    fresh.load_state()  # the latest
-    assert_equal_states(expected, state_of(*restored, fresh))
+    restored = build(fresh)
+    fresh.load_state()  # the newest
+    _same(expected, state_of(fresh, *restored))
 
 
-def test_accelerate_written_directory_still_loads(tmp_path):
-    plain = Accelerator(cpu=True)
-    objects = setup(plain)
-    train(plain, *objects, steps=2)
-    plain.save_state(str(tmp_path / "plain"))
-    expected = state_of(*objects, plain)
-
+def test_a_save_into_a_directory_that_holds_files_leaves_them(tmp_path: Path) -> None:
+    """As accelerate's: files already in ``output_dir`` stay; the save's files replace
+    their names, each whole."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "optimizer.bin").write_text("an older save's")
     accelerator = SlipstreamAccelerator(cpu=True)
-    restored = setup(accelerator)
-    accelerator.load_state(str(tmp_path / "plain"))
-    assert_equal_states(expected, state_of(*restored, accelerator))
+    objects = build(accelerator)
+    train(accelerator, *objects, steps=1)
+    expected = state_of(accelerator, *objects)
+    accelerator.save_state(str(out))
+    listing = _plain_listing(tmp_path / "plain", safe_serialization=True)
+    assert sorted(os.listdir(out)) == sorted([*listing, "notes.txt"])
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["out", "plain"]  # no hidden directory left
+    loaded = load_without_slipstream(str(out), str(tmp_path / "loaded.pt"))
+    _same(expected, loaded)
 
 
-class Epochs:
-    """A registered object without tensors (so staging may overlap the next steps)."""
+class Unpicklable:
+    """A registered object whose state ``torch.save`` cannot write."""
 
-    def __init__(self) -> None:
-        self.done = 0
+    def state_dict(self) -> dict[str, Any]:
+        return {"call": lambda: 0}
 
-    def state_dict(self) -> dict[str, int]:
-        return {"done": self.done}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.done = state["done"]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
-def test_overlapped_staging_saves_the_state_of_the_save_call(tmp_path):
-    """With overlap_staging, save_state returns before the copy; the steps right after it
-    must not leak into the checkpoint."""
-    accelerator = SlipstreamAccelerator(cpu=True, overlap_staging=True)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    epochs = Epochs()
-    accelerator.register_for_checkpointing(epochs)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    for _ in range(3):
-        accelerator.backward(model(torch.randn(8, 256)).pow(2).mean())
-        optimizer.step()
-        optimizer.zero_grad()
-    epochs.done = 1
-    at_save = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = {
-        i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()
-    }
-    path = accelerator.save_state(str(tmp_path / "ckpt"))
-    for _ in range(3):  # the first optimizer step waits for the staging
-        accelerator.backward(model(torch.randn(8, 256)).pow(2).mean())
-        optimizer.step()
-        optimizer.zero_grad()
-    epochs.done = 2
-    assert not torch.equal(model.state_dict()["0.weight"], at_save["0.weight"])
-    accelerator.end_training()
+@pytest.mark.parametrize("background_write", [False, True], ids=["default", "background"])
+def test_a_failed_write_raises_and_leaves_nothing(tmp_path: Path, background_write: bool) -> None:
+    accelerator = SlipstreamAccelerator(cpu=True, background_write=background_write)
+    accelerator.register_for_checkpointing(Unpicklable())
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match="save_state to .*ckpt failed"):
+        accelerator.save_state(str(tmp_path / "ckpt"))
+        accelerator.wait_for_checkpoints()  # where the write goes on in the background
+    assert os.listdir(tmp_path) == []  # nothing under the name, no hidden directory left
+    accelerator.wait_for_checkpoints()  # the failure was raised once
 
-    fresh = SlipstreamAccelerator(cpu=True)
-    torch.manual_seed(1)
-    model2 = torch.nn.Sequential(
-        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
+
+def _two_processes(rank: int, world_size: int, root: str) -> None:
+    """Each process saves with a ``SlipstreamAccelerator`` in the background, moves on,
+    then loads the checkpoint with a plain ``Accelerator``: its state at the save."""
+    from dist_utils import free_port
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),  # unused: the process group is already up
     )
-    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    epochs2 = Epochs()
-    fresh.register_for_checkpointing(epochs2)
-    model2, optimizer2 = fresh.prepare(model2, optimizer2)
-    fresh.load_state(path)
-    for key, value in at_save.items():
-        assert torch.equal(model2.state_dict()[key], value), key
-    for idx, state in moments.items():
-        for key, value in state.items():
-            assert torch.equal(optimizer2.state_dict()["state"][idx][key], value), (idx, key)
-    assert epochs2.done == 1
+    accelerator = SlipstreamAccelerator(cpu=True, background_write=True)
+    assert accelerator.num_processes == world_size
+    objects = build(accelerator)
+    torch.manual_seed(10 + rank)  # each process's generators differ
+    train(accelerator, *objects, steps=2)
+    at_save = state_of(accelerator, *objects)
+    path = accelerator.save_state(os.path.join(root, "slipstream"))
+    train(accelerator, *objects, steps=2)
+    accelerator.wait_for_checkpoints()  # on every process (end_training ends the group)
+
+    plain = Accelerator(cpu=True)
+    train(plain, *build(plain), steps=1)
+    plain.save_state(os.path.join(root, "plain"))
+    plain.wait_for_everyone()
+    assert sorted(os.listdir(path)) == sorted(os.listdir(os.path.join(root, "plain")))
+    assert f"random_states_{rank}.pkl" in os.listdir(path)
+    reader = Accelerator(cpu=True)
+    restored = build(reader)
+    reader.load_state(str(path))
+    loaded = state_of(reader, *restored)
+    if rank != 0:  # as accelerate's: a registered object's state is the main process's
+        assert loaded.pop("counter")["seen"] == at_save.pop("counter")["seen"]
+    _same(at_save, loaded, f"rank {rank}")
+
+
+def test_two_processes_write_one_directory_a_plain_accelerator_loads(tmp_path: Path) -> None:
+    from dist_utils import run_workers
+
+    run_workers(_two_processes, 2, str(tmp_path), timeout=120)
+    assert sorted(os.listdir(tmp_path)) == ["plain", "slipstream"]  # none hidden left

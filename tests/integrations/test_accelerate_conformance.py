@@ -1,7 +1,11 @@
 """accelerate's own checkpoint tests pass with ``SlipstreamAccelerator`` swapped in, and went
 through slipstream: every test that passes as shipped passes swapped, and every one of them
 that calls ``save_state``/``load_state`` made those calls through slipstream's own code (not
-a fallback to accelerate's). See :mod:`accelerate_conformance` for what runs and how."""
+a fallback to accelerate's): each ``save_state`` wrote its files through slipstream's
+background writer, and each ``load_state`` waited for it and then read them with
+accelerate's own ``load_state``, so the tests' checks of what was restored are checks that
+the files on disk are accelerate's. See :mod:`accelerate_conformance` for what runs and
+how."""
 
 from __future__ import annotations
 
