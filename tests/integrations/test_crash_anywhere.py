@@ -374,7 +374,7 @@ def test_lightning_ckpt_path_last_resumes_from_a_complete_checkpoint_after_any_k
 
 
 def _trainer_run(report, root: str, steps: int) -> None:
-    from trainer_runs import cpu_arguments
+    from trainer_runs import TRAINER_FILES, cpu_arguments
     from transformers import TrainerCallback, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -405,8 +405,8 @@ def _trainer_run(report, root: str, steps: int) -> None:
                 return
             self.resumed = True
             if state.global_step:
-                state_dir = os.path.join(last, "slipstream")
-                complete = os.path.isfile(os.path.join(state_dir, ".metadata"))
+                # The Trainer's own files for a model that is no PreTrainedModel.
+                complete = set(TRAINER_FILES) - {"config.json"} <= set(os.listdir(last))
                 digest = state_digest(model.net, optimizer)
                 report("resumed", state.global_step, digest, last, complete)
             else:
@@ -440,11 +440,7 @@ def _trainer_run(report, root: str, steps: int) -> None:
 def test_trainer_resume_from_checkpoint_true_starts_from_a_complete_checkpoint_after_any_kill(
     tmp_path, zygote
 ):
-    def cut_short(root: str) -> bool:
-        staging = os.path.join(root, ".slipstream-staging")
-        return os.path.isdir(staging) and bool(os.listdir(staging))
-
-    _run_crash_trials(zygote, _trainer_run, tmp_path, 4, cut_short)
+    _run_crash_trials(zygote, _trainer_run, tmp_path, 4, lambda root: _leftovers(root) != [])
 
 
 # -- torchtitan through slipstream.dcp ---------------------------------------------------

@@ -1,7 +1,8 @@
 """SlipstreamTrainer keeps the Hugging Face Trainer's checkpoint contract: a save never
 changes the run it saves (bit for bit against the same run without saves, and against the
-plain Trainer saving the same steps), and a mid-epoch resume trains on the batches the
-plain Trainer's own resume trains on, the next one first."""
+plain Trainer saving the same steps), a mid-epoch resume trains on the batches the plain
+Trainer's own resume trains on, the next one first, callbacks see what they see with the
+Trainer, and a save that fails leaves nothing behind and fails ``train()``."""
 
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ from transformers import (
     TrainerCallback,
     TrainerState,
 )
+from transformers.trainer import TRAINER_STATE_NAME
 
-from slipstream.integrations.transformers import (
-    TRAINER_STATE_NAME,
-    SlipstreamTrainer,
-    SlipstreamTrainerMixin,
-)
+import slipstream.integrations._trainer_checkpoint as trainer_checkpoint
+from slipstream.errors import CheckpointError
+from slipstream.integrations.transformers import SlipstreamTrainer, SlipstreamTrainerMixin
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -236,25 +236,6 @@ def patience(trainer: Trainer) -> int:
     return early.early_stopping_patience_counter
 
 
-def test_a_device_generator_slipstream_does_not_save_is_named_at_the_save(
-    tmp_path, monkeypatch, caplog
-):
-    """On a device whose random generator the Trainer saves and slipstream does not (an
-    NPU here: its availability probe answers yes), the first save says so, once."""
-    import slipstream.integrations.transformers as integration
-
-    monkeypatch.setattr(integration, "is_torch_npu_available", lambda: True)
-    trainer = SlipstreamTrainer(
-        model=tiny_model(),
-        args=arguments(str(tmp_path / "run"), max_steps=2, save_steps=1),
-        train_dataset=dataset(rows=8),
-    )
-    with caplog.at_level("WARNING", logger=integration.__name__):
-        trainer.train()
-    said = [r.getMessage() for r in caplog.records if "not the npu generator" in r.getMessage()]
-    assert len(said) == 1, caplog.text
-
-
 def test_a_relative_output_dir_saves_rotates_and_resumes_as_the_trainer_does(tmp_path, monkeypatch):
     """``output_dir="out"`` (relative): the checkpoints kept by ``save_total_limit=2``, the
     best one recorded, and a ``resume_from_checkpoint=True`` run's end are the plain
@@ -330,3 +311,23 @@ def test_on_save_callbacks_see_the_checkpoint_just_saved_as_with_the_trainer(tmp
     assert seen["slipstream"] == seen["plain"]
     said = [r for r in caplog.records if "ReadsTheCheckpointOnSave" in r.getMessage()]
     assert len(said) == 1, caplog.text
+
+
+def test_a_save_that_fails_leaves_nothing_behind_and_fails_train(tmp_path, monkeypatch):
+    """The write of checkpoint-2 fails after its files are written, before the rename:
+    ``train()`` raises it, and ``output_dir`` holds neither a checkpoint-2 nor anything
+    hidden (the staged directory, the training thread's files)."""
+
+    def fail(source: str, target: str) -> None:
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(trainer_checkpoint, "_move_entries", fail)
+    out = tmp_path / "run"
+    trainer = SlipstreamTrainer(
+        model=tiny_model(),
+        args=arguments(str(out), max_steps=3, save_steps=2),
+        train_dataset=dataset(),
+    )
+    with pytest.raises(CheckpointError, match="disk full"):
+        trainer.train()
+    assert os.listdir(out) == []

@@ -11,11 +11,17 @@ import torch
 from datasets import Dataset
 from hf_models import config as model_config
 from tokenizers import Tokenizer, models, pre_tokenizers
-from trainer_runs import StopAt, assert_same_training_state, assert_same_weights, cpu_arguments
+from trainer_runs import (
+    TRAINER_FILES,
+    StopAt,
+    assert_same_training_state,
+    assert_same_weights,
+    cpu_arguments,
+)
 from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from slipstream.integrations.transformers import SlipstreamTrainerMixin, state_dir
+from slipstream.integrations.transformers import SlipstreamTrainerMixin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +92,7 @@ def test_sft_trainer_resumes_bit_exact(tmp_path):
     )
     first.train()
     checkpoint = os.path.join(out, "checkpoint-2")
-    assert state_dir(checkpoint) is not None
+    assert set(TRAINER_FILES) <= set(os.listdir(checkpoint))
     assert os.path.isfile(os.path.join(checkpoint, "tokenizer.json"))
     assert os.path.isfile(os.path.join(out, "README.md"))  # SFTTrainer's own model card
 

@@ -1,6 +1,7 @@
 """What the Hugging Face Trainer tests (plain ``Trainer`` and TRL's ``SFTTrainer``) share:
-CPU-only, seeded arguments that save by steps, a callback that interrupts a run, and the
-check that two trainers hold the same training state, tensor for tensor."""
+CPU-only, seeded arguments that save by steps, the files the Trainer's own checkpoint
+holds, a callback that interrupts a run, and the check that two trainers hold the same
+training state, tensor for tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 Args = TypeVar("Args", bound=TrainingArguments)
+
+TRAINER_FILES = (
+    "config.json",
+    "model.safetensors",
+    "optimizer.pt",
+    "rng_state.pth",
+    "scheduler.pt",
+    "trainer_state.json",
+    "training_args.bin",
+)
+"""What ``Trainer._save_checkpoint`` writes into ``checkpoint-N`` for a ``PreTrainedModel``
+trained in one process (with a generation config, a tokenizer or a scaler, more)."""
 
 
 def cpu_arguments(cls: type[Args], out: str, **fields: object) -> Args:
