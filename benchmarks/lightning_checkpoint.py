@@ -279,9 +279,9 @@ def main() -> None:
         "training thread's wait alone; the cost per save adds what the save's background "
         "work (a copy, a write) took from the other steps on this host's cores. The default "
         "SlipstreamCheckpointIO() is synchronous because Lightning's flow reads a checkpoint "
-        "as soon as save_checkpoint returns (its own test_model_checkpoint_no_extraneous_"
-        "invocations counts torch.save calls in on_train_end; trainer.save_checkpoint is "
-        "followed by load_from_checkpoint throughout its tests)."
+        "as soon as save_checkpoint returns (trainer.save_checkpoint then torch.load in its "
+        "own test_trainer.py::test_model_checkpoint_only_weights, and 19 more of its tests; "
+        "docs/integrations/lightning.md)."
     )
     for row in rows:
         print(row)
