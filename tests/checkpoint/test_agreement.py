@@ -26,7 +26,14 @@ def _blank(rank: int) -> dict:
     return {f"own{rank}": torch.zeros(64), "step": -1}
 
 
-def _saved_steps_then_a_lagging_copy(rank: int, world: int, base: str) -> None:
+def _tier(base: str, rank: int, local: bool) -> ss.LocalTier | None:
+    """A local tier that takes no step of these tests (``every=100``), or none."""
+    if not local:
+        return None
+    return ss.LocalTier(root=os.path.join(base, f"local{rank}"), every=100, replicas=0)
+
+
+def _saved_steps_then_a_lagging_copy(rank: int, world: int, base: str, local: bool) -> None:
     full, lagging = os.path.join(base, "full"), os.path.join(base, "lagging")
     with ss.Checkpointer(full) as ck:
         for step in (1, 2):
@@ -37,7 +44,8 @@ def _saved_steps_then_a_lagging_copy(rank: int, world: int, base: str) -> None:
         dist.barrier()
         ck.save(3, _state(rank, 3)).result(60)
     got = _blank(rank)
-    with ss.Checkpointer(lagging if rank == world - 1 else full) as ck:
+    root = lagging if rank == world - 1 else full
+    with ss.Checkpointer(root, local_tier=_tier(base, rank, local)) as ck:
         loaded = ck.load(got, strict=False)
     assert loaded == 2, f"rank {rank} loaded step {loaded}"
     assert got["step"] == 2 and torch.equal(got[f"own{rank}"], torch.full((64,), 2.0))
@@ -55,8 +63,9 @@ def _one_rank_sees_no_checkpoint(rank: int, world: int, base: str) -> None:
             ck.load(_blank(rank), strict=False)
 
 
-def test_a_load_without_a_step_loads_the_newest_step_every_rank_sees(tmp_path):
-    run_workers(_saved_steps_then_a_lagging_copy, 2, str(tmp_path))
+@pytest.mark.parametrize("local", [False, True], ids=["durable", "with_a_local_tier"])
+def test_a_load_without_a_step_loads_the_newest_step_every_rank_sees(tmp_path, local):
+    run_workers(_saved_steps_then_a_lagging_copy, 2, str(tmp_path), local)
 
 
 def test_a_rank_that_sees_no_checkpoint_fails_the_load_on_every_rank(tmp_path):

@@ -160,20 +160,25 @@ class Checkpointer:
         return max((s for s in (durable, local) if s is not None), default=None)
 
     def _durable_steps(self) -> list[int]:
-        """:meth:`steps`, every rank calling together (with a local tier): a rank that
-        cannot list them fails the call on every rank, naming itself and why."""
-        assert self.local_tier is not None
-        error, steps = None, []
-        try:
-            steps = self.steps()
-        except Exception as exc:
-            error = f"rank {self._saver.rank}: {type(exc).__name__}: {exc}"
-        errors = self.local_tier.agree(f"list the committed steps under {self.root}", error)
-        if errors:
-            raise CheckpointError(
-                f"listing the committed steps under {self.root} failed; " + "; ".join(errors)
+        """The steps every rank sees committed, the same list on every rank (every rank
+        calling together, through the same agreement as a load without a local tier): a
+        rank that cannot list them fails the call on every rank, naming itself and why; a
+        step a lagging rank does not see is left out, and the difference is logged."""
+        listings = agreement_for(self._saver.channel).values(
+            f"listing of the committed steps under {self.root}",
+            self.steps,
+            self._saver.options.timeout,
+        )
+        common = set(listings[0]).intersection(*listings[1:])
+        if any(set(steps) != common for steps in listings):
+            logger.warning(
+                "ranks list different committed steps under %s (%s); every rank considers "
+                "only the steps every rank sees: %s",
+                self.root,
+                ", ".join(f"rank {r}: {steps}" for r, steps in enumerate(listings)),
+                sorted(common),
             )
-        return steps
+        return sorted(common)
 
     def save(self, step: int, state_dict: Mapping[str, Any] | Stateful) -> AsyncSaveResponse:
         """Start saving ``state_dict`` as ``step``; see :func:`slipstream.async_save`.
