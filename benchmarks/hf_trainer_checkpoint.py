@@ -10,9 +10,10 @@ once, in a new seeded order, on the same model and optimizer:
 * ``no save``: ``--steps`` training steps (forward, backward, optimizer step);
 * ``Trainer._save_checkpoint``: the Trainer's default save (safetensors + ``torch.save``
   of the optimizer and scheduler, RNG, trainer_state.json, rotation), then the steps;
-* ``SlipstreamTrainer``: the same call on ``SlipstreamTrainer``, then the steps, the
-  first waiting for the save's staging before its optimizer step as the Trainer's loop
-  does (``on_pre_optimizer_step``);
+* ``SlipstreamTrainer``: the same call on ``SlipstreamTrainer`` (the same files, the
+  Trainer's own; it returns once the state is copied into reused host memory and the small
+  files are written, and the rest is written, fsynced and renamed into place in the
+  background), then the steps;
 * ``Accelerator.save_state``, ``SlipstreamAccelerator.save_state`` (the same files,
   accelerate's own; it returns once they are written and fsynced) and
   ``SlipstreamAccelerator(background_write=True)`` (it returns once the state is copied
@@ -29,10 +30,10 @@ staging and write threads compete with the steps for every core) and ``a core to
 whose training leaves host cores idle). Each is reported and has its floors.
 
 Two costs of a save to the training loop: the time the training thread waited (the save
-call; for slipstream also the staging wait before the next optimizer step), and the round
+call; for the bare writer also its copy wait before the next optimizer step), and the round
 cost, the round's time minus the same round's ``no save`` time: the wait plus what the
 background work slowed the steps that ran beside it (on few busy cores, most of it).
-slipstream's background write (and its weights export) is then waited for outside the
+slipstream's background write is then waited for outside the
 timed region, so it never overlaps another peer, and so is the kernel's writeback of what
 any peer left in the page cache (``os.sync``: the Trainer's and accelerate's saves return
 before their files are on disk), which would otherwise land in another peer's round. A
@@ -220,7 +221,7 @@ class Bench:
         elif name == SS_TRAINER:
             self._trainer_save(self.ss_trainer)
             waited = time.perf_counter() - start
-            self.steps_after(timed_wait(self.ss_trainer.wait_for_staging))
+            self.steps_after(lambda: None)
         elif name == BARE:
             copy = self.bare.start()
             self.steps_after(timed_wait(copy.result))
@@ -263,7 +264,7 @@ class BareWriter:
     """The least any asynchronous, durable checkpoint of these tensors can do: one thread
     copies them into one page-aligned buffer, then writes it with ``O_DIRECT`` in 64 MiB
     pieces and fsyncs; no checksums, no metadata, no Python between pieces. The training
-    loop waits for the copy before its optimizer step, as slipstream's overlapped staging."""
+    loop waits for the copy before its optimizer step."""
 
     PIECE = 64 * 1024 * 1024
 
@@ -305,45 +306,6 @@ class BareWriter:
             os.close(fd)
 
 
-def export_sources(result: Result, bench: Bench, root: Path, rounds: int) -> None:
-    """``model.safetensors`` written by ``ss.export_hf`` from a checkpoint just saved, read
-    back from it or taken from the snapshot it was saved from (``staged=``, what
-    ``SlipstreamTrainer`` does in one process): time and CPU seconds, alternating, medians."""
-    import slipstream as ss
-
-    kept: dict[str, dict[str, list[float]]] = {"read back": {}, "from the snapshot": {}}
-    for rep in range(1 + rounds):
-        with torch.no_grad():  # new bytes each time, as after training steps
-            for t in bench.tensors():
-                t.add_(1e-6)
-        snapshot = ss.stage(
-            {"model": bench.model.state_dict(), "optimizer": bench.optimizer.state_dict()}
-        )
-        checkpoint = root / "export" / "ckpt"
-        ss.save(snapshot, checkpoint)
-        staged = {f"model.{k}": v for k, v in snapshot["model"].items()}
-        order = list(kept) if rep % 2 else list(reversed(kept))
-        for how in order:
-            out = root / "export" / how.replace(" ", "_")
-            os.sync()
-            cpu, start = process_cpu(), time.perf_counter()
-            ss.export_hf(
-                checkpoint, out, prefix="model.", staged=staged if "snapshot" in how else None
-            )
-            if rep:
-                kept[how].setdefault("seconds", []).append(time.perf_counter() - start)
-                kept[how].setdefault("cpu", []).append(process_cpu() - cpu)
-    weights = sum(p.numel() * p.element_size() for p in bench.model.parameters())
-    result.tables.append(
-        Table(
-            f"model.safetensors ({weights / 1e6:.0f} MB) exported from a checkpoint just "
-            f"saved, {rounds} rounds after a warm-up, alternating: medians",
-            ["weights", "seconds", "CPU s"],
-            [[how, median(m["seconds"]), median(m["cpu"])] for how, m in kept.items()],
-        )
-    )
-
-
 def process_cpu() -> float:
     """CPU seconds this process has used (every thread, user and system)."""
     times = os.times()
@@ -378,8 +340,8 @@ def report(
     result.tables.append(
         Table(
             f"{group}, {env}: a save, then {steps} training steps (seconds, medians over rounds). "
-            "waited: what the training thread waited for (the save call, and for slipstream "
-            "the staging wait before the next optimizer step); round cost: the round's time "
+            "waited: what the training thread waited for (the save call, and for the bare "
+            "writer its copy wait before the next optimizer step); round cost: the round's time "
             f"less the '{NONE}' run's in the same round (the wait plus what background work "
             "slowed the steps beside it), with its quartiles; CPU: the process's CPU seconds "
             f"over the '{NONE}' run's in the same round, every thread, until the save's "
@@ -493,8 +455,6 @@ def main() -> None:
             )
             for group, names in groups.items()
         }
-        if "Trainer" in groups:
-            export_sources(result, bench, root, rounds)
     result.note_load("end")
     for group, names in groups.items():
         for env in envs:

@@ -1,7 +1,8 @@
 """Hugging Face Trainer (or any subclass, TRL's included) checkpointing through slipstream.
 
 Trains a tiny GPT-2 built from a config on made-up data, stops after step 3, resumes from
-the checkpoint, and loads the last checkpoint's weights with ``from_pretrained``::
+the checkpoint, loads the last checkpoint's weights with ``from_pretrained``, and resumes
+the plain ``Trainer`` from the same checkpoint: it holds the Trainer's own files::
 
     python examples/hf_trainer.py --out /tmp/hf_trainer
 """
@@ -13,7 +14,13 @@ import os
 
 import torch
 from datasets import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
 from slipstream.integrations.transformers import SlipstreamTrainer
@@ -65,7 +72,8 @@ def main() -> None:
     SlipstreamTrainer(
         model=model(), args=args, train_dataset=data, callbacks=[StopAfter(3)]
     ).train()
-    print(f"interrupted; last checkpoint: {os.path.basename(get_last_checkpoint(out))}")
+    first = get_last_checkpoint(out)
+    print(f"interrupted; {os.path.basename(first)} holds {sorted(os.listdir(first))}")
 
     trainer = SlipstreamTrainer(model=model(), args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=True)
@@ -80,6 +88,17 @@ def main() -> None:
         )
     )
     print(f"from_pretrained({os.path.basename(last)}) equals the trained model: {same}")
+
+    # The plain Trainer resumes from the checkpoint slipstream wrote, to the same end.
+    plain = Trainer(model=model(), args=args, train_dataset=data)
+    plain.train(resume_from_checkpoint=first)
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            trainer.model.state_dict().values(), plain.model.state_dict().values(), strict=True
+        )
+    )
+    print(f"the plain Trainer resumed from {os.path.basename(first)} ends the same: {same}")
 
 
 if __name__ == "__main__":

@@ -263,8 +263,8 @@ class SlipstreamTrainerMixin(_TrainerBase):
         self._point_best_at(run_dir, best_before)
         if capture.written is not None:
             if self.state.best_model_checkpoint != recorded:  # as the Trainer would record it
-                state_file = os.path.join(capture.written, os.path.basename(final))
-                self.state.save_to_json(os.path.join(state_file, TRAINER_STATE_NAME))
+                staged_dir = os.path.join(capture.written, os.path.basename(final))
+                self.state.save_to_json(os.path.join(staged_dir, TRAINER_STATE_NAME))
             self._start_write(capture, final)
         readers = self._on_save_callbacks()
         if readers:
