@@ -73,7 +73,8 @@ def main() -> None:
         model=model(), args=args, train_dataset=data, callbacks=[StopAfter(3)]
     ).train()
     first = get_last_checkpoint(out)
-    print(f"interrupted; {os.path.basename(first)} holds {sorted(os.listdir(first))}")
+    print(f"interrupted; last checkpoint: {os.path.basename(first)}")
+    print(f"it holds the Trainer's own files: {sorted(os.listdir(first))}")
 
     trainer = SlipstreamTrainer(model=model(), args=args, train_dataset=data)
     trainer.train(resume_from_checkpoint=True)
