@@ -179,11 +179,16 @@ def _run_crash_trials(zygote, fn, tmp_path, seed: int, cut_short) -> None:
 
 
 def _incomplete_under(directory: str) -> bool:
-    from slipstream.integrations.training_state import is_incomplete
-
+    """Whether a step directory under ``directory`` is a DCP save cut short: data files and
+    no ``.metadata``."""
     if not os.path.isdir(directory):
         return False
-    return any(is_incomplete(os.path.join(directory, n)) for n in os.listdir(directory))
+    for name in os.listdir(directory):
+        step = os.path.join(directory, name)
+        if os.path.isdir(step) and not os.path.isfile(os.path.join(step, ".metadata")):
+            if any(f.endswith(".distcp") for f in os.listdir(step)):
+                return True
+    return False
 
 
 # -- accelerate --------------------------------------------------------------------------

@@ -24,14 +24,12 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 
 from ..checkpoint.files.atomic import SAVING_MARK
 from ..checkpoint.format.names import is_temporary
 from ..errors import CheckpointError
-from .training_state import is_incomplete
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +89,12 @@ class Remover:
         self._executor = None
 
 
-def sweep(directory: str, checkpoint_name: Callable[[str], bool] | None = None) -> list[str]:
+def sweep(directory: str) -> list[str]:
     """Delete what a process killed mid-way left in ``directory`` (where a run keeps its
     checkpoints) and return it, logged in one line: hidden ``.<name>.removing-<id>``
     entries (a deletion cut short) and ``.<name>.saving-<id>`` ones (a save cut short
-    before its rename into place), slipstream's temporary files in it and in its
-    checkpoints, and, given ``checkpoint_name`` (which names the framework gives its
-    checkpoints), each checkpoint so named that a save started and never committed
-    (:func:`~.training_state.is_incomplete`). Call it only while this run has no save in
-    flight there."""
+    before its rename into place), and slipstream's temporary files in it and in its
+    checkpoints. Call it only while this run has no save in flight there."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -107,11 +102,7 @@ def sweep(directory: str, checkpoint_name: Callable[[str], bool] | None = None) 
     removed = []
     for name in names:
         path = os.path.join(directory, name)
-        if (
-            _is_hidden_leftover(name)
-            or is_temporary(name)
-            or (checkpoint_name is not None and checkpoint_name(name) and is_incomplete(path))
-        ):
+        if _is_hidden_leftover(name) or is_temporary(name):
             removed.append(path)
         elif os.path.isdir(path) and not os.path.islink(path):
             removed += [os.path.join(path, f) for f in _listing(path) if is_temporary(f)]
