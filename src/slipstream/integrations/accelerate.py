@@ -115,7 +115,8 @@ class SlipstreamAccelerator(Accelerator):
     """An ``Accelerator`` whose ``save_state`` writes accelerate's files in the background.
 
     Takes accelerate's arguments, plus ``slipstream_timeout``: the bound on every wait for
-    a previous save (``None``: no bound); and ``background_write``: ``save_state`` returns once
+    a previous save, in seconds (a save that does not finish in time raises, naming its
+    directory); and ``background_write``: ``save_state`` returns once
     the state is copied and the files are written in the background (off by default: as
     accelerate's, ``save_state`` returns once the checkpoint is in place and nothing of it
     is still being written or rotated out, so the caller may read, copy or delete it).
@@ -129,14 +130,14 @@ class SlipstreamAccelerator(Accelerator):
     def __init__(
         self,
         *args: Any,
-        slipstream_timeout: float | None = None,
+        slipstream_timeout: float = SaveOptions.timeout,
         background_write: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.slipstream_timeout = slipstream_timeout
         self.background_write = background_write
-        self._ss_copy = HostCopy() if slipstream_timeout is None else HostCopy(slipstream_timeout)
+        self._ss_copy = HostCopy(slipstream_timeout)
         self._ss_writes = BackgroundWrites(nice=SaveOptions.thread_nice)
         self._ss_save: _Save | None = None
         self._ss_remover = Remover()

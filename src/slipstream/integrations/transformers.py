@@ -110,9 +110,9 @@ log = logging.getLogger(__name__)
 class SlipstreamTrainerOptions:
     """How :class:`SlipstreamTrainerMixin` saves."""
 
-    timeout: float | None = None
+    timeout: float = SaveOptions.timeout
     """Bounds each wait for a save to finish (the next save's, ``train()``'s), in seconds;
-    ``None``: no bound."""
+    one that does not finish in time raises, naming the checkpoint."""
 
 
 @dataclass
@@ -163,7 +163,7 @@ class SlipstreamTrainerMixin(_TrainerBase):
             )
         self.slipstream_options = slipstream_options or SlipstreamTrainerOptions()
         self._ss_capture: _Capture | None = None
-        self._ss_host = HostCopy()
+        self._ss_host = HostCopy(self.slipstream_options.timeout)
         self._ss_writes = BackgroundWrites(nice=SaveOptions.thread_nice)
         self._ss_logged: set[str] = set()
 
