@@ -12,37 +12,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 from accelerate_plain_load import build, load_without_slipstream, state_of, train
+from same_tree import assert_same_tree
 
 from slipstream import CheckpointError
 from slipstream.integrations.accelerate import SlipstreamAccelerator
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _same(a: Any, b: Any, where: str = "state") -> None:
-    """``a`` and ``b`` are equal, tensors and arrays bit for bit (dtype included)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where}: differs"
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype, where
-        assert np.array_equal(a, b), f"{where}: differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {a.keys()} != {b.keys()}"
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _plain_listing(directory: Path, safe_serialization: bool) -> list[str]:
@@ -69,7 +49,7 @@ def test_a_plain_accelerator_without_slipstream_loads_the_state_at_the_save(
 
     assert sorted(os.listdir(path)) == _plain_listing(tmp_path / "plain", safe_serialization)
     loaded = load_without_slipstream(str(path), str(tmp_path / "loaded.pt"))
-    _same(at_save, loaded)
+    assert_same_tree(at_save, loaded)
     assert loaded["step"] == 3 and loaded["counter"]["seen"] == 3
 
 
@@ -87,7 +67,7 @@ def test_round_trip_continues_training_as_the_uninterrupted_run(tmp_path: Path) 
     fresh.load_state(str(path))
     assert fresh.step == 3 and restored[3].seen == 3
     assert train(fresh, *restored, steps=4) == losses_after
-    _same(expected, state_of(fresh, *restored))
+    assert_same_tree(expected, state_of(fresh, *restored))
 
 
 def test_a_directory_a_plain_accelerator_wrote_loads(tmp_path: Path) -> None:
@@ -100,7 +80,7 @@ def test_a_directory_a_plain_accelerator_wrote_loads(tmp_path: Path) -> None:
     accelerator = SlipstreamAccelerator(cpu=True)
     restored = build(accelerator)
     accelerator.load_state(str(tmp_path / "plain"))
-    _same(expected, state_of(accelerator, *restored))
+    assert_same_tree(expected, state_of(accelerator, *restored))
 
 
 def test_automatic_naming_rotates_only_finished_checkpoints(tmp_path: Path) -> None:
@@ -130,7 +110,7 @@ def test_automatic_naming_rotates_only_finished_checkpoints(tmp_path: Path) -> N
     )
     restored = build(fresh)
     fresh.load_state()  # the newest
-    _same(expected, state_of(fresh, *restored))
+    assert_same_tree(expected, state_of(fresh, *restored))
 
 
 def test_a_save_into_a_directory_that_holds_files_leaves_them(tmp_path: Path) -> None:
@@ -150,7 +130,7 @@ def test_a_save_into_a_directory_that_holds_files_leaves_them(tmp_path: Path) ->
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(os.listdir(tmp_path)) == ["out", "plain"]  # no hidden directory left
     loaded = load_without_slipstream(str(out), str(tmp_path / "loaded.pt"))
-    _same(expected, loaded)
+    assert_same_tree(expected, loaded)
 
 
 class Unpicklable:
@@ -210,7 +190,7 @@ def _two_processes(rank: int, world_size: int, root: str) -> None:
     loaded = state_of(reader, *restored)
     if rank != 0:  # as accelerate's: a registered object's state is the main process's
         assert loaded.pop("counter")["seen"] == at_save.pop("counter")["seen"]
-    _same(at_save, loaded, f"rank {rank}")
+    assert_same_tree(at_save, loaded, f"rank {rank}")
 
 
 def test_two_processes_write_one_directory_a_plain_accelerator_loads(tmp_path: Path) -> None:

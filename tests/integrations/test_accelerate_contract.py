@@ -16,28 +16,12 @@ import torch
 import torchdata.stateful_dataloader  # noqa: F401  (accelerate's stateful loader needs it)
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+from same_tree import assert_same_tree
 from torch.utils.data import DataLoader, TensorDataset
 
 from slipstream.integrations.accelerate import SlipstreamAccelerator
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _same(a: Any, b: Any, where: str = "") -> None:
-    """``a`` and ``b`` are equal, tensors bit for bit (dtype included)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where}: differs by {(a - b).abs().max()}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _model() -> torch.nn.Module:
@@ -82,7 +66,7 @@ def test_saving_before_and_after_every_step_changes_nothing(tmp_path: Path) -> N
         SlipstreamAccelerator(project_config=config, background_write=True), 5, save=True
     )
     reference = _train_with_saves(Accelerator(), 5, save=False)
-    _same(saved, reference, "state")
+    assert_same_tree(saved, reference, "state")
     assert [s["step"] for s in saved["optimizer"]["state"].values()] == [torch.tensor(5.0)] * 6
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "checkpoint_3",
@@ -136,10 +120,10 @@ def test_resume_mid_epoch_continues_at_the_next_batch(tmp_path: Path, shuffle: b
     after, resumed = _resume_mid_epoch(SlipstreamAccelerator, tmp_path / "slipstream", shuffle)
     reference = _resume_mid_epoch(Accelerator, tmp_path / "accelerate", shuffle)
     assert len(after) == len(resumed) == 13
-    _same(reference[0], after, "first run")
-    _same(reference[1], resumed, "resumed")
+    assert_same_tree(reference[0], after, "first run")
+    assert_same_tree(reference[1], resumed, "resumed")
     if not shuffle:  # shuffled, accelerate's resumed order is not the first run's
-        _same(after, resumed, "resumed")  # batch 3 on, as without the interruption
+        assert_same_tree(after, resumed, "resumed")  # batch 3 on, as without the interruption
 
 
 def _unprepared_optimizer_run(kind: type[Accelerator], directory: Path) -> dict[str, Any]:
@@ -166,7 +150,9 @@ def _unprepared_optimizer_run(kind: type[Accelerator], directory: Path) -> dict[
 
 def test_an_optimizer_over_an_unprepared_model_round_trips(tmp_path: Path) -> None:
     restored = _unprepared_optimizer_run(SlipstreamAccelerator, tmp_path / "slipstream")
-    _same(restored, _unprepared_optimizer_run(Accelerator, tmp_path / "accelerate"), "optimizer")
+    assert_same_tree(
+        restored, _unprepared_optimizer_run(Accelerator, tmp_path / "accelerate"), "optimizer"
+    )
     assert len(restored["state"]) == 6
 
 

@@ -22,6 +22,7 @@ from datasets import Dataset
 from dist_utils import free_port
 from hf_models import config
 from safetensors.torch import load_file
+from same_tree import assert_same_tree
 from trainer_runs import (
     TRAINER_FILES,
     StopAt,
@@ -160,24 +161,6 @@ def test_checkpoints_hold_the_trainers_own_files_and_nothing_else(tmp_path):
 def read_json(path: str) -> object:
     with open(path) as f:
         return json.load(f)
-
-
-def assert_same_tree(a: object, b: object, where: str = "") -> None:
-    """Equal trees, tensors and numpy arrays bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and np.array_equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            assert_same_tree(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_tree(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def test_the_plain_trainer_resumes_slipstreams_checkpoint_and_the_other_way_round(tmp_path):
