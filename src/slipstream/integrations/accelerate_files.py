@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 from ..checkpoint.files import torch_save
 from ..checkpoint.files.atomic import saving_name
+from ..checkpoint.storage.files import fsync_file
 
 
 def _numbered(name: str, i: int) -> str:
@@ -137,11 +138,7 @@ def _save_safetensors(state: dict[str, Any], path: str) -> None:
     hidden = saving_name(path)
     try:
         save_file(state, hidden, metadata={"format": "pt"})
-        fd = os.open(hidden, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(hidden)
         os.replace(hidden, path)
     except BaseException:
         if os.path.exists(hidden):

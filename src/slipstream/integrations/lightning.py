@@ -59,7 +59,7 @@ from slipstream.checkpoint.files import (
     wait_for_path,
 )
 from slipstream.checkpoint.format.names import METADATA_FILE
-from slipstream.checkpoint.storage.files import fsync_dir
+from slipstream.checkpoint.storage.files import fsync_dir, fsync_file
 
 from .removal import sweep
 
@@ -122,7 +122,8 @@ class SlipstreamCheckpointIO(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         target = os.fspath(path)
         if "://" not in target and os.path.isfile(target):
-            _fsync(target)
+            fsync_file(target)
+            fsync_dir(os.path.dirname(os.path.abspath(target)))
 
     def load_checkpoint(
         self,
@@ -150,15 +151,6 @@ class SlipstreamCheckpointIO(TorchCheckpointIO):
     def teardown(self) -> None:
         """Wait for every write in flight and join its thread; raise the first failure."""
         self._writes.wait(self.timeout)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _load_slipstream_directory(

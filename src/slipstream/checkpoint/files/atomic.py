@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
-from ..storage.files import fsync_dir
+from ..storage.files import fsync_dir, fsync_file
 
 SAVING_MARK = ".saving-"
 """Part of the hidden name a file or directory is written under before its rename."""
@@ -93,9 +93,5 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
 def _fsync_tree(root: str) -> None:
     for folder, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(folder, name))
         fsync_dir(folder)
