@@ -1,13 +1,26 @@
 """A forked child lets go of the sockets recorded in a :class:`ForkClosedSockets`: each is
 pointed at ``/dev/null`` there (so the parent's death closes the connection), only while it
-is still the socket recorded; a socket not recorded, or forgotten, stays in the child."""
+is still the socket recorded; a socket not recorded, or forgotten, stays in the child.
+:func:`tcp_sockets` reads a TCP socket's endpoints as the socket itself gives them, and
+:func:`group_connections` keeps only connections between two members' new sockets made on a
+listener one of them opened then."""
 
 from __future__ import annotations
 
 import os
 import socket
+from contextlib import ExitStack
 
-from slipstream.core.fork_closed import ForkClosedSockets, open_sockets
+import pytest
+
+from slipstream.core.fork_closed import (
+    ForkClosedSockets,
+    NewSockets,
+    TcpSocket,
+    group_connections,
+    open_sockets,
+    tcp_sockets,
+)
 
 
 def _in_child(fds: list[int]) -> list[str]:
@@ -68,3 +81,90 @@ def test_a_descriptor_that_names_another_socket_now_is_left_alone():
     finally:
         for s in second:
             s.close()
+
+
+def _connected(stack: ExitStack, family: socket.AddressFamily, host: str) -> list:
+    """A listener on ``host``, a client connected to it and the accepted end, all closed by
+    ``stack``."""
+    server = stack.enter_context(socket.create_server((host, 0), family=family))
+    client = stack.enter_context(socket.socket(family))
+    if family == socket.AF_INET6:
+        client.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    client.settimeout(10)
+    client.connect((host, server.getsockname()[1]))
+    accepted = stack.enter_context(server.accept()[0])
+    return [server, client, accepted]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_tcp_sockets_gives_each_tcp_socket_s_own_endpoints_and_leaves_unix_sockets_out():
+    with ExitStack() as stack:
+        server, client, accepted = _connected(stack, socket.AF_INET, "127.0.0.1")
+        pair = socket.socketpair()
+        for s in pair:
+            stack.enter_context(s)
+        found = tcp_sockets(open_sockets())
+        assert found[server.fileno()] == TcpSocket(server.getsockname(), ("0.0.0.0", 0), True)
+        for s in (client, accepted):
+            assert found[s.fileno()] == TcpSocket(s.getsockname(), s.getpeername(), False)
+        assert pair[0].fileno() not in found and pair[1].fileno() not in found
+
+
+def test_tcp_sockets_writes_an_ipv4_mapped_ipv6_endpoint_as_ipv4():
+    with ExitStack() as stack:
+        server = _connected(stack, socket.AF_INET, "127.0.0.1")[0]
+        v6 = stack.enter_context(socket.socket(socket.AF_INET6))
+        v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        v6.settimeout(10)
+        v6.connect(("::ffff:127.0.0.1", server.getsockname()[1]))
+        found = tcp_sockets(open_sockets())
+        assert found[v6.fileno()] == TcpSocket(
+            ("127.0.0.1", v6.getsockname()[1]), server.getsockname(), False
+        )
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_tcp_sockets_reads_an_ipv6_endpoint():
+    with ExitStack() as stack:
+        server, client = _connected(stack, socket.AF_INET6, "::1")[:2]
+        found = tcp_sockets(open_sockets())
+        assert found[server.fileno()] == TcpSocket(
+            ("::1", server.getsockname()[1]), ("::", 0), True
+        )
+        assert found[client.fileno()] == TcpSocket(
+            client.getsockname()[:2], client.getpeername()[:2], False
+        )
+
+
+A_LISTENER = ("10.0.0.1", 5000)
+A_STORE = ("10.0.0.1", 29500)
+B_CLIENT = ("10.0.0.2", 40001)
+B_STORE_CLIENT = ("10.0.0.2", 40002)
+SERVER = ("10.0.0.9", 443)
+
+
+def test_group_connections_keeps_a_connection_to_a_member_on_a_listener_new_to_either_end():
+    a = {
+        3: TcpSocket(("0.0.0.0", A_LISTENER[1]), ("0.0.0.0", 0), True),
+        4: TcpSocket(A_LISTENER, B_CLIENT, False),  # accepted from B
+        5: TcpSocket(A_STORE, B_STORE_CLIENT, False),  # the store's old listener took it
+        6: TcpSocket(("10.0.0.1", 40003), SERVER, False),  # to a server, not a member
+    }
+    b = {
+        7: TcpSocket(B_CLIENT, A_LISTENER, False),
+        8: TcpSocket(B_STORE_CLIENT, A_STORE, False),
+        9: TcpSocket(("10.0.0.2", 40004), SERVER, False),
+    }
+    posted_a = NewSockets.from_json(NewSockets.of(a.values()).to_json())
+    posted_b = NewSockets.from_json(NewSockets.of(b.values()).to_json())
+    assert posted_a == NewSockets.of(a.values())
+    assert set(group_connections(a, [posted_b])) == {4}
+    assert set(group_connections(b, [posted_a])) == {7}
+    assert group_connections(b, []) == {}

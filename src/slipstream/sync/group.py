@@ -39,7 +39,13 @@ import torch
 import torch.distributed as dist
 
 from ..core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
-from ..core.fork_closed import SYNC_SOCKETS, open_sockets
+from ..core.fork_closed import (
+    SYNC_SOCKETS,
+    NewSockets,
+    group_connections,
+    open_sockets,
+    tcp_sockets,
+)
 from ..core.waits import Deadline
 from ..errors import PeerTimeoutError, SyncError
 
@@ -163,12 +169,26 @@ class SyncGroup:
                 f"rank {self.rank}: building the sync subgroup over ranks {list(key)} failed "
                 f"within {self.timeout} s (a member did not join?): {exc}"
             ) from exc
-        # gloo connects every pair while it is built: the sockets opened meanwhile are its
-        # (and the store client's); a forked child lets go of them (core.fork_closed)
-        opened = open_sockets()
-        SYNC_SOCKETS.add(id(pg), {fd: s for fd, s in opened.items() if before.get(fd) != s})
+        # gloo connects every pair while it is built: a forked child lets go of those
+        # connections (core.fork_closed), told apart from what other threads opened meanwhile
+        opened = {fd: s for fd, s in open_sockets().items() if before.get(fd) != s}
+        SYNC_SOCKETS.add(id(pg), self._group_connections(name, key, opened))
         self._subgroups[(self.channel_name, tag, key)] = pg
         return pg
+
+    def _group_connections(
+        self, name: str, ranks: tuple[int, ...], opened: dict[int, str]
+    ) -> dict[int, str]:
+        """Those of ``opened`` (the sockets this process opened while the group ``name`` over
+        ``ranks`` was built) that are its connections to the other members: every member
+        posts its new TCP sockets and reads the others'
+        (:func:`..core.fork_closed.group_connections`)."""
+        mine = tcp_sockets(opened)
+        self.post(f"{name}sockets/{self.rank}", NewSockets.of(mine.values()).to_json())
+        keys = {r: f"{name}sockets/{r}" for r in ranks if r != self.rank}
+        self.wait_keys(keys, f"the new sockets of subgroup {list(ranks)}")
+        others = [NewSockets.from_json(self.read(k)) for k in keys.values()]
+        return {fd: opened[fd] for fd in group_connections(mine, others)}
 
     def drop_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
         """Forget the process group of ``ranks`` and ``tag`` and let it go: its connections
