@@ -2,10 +2,13 @@
 
 :class:`RefetchServer`, on the publisher's worker thread, offers the cache's version and,
 once the rollout accepts, sends every byte of this rank's buckets over a process group of
-just the two of them (over ``cma`` the rollout reads the cache itself), holding the cache's
-lock until the rollout acknowledged.
+just the two of them (over ``cma`` the rollout reads the cache itself). It takes the cache's
+lock only to take a hold on the cache's current generation (:meth:`.HostCache.hold`) and
+serves from that generation, which stays alive and unchanged, until the rollout
+acknowledged or the refetch failed; a publish snapshotting meanwhile writes another buffer.
 
-Invariant: a refetch never fails a publish: what goes wrong is the asking rollout's error.
+Invariant: a refetch never fails a publish, nor makes its snapshot wait for the asking
+rollout: what goes wrong is the asking rollout's error.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..round.protocol import (
 )
 from ..round.versions import RolloutVersions
 from ..transport.network import let_go
-from .host_cache import HostCache
+from .host_cache import Generation, HostCache
 from .sending import send_cached
 
 logger = logging.getLogger(__name__)
@@ -148,7 +151,7 @@ class RefetchServer:
     def _serve(self, request: AgainRequest) -> None:
         """Answer ``request`` with this rank's offer and, once the rollout accepts, send
         every byte of this rank's buckets from the cache (over ``cma`` the rollout reads
-        them itself). The cache stays locked until the rollout acknowledged."""
+        them itself). The generation offered is held until the rollout acknowledged."""
         r, n = request.rollout, request.n
         offer_key = Keys.again_offer(r, n, self.rank)
         if not self.cache.lock.acquire(blocking=False):
@@ -156,55 +159,68 @@ class RefetchServer:
             self.group.post(offer_key, encode(AgainOffer(error=why)))
             return
         try:
-            offer = cache_offer(self.cache, self.kind, self.separate_min)
-            self.group.post(offer_key, encode(offer))
-            if offer.error:
-                return
-            what = f"rollout rank {r} to accept version {offer.version}"
-            go = decode(AgainGo, self.group.get_text(Keys.again_go(r, n), r, what, self.timeout))
-            if not go.go:
-                return
-            plan = self.cache.plan
-            assert plan is not None and offer.shape is not None
-            if self.kind != "cma":
-                tag = f"again-i{request.incarnation}"
-                sender = network_sender(
-                    self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
-                )
-                try:
-                    send_cached(self.cache, sender, plan, self.group.device)
-                    sender.flush()
-                except BaseException as exc:  # the pair's group is spent: build anew next time
-                    sender.close()
-                    self.group.drop_subgroup([self.rank, r], tag)
-                    let_go(exc)
-                    raise
-                sender.close()
-            what = f"rollout rank {r} to acknowledge a refetch"
-            ack = decode(Ack, self.group.get_text(Keys.again_ack(r, n), r, what, self.timeout))
+            held = self.cache.hold()
         finally:
             self.cache.lock.release()
+        if held is None:
+            why = f"trainer rank {self.rank} holds no complete version yet"
+            self.group.post(offer_key, encode(AgainOffer(error=why)))
+            return
+        try:
+            ack = self._send(request, held)
+        finally:
+            self.cache.release(held)
+        if ack is None:
+            return
         self.rollout_versions.record(r, ack.holds)  # not if r was dropped meanwhile
         logger.info(
             "trainer rank %d served version %s again to rollout rank %d from its cache",
             self.rank,
-            offer.version,
+            held.version,
             r,
         )
+
+    def _send(self, request: AgainRequest, held: Generation) -> Ack | None:
+        """Offer ``held`` to ``request``'s rollout and, once it accepts, send it; return the
+        rollout's acknowledgement (``None``: it declined)."""
+        r, n = request.rollout, request.n
+        offer = cache_offer(held, self.kind, self.separate_min)
+        self.group.post(Keys.again_offer(r, n, self.rank), encode(offer))
+        what = f"rollout rank {r} to accept version {offer.version}"
+        go = decode(AgainGo, self.group.get_text(Keys.again_go(r, n), r, what, self.timeout))
+        if not go.go:
+            return None
+        assert offer.shape is not None
+        if self.kind != "cma":
+            tag = f"again-i{request.incarnation}"
+            sender = network_sender(
+                self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
+            )
+            try:
+                send_cached(held, sender, self.group.device)
+                sender.flush()
+            except BaseException as exc:  # the pair's group is spent: build anew next time
+                sender.close()
+                self.group.drop_subgroup([self.rank, r], tag)
+                let_go(exc)
+                raise
+            sender.close()
+        what = f"rollout rank {r} to acknowledge a refetch"
+        return decode(Ack, self.group.get_text(Keys.again_ack(r, n), r, what, self.timeout))
 
 
 #: Buffers per side of a refetch's transfer (allocated for its duration).
 REFETCH_SLOTS = 2
 
 
-def cache_offer(cache: HostCache, kind: str, separate_min: int | None | str) -> AgainOffer:
-    """What ``cache``'s rank can serve again over ``kind``: its version and plan, or why not."""
-    if cache.version is None or cache.plan is None:
-        return AgainOffer(error=f"trainer rank {cache.rank} holds no complete version yet")
-    shape = shape_of(cache.plan.bucket_bytes, REFETCH_SLOTS, separate_min_for(kind, separate_min))
-    offer = AgainOffer(cache.version, cache.plan.plan_id, kind, shape)
+def cache_offer(held: Generation, kind: str, separate_min: int | None | str) -> AgainOffer:
+    """The offer of ``held`` (a complete version) over ``kind``: its version and plan, and
+    over ``cma`` where the rollout reads it."""
+    assert held.version is not None
+    plan = held.plan
+    shape = shape_of(plan.bucket_bytes, REFETCH_SLOTS, separate_min_for(kind, separate_min))
+    offer = AgainOffer(held.version, plan.plan_id, kind, shape)
     if kind == "cma":
-        assert cache.buffer is not None  # a complete version is in it
-        offsets = {str(g): off for g, off in cache.offsets.items()}
-        offer.cache = CacheAddress(os.getpid(), cache.buffer.data_ptr(), offsets)
+        offsets = {str(g): off for g, off in held.offsets.items()}
+        offer.cache = CacheAddress(os.getpid(), held.buffer.data_ptr(), offsets)
     return offer

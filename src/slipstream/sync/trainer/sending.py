@@ -3,8 +3,9 @@
 :func:`send_bucket` sends a bucket packed from live tensors or read from the host cache: it
 encodes the bucket's header, cuts the payload into the transport's segments and submits one
 :class:`..round.protocol.BucketMessage`. :func:`send_delta` sends a bucket as its changed words.
-:func:`send_cached_bucket`, :func:`send_cached_delta` and :func:`send_cached` send from the
-host cache (:mod:`.host_cache`), whose lock the caller holds.
+:func:`send_cached_bucket` and :func:`send_cached_delta` send from the host cache
+(:mod:`.host_cache`), whose lock the caller holds; :func:`send_cached` sends a generation of
+it that a refetch holds.
 
 Invariant: a bucket's header and segments are derived from the plan and its include mask
 exactly as the rollouts derive them (:func:`..layout.segments.payload_segments`).
@@ -19,7 +20,7 @@ from ..layout.plan import BucketPlan, Slice, encode_header
 from ..layout.segments import payload_segments
 from ..round.protocol import BucketMessage
 from ..transport.network import Sender
-from .host_cache import HostCache, Unchanged
+from .host_cache import Generation, HostCache, Unchanged
 from .packing import pack_slices, segment_parts, slice_checksum
 
 
@@ -71,10 +72,11 @@ def send_cached_delta(
     cache.tokens[g] = header.token
 
 
-def send_cached(cache: HostCache, sender: Sender, plan: BucketPlan, device: torch.device) -> None:
-    """Send every bucket the cache's rank owns, whole, through ``sender`` (a refetch)."""
-    for g in plan.owned(cache.rank):
-        send_cached_bucket(cache, sender, plan, g, device, None, None)
+def send_cached(held: Generation, sender: Sender, device: torch.device) -> None:
+    """Send every bucket of ``held`` (the buckets its rank owns), whole, through ``sender``
+    (a refetch)."""
+    for g in held.offsets:
+        send_view(sender, held.plan, g, held.bucket(g), device, None)
 
 
 def send_cached_bucket(
@@ -86,13 +88,29 @@ def send_cached_bucket(
     unchanged: Unchanged | None,
     version: int | None = None,
 ) -> dict[int, int]:
-    """Send bucket ``g``'s bytes from the cache, leaving out the slices ``unchanged`` names;
+    """Send bucket ``g``'s bytes from the cache, leaving out the slices ``unchanged`` names,
+    and record the bucket's token as the rollouts will for ``version``; return every slice's
+    checksum (see :func:`send_view`)."""
+    if version is not None:
+        cache.tokens[g] = root_token(plan.plan_id, g, version)
+    return send_view(sender, plan, g, cache.bucket(g), device, unchanged)
+
+
+def send_view(
+    sender: Sender,
+    plan: BucketPlan,
+    g: int,
+    padded: torch.Tensor,
+    device: torch.device,
+    unchanged: Unchanged | None,
+) -> dict[int, int]:
+    """Send bucket ``g`` from ``padded`` (its bytes laid out as the plan lays out a bucket
+    with every slice, padded to whole words), leaving out the slices ``unchanged`` names;
     return every slice's checksum. Without ``unchanged`` every byte is sent and nothing is
-    hashed. A publish of ``version`` records the bucket's token as the rollouts will (a
-    refetch, without it, changes no token)."""
+    hashed."""
     sums: dict[int, int] = {}
     bucket = plan.buckets[g]
-    view = cache.bucket(plan, g)[: bucket.nbytes]
+    view = padded[: bucket.nbytes]
 
     def cached(s: Slice) -> torch.Tensor:
         return view[s.bucket_offset : s.bucket_offset + s.nbytes]
@@ -105,8 +123,6 @@ def send_cached_bucket(
             sums[bucket.first_slice + j] = cs
         assert unchanged is not None
         mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
-    if version is not None:
-        cache.tokens[g] = root_token(plan.plan_id, g, version)
     if all(mask) and view.device == device:
         # the cache already holds the payload where the transport reads: no copy
         send_bucket(sender, plan, g, mask, bucket.nbytes, view, {})
