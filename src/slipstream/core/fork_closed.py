@@ -28,6 +28,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import socket
 import struct
 import threading
 from collections.abc import Hashable, Iterable, Mapping
@@ -177,6 +178,27 @@ class ForkClosedSockets:
         """Forget the sockets recorded under ``key`` (their process group was let go)."""
         with self._lock:
             self._sockets.pop(key, None)
+
+    def shut_down(self, key: Hashable) -> None:
+        """Shut down (both ways) every socket recorded under ``key`` that is still the one
+        recorded, leaving the descriptors open for their owner: a send or receive blocked
+        on one fails at once, and each peer sees its connection end, even one whose host
+        vanished (no reset would ever come)."""
+        with self._lock:
+            recorded = dict(self._sockets.get(key, {}))
+        for fd, link in recorded.items():
+            try:
+                if os.readlink(f"{_FD_DIR}/{fd}") != link:
+                    continue
+                borrowed = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            try:
+                borrowed.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected any more
+            finally:
+                borrowed.detach()
 
     def _in_child(self) -> None:
         """In a forked child (its only thread): point each recorded socket that is still

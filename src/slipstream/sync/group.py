@@ -63,23 +63,63 @@ _GLOO: Any = dist.ProcessGroupGloo
 
 
 def host_identity() -> str:
-    """Hostname plus boot id: equal exactly when two processes share a kernel (and /dev/shm)."""
+    """Where this process runs: hostname, boot id, PID namespace and ``/dev/shm``.
+
+    Two processes have equal identities exactly when they share a kernel, see each other's
+    pids (so one can judge the other's liveness by its pid, and read its memory) and share
+    ``/dev/shm`` (so a ring file one maps the other can map): containers and pods on one
+    machine share the hostname and the boot id, not the namespaces.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        pid_space = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_space = ""
+    try:
+        shm = f"shm:{os.stat('/dev/shm').st_dev}"
+    except OSError:
+        shm = ""
+    return f"{socket.gethostname()}/{boot}/{pid_space}/{shm}"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/{pid}/stat`` after the command name (state first), or
+    ``None`` where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` of this host started (clock ticks since boot): a pid reused by a
+    later process has a later start. ``None`` where it cannot be read."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 @dataclass(frozen=True)
 class Member:
-    """One rank's current process: its host identity, pid and incarnation (1 for the first
-    process at that rank, 2 for the one that replaced it, ...)."""
+    """One rank's current process: its host identity (:func:`host_identity`), pid, start
+    (:func:`process_start`) and incarnation (1 for the first process at that rank, 2 for the
+    one that replaced it, ...)."""
 
     host: str
     pid: int
     incarnation: int
+    start: int | None = None
+
+    def gone(self) -> str | None:
+        """Why this member's process is gone, judged from this host (which must be the
+        member's): it exited, or its pid now names a later process; ``None`` while it runs."""
+        if not process_alive(self.pid, self.start):
+            return f"its process (pid {self.pid}) is gone"
+        return None
 
 
 class _Membership:
@@ -87,7 +127,7 @@ class _Membership:
 
     def __init__(self, root: dist.Store, beat_store: dist.Store, rank: int) -> None:
         self.watch = LivenessWatch(root, self.alive_key, SILENT_AFTER_SECONDS)
-        self.heartbeat = Heartbeat(beat_store, STORE_PREFIX + self.alive_key(rank), BEAT_SECONDS)
+        self.heartbeat = Heartbeat(beat_store, self.alive_key(rank), BEAT_SECONDS)
 
     @staticmethod
     def alive_key(rank: int) -> str:
@@ -154,11 +194,7 @@ class SyncGroup:
             if self.backend == "gloo":
                 opts = _GLOO._Options()
                 opts._timeout = timedelta(seconds=self.timeout)
-                if self.addr in ("127.0.0.1", "localhost"):
-                    device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-                else:
-                    device = dist.ProcessGroupGloo.create_default_device()
-                opts._devices = [device]
+                opts._devices = [gloo_device(self.addr)]
                 pg: Backend = _GLOO(prefix, rank_in_group, len(key), opts)
             else:
                 nccl_opts = dist.ProcessGroupNCCL.Options()
@@ -196,6 +232,14 @@ class SyncGroup:
         pg = self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)
         if pg is not None:
             SYNC_SOCKETS.discard(id(pg))
+
+    def cut_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
+        """Shut the connections of the process group of ``ranks`` and ``tag`` down (it
+        stays cached until dropped): every wait on it fails at once, here and at each
+        member that is still reachable."""
+        pg = self._subgroups.get((self.channel_name, tag, tuple(ranks)))
+        if pg is not None:
+            SYNC_SOCKETS.shut_down(id(pg))
 
     def _store_client(self) -> dist.Store:
         """A new connection to the group's store (its own lock, its own blocking waits)."""
@@ -301,7 +345,7 @@ class SyncGroup:
     def member(self, rank: int) -> Member:
         """Rank ``rank``'s current process, as it posted when it (re)joined."""
         hello = json.loads(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
-        return Member(hello["host"], hello["pid"], hello["incarnation"])
+        return Member(hello["host"], hello["pid"], hello["incarnation"], hello.get("start"))
 
     def wait_joined(self, ranks: Sequence[int], what: str, timeout: float | None = None) -> None:
         """Wait until a process joined at each of ``ranks`` (:func:`init_group`), up to
@@ -315,8 +359,9 @@ class SyncGroup:
         return all(self.member(r).host == here for r in ranks)
 
     def dead(self, ranks: Sequence[int]) -> dict[int, str]:
-        """Those of ``ranks`` found dead, with why: a process of this host that is gone, or
-        a rank whose heartbeat has been still for :data:`SILENT_AFTER_SECONDS`."""
+        """Those of ``ranks`` found dead, with why: a process of this host (same kernel and
+        PID namespace, :func:`host_identity`) that is gone, or a rank whose heartbeat has
+        been still for :data:`SILENT_AFTER_SECONDS`."""
         here = host_identity()
         found = {}
         remote = []
@@ -325,8 +370,9 @@ class SyncGroup:
                 continue  # nothing to judge yet
             m = self.member(r)
             if m.host == here:
-                if not process_alive(m.pid):
-                    found[r] = f"its process (pid {m.pid}) is gone"
+                why = m.gone()
+                if why is not None:
+                    found[r] = why
             else:
                 remote.append(r)
         if remote:
@@ -411,27 +457,48 @@ class _Channels:
             return name
 
 
+def gloo_device(addr: str) -> Any:
+    """The gloo device of this rank's transfer groups: the interface ``GLOO_SOCKET_IFNAME``
+    names (as torch's own groups use), else the address this host reaches the store's host
+    ``addr`` from, so a rank listens where its peers can reach it whatever its hostname
+    resolves to (a container's, a network namespace's)."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return _GLOO.create_device(interface=interface.split(",")[0])
+    if addr in ("127.0.0.1", "localhost"):
+        return _GLOO.create_device(hostname="127.0.0.1")
+    try:
+        info = socket.getaddrinfo(addr, None, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
+            probe.connect((info[4][0], 9))  # no packet leaves: connect only picks a route
+            local = probe.getsockname()[0]
+    except OSError:
+        return _GLOO.create_default_device()
+    return _GLOO.create_device(hostname=local)
+
+
 def clone_store(store: dist.Store) -> dist.Store:
     """A new client of the TCP store ``store`` (torch's stubs do not list ``clone``)."""
     client: dist.Store = cast(Any, store).clone()
     return client
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (possibly another user's); one that
-    exited but was not yet reaped by its parent (a zombie) counts as gone."""
+def process_alive(pid: int, start: int | None = None) -> bool:
+    """Whether process ``pid`` of this host still runs (possibly another user's) and, with
+    ``start``, is the process that started then (:func:`process_start`), not a later one
+    given the same pid. One that exited but was not yet reaped (a zombie) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+    fields = _stat(pid)
+    if not fields:
         return True
-    return state not in ("Z", "X")
+    if fields[0] in ("Z", "X"):
+        return False
+    return start is None or len(fields) <= 19 or int(fields[19]) == start
 
 
 #: The largest world size a rank joined with: ranks past the first world size may join.
@@ -484,9 +551,16 @@ def init_group(
     _grow(store, world_size)
     incarnation = store.add(f"incarnation/{rank}", 1)
     store.delete_key(f"bye/{rank}")
-    hello = {"host": host_identity(), "pid": os.getpid(), "incarnation": incarnation}
+    pid = os.getpid()
+    hello = {
+        "host": host_identity(),
+        "pid": pid,
+        "start": process_start(pid),
+        "incarnation": incarnation,
+    }
     store.set(f"hello/{rank}", json.dumps(hello))
-    membership = _Membership(store, clone_store(tcp), rank)
+    # both under the one prefix: a prefix store puts a "/" between its prefix and a key
+    membership = _Membership(store, dist.PrefixStore(STORE_PREFIX, clone_store(tcp)), rank)
     group = SyncGroup(
         store, rank, world_size, seconds, backend, addr, incarnation, tcp, store, membership
     )

@@ -24,11 +24,13 @@ import dataclasses
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ...core import process_memory
+from ...core.control_plane import died_error
 from ...errors import SyncError
 from ..group import SyncGroup
 from ..layout.plan import HEADER_CAP
@@ -44,6 +46,7 @@ from ..transport.network import (
 )
 from ..transport.shared_tensors import SharedBuffer, describe, shared_buffer
 from ..transport.shm import ORDERED_STORES, ShmReceiver, ShmSender, new_ring_path
+from ..transport.watchdog import Watchdog
 from .culprits import exited
 from .protocol import Keys, Probe, ProbeReply, ReceiverShape, RingInfo, TransportOffer, encode
 
@@ -65,6 +68,26 @@ REFUSALS = {
 }
 
 Watch = Callable[[], None]
+
+
+def liveness_watchdog(group: SyncGroup, members: Sequence[int], tag: str) -> Watchdog:
+    """The watchdog of this rank's transfer over the process group of ``members`` and
+    ``tag``: while a wait is blocked it looks at the other members' liveness
+    (:meth:`SyncGroup.dead`), and one found dead cuts the group's connections and is named
+    by :class:`~slipstream.errors.PeerDiedError`."""
+    others = [r for r in members if r != group.rank]
+    began = time.monotonic()
+    waiter = f"rank {group.rank}"
+
+    def look() -> None:
+        found = group.dead(others)
+        if found:
+            raise died_error(found, "a transfer", time.monotonic() - began, waiter)
+
+    def cut() -> None:
+        group.cut_subgroup(members, tag)
+
+    return Watchdog(look, cut, f"slipstream-sync-watchdog-{tag}")
 
 
 def candidates(group: SyncGroup, transport: str, rollout_ranks: Sequence[int]) -> list[str]:
@@ -220,9 +243,11 @@ def network_sender(
     timeout: float,
 ) -> BroadcastSender:
     """A sender over the group of this rank and ``rollouts`` (tagged ``tag``), relaying along
-    them with ``relay``; the rollouts build the matching :func:`network_receiver`."""
+    them with ``relay``; the rollouts build the matching :func:`network_receiver`. Its waits
+    end as soon as a rollout is found dead."""
+    members = [group.rank, *rollouts]
     return BroadcastSender(
-        group.subgroup([group.rank, *rollouts], tag),
+        group.subgroup(members, tag),
         group.rank,
         shape.bucket_bytes,
         shape.header_cap,
@@ -233,6 +258,7 @@ def network_sender(
         rollouts,
         lambda: exited(group, rollouts),
         relay,
+        liveness_watchdog(group, members, tag),
     )
 
 
@@ -246,7 +272,8 @@ def network_receiver(
     timeout: float,
 ) -> BroadcastReceiver:
     """A receiver of what ``trainer`` sends over the group of ``trainer`` and ``rollouts``
-    (tagged ``tag``), relayed along ``rollouts`` with ``relay``."""
+    (tagged ``tag``), relayed along ``rollouts`` with ``relay``. Its waits end as soon as
+    another member is found dead."""
     members = [trainer, *rollouts]
     return BroadcastReceiver(
         group.subgroup(members, tag),
@@ -258,6 +285,7 @@ def network_receiver(
         group.device,
         shape.separate_min,
         chain=members if relay else None,
+        watchdog=liveness_watchdog(group, members, tag),
     )
 
 

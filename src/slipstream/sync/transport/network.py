@@ -38,6 +38,7 @@ from __future__ import annotations
 import gc
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from ...core.buffers import allocate_host
 from ...errors import SyncError
 from ..layout.plan import HEADER_PREFIX
+from .watchdog import Watchdog
 
 #: Slices of at least this many bytes cross a broadcast on their own, without a copy. Each
 #: extra message costs about a millisecond on gloo over loopback, about what packing and
@@ -125,12 +127,25 @@ def _failure(what: str, how: str, why: Callable[[], str] | None, exc: Exception)
     return SyncError(f"{what} {how}{note}: {exc}")
 
 
-def _wait(work: dist.Work, timeout: float, what: str, why: Callable[[], str] | None = None) -> None:
-    """Wait for ``work``; on failure raise naming ``what`` and, when given, ``why()``."""
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise _failure(what, f"failed or timed out after {timeout:.1f} s", why, exc) from exc
+def _wait(
+    work: dist.Work,
+    timeout: float,
+    what: str,
+    why: Callable[[], str] | None = None,
+    watchdog: Watchdog | None = None,
+) -> None:
+    """Wait for ``work``; on failure raise naming ``what`` and, when given, ``why()``.
+
+    With ``watchdog`` the wait is watched: a member found dead meanwhile cuts the transfer,
+    and the wait raises the watchdog's error (naming the member) at once."""
+    with watchdog.blocked() if watchdog is not None else nullcontext():
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            found = watchdog.failure() if watchdog is not None else None
+            if found is not None:
+                raise found from exc
+            raise _failure(what, f"failed or timed out after {timeout:.1f} s", why, exc) from exc
 
 
 def _post(
@@ -178,8 +193,10 @@ class BroadcastSender:
         peers: Sequence[int] = (),
         exited: Callable[[], list[int]] = list,
         relay: bool = False,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.pg: Any = pg
+        self.watchdog = watchdog
         self.rank = rank
         self.peers = list(peers)
         self.relay = relay
@@ -215,7 +232,7 @@ class BroadcastSender:
 
     def _drain(self, slot: int) -> None:
         for work in self._works[slot]:
-            _wait(work, self.timeout, self._what, self._who_exited)
+            _wait(work, self.timeout, self._what, self._who_exited, self.watchdog)
         self._works[slot] = []
         self._sending[slot] = ()
 
@@ -256,6 +273,8 @@ class BroadcastSender:
         self._sending.clear()
         self._works = [[] for _ in range(self.num_slots)]
         self.pg = None
+        if self.watchdog is not None:
+            self.watchdog.close()
 
 
 class BroadcastReceiver:
@@ -282,8 +301,10 @@ class BroadcastReceiver:
         device: torch.device,
         separate_min: int | None,
         chain: Sequence[int] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.pg: Any = pg
+        self.watchdog = watchdog
         self.root_rank = root_rank
         self._from: int | None = None
         self._to: int | None = None
@@ -324,7 +345,7 @@ class BroadcastReceiver:
         """Pass on every piece posted so far, in order, waiting for each to arrive."""
         while self._arriving:
             work, piece, slot = self._arriving[0]
-            _wait(work, self.timeout, f"receiving a {self.what}")
+            _wait(work, self.timeout, f"receiving a {self.what}", watchdog=self.watchdog)
             self._arriving.popleft()
             send = self._pass_on(piece)
             self._passing[slot].append(send)
@@ -337,7 +358,7 @@ class BroadcastReceiver:
 
     def _wait_passed(self, slot: int) -> None:
         for work in self._passing[slot]:
-            _wait(work, self.timeout, self._relay_what)
+            _wait(work, self.timeout, self._relay_what, watchdog=self.watchdog)
         self._passing[slot] = []
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
@@ -359,7 +380,7 @@ class BroadcastReceiver:
             self._pass_on_arrived()
         work, received = self._posted or self._post_header(header_bytes)
         self._posted = None
-        _wait(work, self.timeout, f"receiving a {self.what}")
+        _wait(work, self.timeout, f"receiving a {self.what}", watchdog=self.watchdog)
         header = received.cpu().clone()
         payload_bytes = int(header[:HEADER_PREFIX].view(torch.int64).item())
         index = self._count % self.num_slots
@@ -381,7 +402,7 @@ class BroadcastReceiver:
                 self._pass_on_arrived()  # waits for this message's pieces too
             else:
                 for w in works:
-                    _wait(w, self.timeout, f"receiving a {self.what}")
+                    _wait(w, self.timeout, f"receiving a {self.what}", watchdog=self.watchdog)
             return header, payload
 
         def release() -> None:
@@ -399,3 +420,5 @@ class BroadcastReceiver:
         self._passing = [[] for _ in range(self.num_slots)]
         self._arriving.clear()
         self.pg = None
+        if self.watchdog is not None:
+            self.watchdog.close()
