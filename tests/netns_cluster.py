@@ -93,6 +93,7 @@ class Node:
              "--mount-proc", "--propagation", "private", "sh", "-c",
              "mount -t tmpfs -o size=2g tmpfs /dev/shm && exec sleep infinity"],
             stdin=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
         self.pid = self._first_process()
 

@@ -19,7 +19,7 @@ from dist_utils import free_port
 import slipstream as ss
 import slipstream.dcp as ss_dcp
 
-AGREED_WITHIN_S = 10.0
+AGREED_WITHIN_S = 5.0
 """Every surviving rank must have its error this soon after the fault."""
 TIMEOUT = 120.0
 """The saves' and loads' timeout: far above AGREED_WITHIN_S, so only agreement (or the

@@ -140,6 +140,7 @@ def test_a_rollout_node_that_vanishes_mid_publish_is_named_within_seconds(
     for rank in (0, 1):
         assert out[rank]["ranks"] == [2], out[rank]
         late = out[rank]["at"] - watch.at
+        print(f"\n{transport}, {fault}: rank {rank} named the lost node {late:.2f} s after it")
         assert late < WITHIN, f"rank {rank} named the lost node {late:.1f} s after the fault"
     assert out[0]["next"] == 2 and out[0]["absent"] == [2]
     assert out[1]["next"] == 2 and out[1]["exact"]

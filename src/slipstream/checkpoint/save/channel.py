@@ -46,10 +46,11 @@ from ...core.control_plane import (
 from ...core.waits import Deadline
 from ...errors import MissingRanksError, PeerDiedError
 
-BEAT_SECONDS = 1.0
-SILENT_AFTER_SECONDS = 6.0
-"""Silence that marks a rank dead: six missed beats, so a rank is noticed within
-:data:`SILENT_AFTER_SECONDS` plus one check (under ten seconds)."""
+BEAT_SECONDS = 0.5
+SILENT_AFTER_SECONDS = 3.0
+"""Silence that marks a rank dead: six missed beats, so a rank that vanished (its host cut
+off or frozen) is noticed within :data:`SILENT_AFTER_SECONDS` plus one check (under five
+seconds), as the sync group notices its own."""
 
 _M = TypeVar("_M")
 Decoder = Callable[[bytes, str], _M]
@@ -63,7 +64,7 @@ class Message(Protocol):
     def to_json(self) -> str: ...
 
 
-LIVENESS_CHECK_SECONDS = 1.0
+LIVENESS_CHECK_SECONDS = 0.5
 """How often a wait reads the heartbeats of the ranks it is still waiting for (a read per
 rank: rank 0 gathering from thousands of ranks must not flood the store)."""
 _channels_made: dict[tuple[int, ...], int] = {}
