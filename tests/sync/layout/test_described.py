@@ -20,6 +20,7 @@ import signal
 
 import pytest
 import torch
+from dist_utils import wait_for_key
 from sync_procs import life, remote_reads_allowed, spawn, wait_root_key, zeros_module
 from torch import nn
 
@@ -133,7 +134,8 @@ def _killed_in_the_first(rank, port):
         pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport="relay")
         with pytest.raises(PeerDiedError) as err:
             pub.publish(iter(items(0))).delivered.result(timeout=30)
-        group.get_json("test/rejoined", 2, "the new rollout 2", 60)
+        # the old rank 2 is dead until its replacement joins: wait without judging it
+        wait_for_key(group.store, "test/rejoined", 60, "the new rollout 2")
         handle = pub.publish(iter(items(1)))
         assert handle.delivered.result(timeout=30) == 1 and handle.absent == {}
         pub.close()
