@@ -241,3 +241,58 @@ def test_a_rollout_killed_while_a_forked_child_holds_its_sockets_is_named_within
         assert out[1][3] < NAMED_WITHIN, out[1]
     else:
         assert out[1] == ["received", 2], out[1]
+
+
+TAIL_TENSORS = 64
+TAIL_ELEMENTS = 1 << 20  # 4 MiB of fp32 each: 256 MiB in all
+TAIL_BUCKET = 16 * 1024 * 1024
+
+
+def _large(version: int) -> dict:
+    import torch
+
+    return {f"t{i}": torch.full((TAIL_ELEMENTS,), float(version)) for i in range(TAIL_TENSORS)}
+
+
+def _tail_dies(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=GROUP_TIMEOUT)
+    if rank == 0:
+        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=TAIL_BUCKET, transport="relay")
+        assert pub.publish(_large(1), version=1).delivered.result(timeout=GROUP_TIMEOUT) == 1
+        with pytest.raises(PeerDiedError) as err:
+            pub.publish(_large(2), version=2).delivered.result(timeout=2 * GROUP_TIMEOUT)
+        took = _since_death(group, 2)
+        pub.close()
+        group.close()
+        return err.value.ranks, took
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    target = zeros_module(_large(0))
+    assert sub.receive(target) == 1
+    if rank == 2:
+        calls = [0]
+
+        def die(batch):
+            calls[0] += 1
+            if calls[0] == DIES_AT_CALL:
+                group.set_json("test/died_at/2", time.time())
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        sub.receive(die)
+        raise AssertionError("the victim outlived its receive")
+    with pytest.raises(PeerDiedError) as err:
+        sub.receive(target, atomic=True)
+    took = _since_death(group, 2)
+    sub.close()
+    group.close()
+    return err.value.ranks, took
+
+
+def test_the_dead_tail_of_a_relay_chain_of_large_buckets_is_named_within_seconds():
+    """The shape the matrix missed: 256 MiB in 4 MiB tensors and 16 MiB buckets (each tensor
+    crosses alone), direct mode, the survivor receiving atomically."""
+    out = spawn(_tail_dies, 3, timeout=200, may_die=(2,))
+    times = f"trainer {out[0][1]:.2f} s, rollout 1 {out[1][1]:.2f} s"
+    print(f"\nrelay, large buckets, tail killed: {times}")
+    for rank in (0, 1):
+        ranks, took = out[rank]
+        assert ranks == [2] and took < NAMED_WITHIN, (rank, out[rank])

@@ -357,8 +357,17 @@ class BroadcastReceiver:
         return _post(lambda: self.pg.send([piece], to, 0), self._relay_what)
 
     def _wait_passed(self, slot: int) -> None:
+        """Wait for what was passed on from ``slot``. Apart (see :mod:`.watchdog`): gloo
+        may leave a send to a next member that died pending until the timeout."""
         for work in self._passing[slot]:
-            _wait(work, self.timeout, self._relay_what, watchdog=self.watchdog)
+            if self.watchdog is None:
+                _wait(work, self.timeout, self._relay_what)
+                continue
+            self.watchdog.wait_apart(
+                lambda work=work: _wait(work, self.timeout, self._relay_what),
+                self.timeout,
+                "slipstream-sync-pass-on",
+            )
         self._passing[slot] = []
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:

@@ -8,12 +8,18 @@ the look raises, the watchdog keeps that error and cuts the transfer (shuts its 
 group's connections down), so the blocked wait fails at once and :meth:`Watchdog.failure`
 says why.
 
+A wait that even a cut may not end (gloo leaves a send to a peer that already closed its
+connection pending until the timeout) runs apart (:meth:`Watchdog.wait_apart`): on a thread
+of its own, the caller looking meanwhile and leaving as soon as a look raises; the thread
+then ends at the wait's own timeout, and the process joins it at exit (:data:`STRAYS`).
+
 Invariant: a look runs only while a wait is blocked (an idle transport costs no store
 request), the thread belongs to the watchdog and :meth:`Watchdog.close` joins it.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +29,30 @@ LOOK_EVERY = 0.25
 
 Look = Callable[[], None]
 """``look()``: raises when the transfer cannot finish (a member found dead)."""
+
+
+class _Strays:
+    """Waits left running by a caller that gave up on them; each ends at its own timeout,
+    and the process joins them at exit (each for as long as it may still run)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: list[tuple[threading.Thread, float]] = []
+        atexit.register(self.join)
+
+    def add(self, thread: threading.Thread, timeout: float) -> None:
+        with self._lock:
+            self._threads = [(t, s) for t, s in self._threads if t.is_alive()]
+            self._threads.append((thread, timeout))
+
+    def join(self) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for thread, timeout in threads:
+            thread.join(timeout)
+
+
+STRAYS = _Strays()
 
 
 class Watchdog:
@@ -46,6 +76,35 @@ class Watchdog:
             yield
         finally:
             self._blocked.clear()
+
+    def wait_apart(self, wait: Callable[[], None], timeout: float, name: str) -> None:
+        """Run ``wait`` (one blocking wait of at most ``timeout`` seconds) on a thread of
+        its own; return when it does (raising what it raised), or raise the look's error as
+        soon as a look (every :data:`LOOK_EVERY` seconds, on the caller's thread) raises,
+        after cutting the transfer. The thread left behind joins :data:`STRAYS`."""
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                wait()
+            except BaseException as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        while True:
+            thread.join(LOOK_EVERY)
+            if not thread.is_alive():
+                if raised:
+                    raise raised[0]
+                return
+            try:
+                self._look()
+            except BaseException as exc:
+                self._error = exc
+                self._cut()
+                STRAYS.add(thread, timeout)
+                raise
 
     def failure(self) -> BaseException | None:
         """The error the look raised (the transfer was cut for it), or ``None``."""
