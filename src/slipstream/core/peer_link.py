@@ -351,7 +351,14 @@ class PeerClient:
     """Requests to the server at ``address`` (``who`` names it in errors; ``rank`` is the
     rank an error of a dead peer carries), over connections authenticated by ``auth``.
     Connections are pooled: each request borrows one, so several threads may issue
-    requests at once."""
+    requests at once.
+
+    A request in flight can be ended from another thread by :meth:`cut` (its owner found
+    the peer dead): a connection a request holds is shut down, the request fails with
+    :class:`PeerDiedError` naming the peer and why it was cut, and a cut connection never
+    goes back to the pool. A request holds its connection from the moment it is connected
+    and authenticated until the request returns (a new connection's connect and handshake
+    are bounded by the timeout only)."""
 
     def __init__(
         self, address: tuple[str, int], who: str, rank: int, timeout: float, auth: LinkAuth
@@ -362,12 +369,17 @@ class PeerClient:
         self.timeout = timeout
         self._auth = auth
         self._idle: list[tuple[socket.socket, FrameSeal]] = []
+        self._held: dict[socket.socket, str | None] = {}
+        """The connections requests hold now, each with why it was cut (``None``: not)."""
         self._lock = threading.Lock()
 
     def _borrow(self) -> tuple[socket.socket, FrameSeal]:
+        """A connection for one request, held (:meth:`cut` reaches it) until :meth:`_settle`."""
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                conn = self._idle.pop()
+                self._held[conn[0]] = None
+                return conn
         sock = socket.create_connection(self.address, timeout=self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -376,7 +388,34 @@ class PeerClient:
         except BaseException:
             sock.close()
             raise
+        with self._lock:
+            self._held[sock] = None
         return sock, seal
+
+    def _settle(self, sock: socket.socket | None) -> str | None:
+        """Release the request's hold on ``sock``; why it was cut, or ``None``."""
+        if sock is None:
+            return None
+        with self._lock:
+            return self._held.pop(sock, None)
+
+    def busy(self) -> bool:
+        """Whether a request holds a connection now."""
+        with self._lock:
+            return bool(self._held)
+
+    def cut(self, why: str) -> None:
+        """End every request in flight: shut their connections down (they fail naming
+        ``why``); requests made later are not affected."""
+        with self._lock:
+            held = [sock for sock, cut in self._held.items() if cut is None]
+            for sock in held:
+                self._held[sock] = why
+        for sock in held:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _give_back(self, conn: tuple[socket.socket, FrameSeal]) -> None:
         with self._lock:
@@ -388,29 +427,49 @@ class PeerClient:
         try:
             conn = self._borrow()
             result = exchange(*conn)
-        except HandshakeError as exc:
-            raise PeerAuthError(
-                f"{self.who} failed the peer link's handshake during {what}: {exc} (is it a "
-                "peer of this job?)"
-            ) from exc
-        except TimeoutError as exc:
+        except BaseException as exc:
+            why = self._settle(conn[0] if conn is not None else None)
             if conn is not None:
                 conn[0].close()
-            raise PeerTimeoutError(
-                f"{self.who} did not answer within {self.timeout:.1f} s to {what}"
-            ) from exc
-        except OSError as exc:
-            if conn is not None:
-                conn[0].close()
-            waited = time.monotonic() - started
-            raise PeerDiedError(
-                f"{self.who} is unreachable or went away during {what} after {waited:.1f} s: {exc}",
-                [self.rank],
-                what,
-                waited,
-            ) from exc
-        self._give_back(conn)
+            if why is not None:
+                raise self._cut_off(what, started, why) from exc
+            if isinstance(exc, HandshakeError):
+                raise PeerAuthError(
+                    f"{self.who} failed the peer link's handshake during {what}: {exc} (is it "
+                    "a peer of this job?)"
+                ) from exc
+            if isinstance(exc, TimeoutError):
+                raise PeerTimeoutError(
+                    f"{self.who} did not answer within {self.timeout:.1f} s to {what}"
+                ) from exc
+            if isinstance(exc, OSError):
+                waited = time.monotonic() - started
+                raise PeerDiedError(
+                    f"{self.who} is unreachable or went away during {what} after "
+                    f"{waited:.1f} s: {exc}",
+                    [self.rank],
+                    what,
+                    waited,
+                ) from exc
+            raise
+        why = self._settle(conn[0])
+        if why is None:
+            self._give_back(conn)
+        elif result is None:  # the cut ended the wait for the reply
+            conn[0].close()
+            raise self._cut_off(what, started, why)
+        else:
+            conn[0].close()
         return result
+
+    def _cut_off(self, what: str, started: float, why: str) -> PeerDiedError:
+        waited = time.monotonic() - started
+        return PeerDiedError(
+            f"{self.who} was cut off during {what} after {waited:.1f} s: {why}",
+            [self.rank],
+            what,
+            waited,
+        )
 
     def put(self, name: str, length: int, fill: Callable[[int, memoryview], None]) -> None:
         """Send object ``name`` of ``length`` bytes; ``fill(offset, buf)`` provides them.

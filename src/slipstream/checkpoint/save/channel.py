@@ -158,10 +158,12 @@ class RankChannel:
     def gather_living(
         self, topic: str, decode: Decoder[_M], deadline: Deadline, what: str
     ) -> tuple[dict[int, _M], dict[int, str], list[int]]:
-        """After a wait on ``topic`` found a rank dead: wait on for the other ranks until
-        each has posted or is found dead too (ranks that die together, such as a node's,
-        are named together), at most until ``deadline``. Returns the messages posted (by
-        rank), the dead (rank: why) and the ranks that did neither by the deadline."""
+        """After a rank was found dead (by a wait on ``topic``, or by this rank): wait on
+        for the other ranks until each has posted or is found dead too (ranks that die
+        together, such as a node's, are named together), at most until ``deadline``. The
+        ranks that have not posted are looked at once at the start (a death is known
+        already), then every :data:`LIVENESS_CHECK_SECONDS`. Returns the messages posted
+        (by rank), the dead (rank: why) and the ranks that did neither by the deadline."""
         found: dict[int, str] = {}
 
         def look(ranks: Sequence[int]) -> dict[int, str]:
@@ -170,6 +172,8 @@ class RankChannel:
             return dead
 
         keys = {r: self._key(topic, r) for r in range(self.world_size)}
+        for rank in look([r for r, key in keys.items() if not self.store.check([key])]):
+            del keys[rank]
         missing: list[int] = []
         try:
             wait_for_keys(

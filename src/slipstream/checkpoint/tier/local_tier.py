@@ -464,25 +464,29 @@ class LocalTierSaver:
     ) -> None:
         """Rank 0: gather every rank's report on ``step`` and post the outcome: the manifest,
         each data file's digest taken from the index (:mod:`.sealing`), or why the step
-        failed. Where a rank is found dead, wait on (:data:`LATE_DEATHS_SECONDS` at most) for
-        the others to report or be found dead too, so that the outcome names every dead rank.
-        ``save_death``: the error of the local save itself, where it failed by a death (the
-        same text on every rank)."""
+        failed. Where a rank is found dead (or this rank saw one go already), wait on
+        (:data:`LATE_DEATHS_SECONDS` at most) for the others to report or be found dead too,
+        so that the outcome names every dead rank. ``save_death``: the error of the local
+        save itself, where it failed by a death (the same text on every rank)."""
         topic = TierTopics.replicated(step)
         what = f"replicate local step {step}"
+
+        def living() -> tuple[dict[int, ReplicationReport], dict[int, str], list[int]]:
+            return self.channel.gather_living(
+                topic, ReplicationReport.from_json, Deadline(LATE_DEATHS_SECONDS), what
+            )
+
         try:
-            try:
-                reports = dict(
-                    enumerate(
-                        self.channel.gather(topic, ReplicationReport.from_json, deadline, what)
+            if self.channel.dead:  # this rank saw one go already (its replica's connection)
+                reports, found, missing = living()
+            else:
+                try:
+                    gathered = self.channel.gather(
+                        topic, ReplicationReport.from_json, deadline, what
                     )
-                )
-                found: dict[int, str] = {}
-                missing: list[int] = []
-            except PeerDiedError:
-                reports, found, missing = self.channel.gather_living(
-                    topic, ReplicationReport.from_json, Deadline(LATE_DEATHS_SECONDS), what
-                )
+                    reports, found, missing = dict(enumerate(gathered)), {}, []
+                except PeerDiedError:
+                    reports, found, missing = living()
             outcome = self._outcome(step, location, reports, found, missing, save_death)
         except BaseException as exc:
             dead = list(exc.ranks) if isinstance(exc, PeerDiedError) else []

@@ -14,6 +14,7 @@ and a step is listed only once a marker written after every acknowledgement name
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
@@ -23,12 +24,16 @@ from collections.abc import Callable
 from ...core.peer_auth import LinkAuth
 from ...core.peer_link import CHUNK_BYTES, PeerClient
 from ...core.waits import Deadline
-from ..save.channel import RankChannel
+from ..save.channel import LIVENESS_CHECK_SECONDS, RankChannel
 from ..storage import LocalStorage, Storage
 from ..storage.recycle import claim
 from .messages import PeerAddress, TierTopics
 
+logger = logging.getLogger(__name__)
+
 _NAME = re.compile(r"^(step_\d+)/([^/]+)$")
+LOOK_SECONDS = LIVENESS_CHECK_SECONDS / 2
+"""How often the peers of the requests in flight are looked at (as the channel's waits do)."""
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -143,7 +148,16 @@ def send_file(client: PeerClient, location: Storage, name: str, file: str, size:
 
 class PeerDirectory:
     """Every rank's peer link address, posted once to the channel and read when first
-    needed; one pooled client per peer, authenticated by ``auth``."""
+    needed; one pooled client per peer, authenticated by ``auth``.
+
+    Invariant: a request to a peer waits no longer than the channel's liveness takes to
+    find that peer dead. A host that vanished (its link cut, its processes stopped) resets
+    no connection, so a blocked send or receive to it would last the whole timeout; while
+    any request is in flight, the directory's watch thread asks the channel about the
+    peers those requests go to every :data:`LOOK_SECONDS`, and cuts the requests to one
+    found dead (:meth:`PeerClient.cut`), which then fail with a :class:`PeerDiedError`
+    naming it and why. A directory with no request in flight asks the store nothing; the
+    thread belongs to the directory and :meth:`close` joins it."""
 
     def __init__(
         self, channel: RankChannel, address: tuple[str, int], timeout: float, auth: LinkAuth
@@ -153,7 +167,26 @@ class PeerDirectory:
         self._auth = auth
         self._clients: dict[int, PeerClient] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         channel.post(TierTopics.address(), PeerAddress(address[0], address[1]))
+        self._watch = threading.Thread(
+            target=self._cut_the_dead, name="slipstream-peer-watch", daemon=True
+        )
+        self._watch.start()
+
+    def _cut_the_dead(self) -> None:
+        while not self._closed.wait(LOOK_SECONDS):
+            with self._lock:
+                busy = {rank: c for rank, c in self._clients.items() if c.busy()}
+            if not busy:
+                continue
+            try:
+                dead = self.channel.dead_among(sorted(busy))
+            except Exception as exc:  # the store: the requests keep their own timeouts
+                logger.debug("rank %d could not look at its peers: %s", self.channel.rank, exc)
+                continue
+            for rank, why in dead.items():
+                busy[rank].cut(f"rank {self.channel.rank} found rank {rank} dead ({why})")
 
     def client(self, rank: int) -> PeerClient:
         with self._lock:
@@ -182,6 +215,8 @@ class PeerDirectory:
         return size
 
     def close(self) -> None:
+        self._closed.set()
+        self._watch.join(LOOK_SECONDS + self.timeout)
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
