@@ -487,19 +487,17 @@ class Checkpointer:
                     return candidate, "local"
             if candidate in durable:
                 attempted = True
-                error = None
                 try:
-                    loader.load(target, self._step(candidate), strict=strict, trusted=trusted)
-                except Exception as exc:
-                    error = f"rank {self._saver.rank}: {type(exc).__name__}: {exc}"
-                errors = self.local_tier.agree(f"load durable step {candidate}", error)
-                if not errors:
-                    logger.info(
-                        "rank %d loaded step %d from %s", self._saver.rank, candidate, self.root
+                    agreement_for(self._saver.channel).run(
+                        f"load of step {candidate} under {self.root}",
+                        lambda c=candidate: self._load_durable(target, c, strict, trusted),
+                        self._saver.options.timeout,
                     )
+                except CheckpointError as exc:
+                    tried.append(f"step {candidate} from {self.root}: {exc}")
+                    logger.warning("could not load step %d from %s: %s", candidate, self.root, exc)
+                else:
                     return candidate, "durable"
-                tried.append(f"step {candidate} from {self.root}: " + "; ".join(errors))
-                logger.warning("could not load step %d from %s: %s", candidate, self.root, errors)
             elif found is None:
                 tried.append(f"step {candidate}: neither tier holds it")
         partial = (

@@ -78,6 +78,7 @@ from ...core.peer_link import PeerServer
 from ...core.threads import lower_thread_priority
 from ...core.waits import Deadline
 from ...errors import CheckpointError, CorruptCheckpointError, PeerDiedError, SlipstreamError
+from ..agreement import agreement_for
 from ..format.index import CheckpointIndex
 from ..format.names import (
     METADATA_FILE,
@@ -100,7 +101,6 @@ from .messages import (
     HeldStep,
     HostAnnouncement,
     LinkSecret,
-    LoadReport,
     LocalCommitMarker,
     NodeCleared,
     NodeMarked,
@@ -708,42 +708,33 @@ class LocalTierSaver:
             self.rank,
             self._peers.client,
         )
-        error = None
-        try:
-            reader = CheckpointReader(storage, trust=Trust.of(trusted))
-            try:
-                check_blocks(reader.index, found.digests, reader.path)
-            except BaseException:
-                reader.close()
-                raise
-            loader.load_from(reader, state_dict, strict=strict)
-        except Exception as exc:
-            error = f"rank {self.rank}: {type(exc).__name__}: {exc}{storage.sources()}"
-            logger.warning("rank %d could not load local step %d: %s", self.rank, found.step, error)
-        finally:
-            storage.close()
-        errors = self.agree(f"load local step {found.step}", error)
-        if errors:
-            raise CheckpointError(f"loading local step {found.step} failed; " + "; ".join(errors))
-        return len(storage.remote)
 
-    def agree(self, what: str, error: str | None) -> list[str]:
-        """Every rank's outcome of ``what`` (``error``: this rank's failure, or ``None``),
-        gathered through the store: every rank gets the same list of errors."""
-        number = self._rounds
-        self._rounds += 1
-        topic = TierTopics.loaded(number)
-        self.channel.post(topic, LoadReport(error))
-        reports = self.channel.gather(topic, LoadReport.from_json, Deadline(self.timeout), what)
-        self._forget_round(number - 2)
-        return [m.error for m in reports if m.error is not None]
+        def load_here() -> None:
+            try:
+                reader = CheckpointReader(storage, trust=Trust.of(trusted))
+                try:
+                    check_blocks(reader.index, found.digests, reader.path)
+                except BaseException:
+                    reader.close()
+                    raise
+                loader.load_from(reader, state_dict, strict=strict)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}{storage.sources()}"
+                logger.warning(
+                    "rank %d could not load local step %d: %s", self.rank, found.step, why
+                )
+                raise CheckpointError(why) from exc
+            finally:
+                storage.close()
+
+        agreement_for(self.channel).run(f"load of local step {found.step}", load_here, self.timeout)
+        return len(storage.remote)
 
     def _forget_round(self, number: int) -> None:
         """Drop this rank's messages of round ``number``: every rank has read them once
         it has posted to a later round, which this rank has seen all do."""
         if number >= 0:
-            for topic in (TierTopics.inventory(number), TierTopics.loaded(number)):
-                self.channel.forget(topic, [self.rank])
+            self.channel.forget(TierTopics.inventory(number), [self.rank])
 
     def discard_newer(self, step: int) -> None:
         """After the job resumed from ``step``: the node's lowest rank waits for the local

@@ -16,8 +16,8 @@ Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name),
 :class:`LinkSecret` at ``tier/secret`` (rank 0's, the peer link's shared secret),
 :class:`PeerAddress` at ``tier/address`` (where a rank's peer link listens) and
 :class:`TierRoot` at ``tier/root`` (where its node keeps the tier, for errors). Recovery:
-:class:`StepInventory` at ``tier/inventory/{n}``, then :class:`LoadReport` at
-``tier/loaded/{n}``.
+:class:`StepInventory` at ``tier/inventory/{n}`` (a load's outcome is agreed by the
+checkpoint's one load agreement, :mod:`..agreement`).
 
 Invariant: each message is written by ``to_json`` and read by ``from_json`` of its own
 class, nowhere else; a malformed one raises ``CheckpointError`` naming the message and
@@ -74,10 +74,6 @@ class TierTopics:
     @staticmethod
     def inventory(round_: int) -> str:
         return store_key("tier", "inventory", round_)
-
-    @staticmethod
-    def loaded(round_: int) -> str:
-        return store_key("tier", "loaded", round_)
 
 
 def _sizes(f: Fields, name: str) -> dict[str, int]:
@@ -312,17 +308,3 @@ class StepInventory:
                 raise f.fail("steps", f"key {key!r:.80} is not a step number")
             steps[int(key)] = HeldStep.from_dict(raw, f"{what}: steps[{key!r}]")
         return cls(steps)
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """A rank has loaded a local step (``error``: or why it could not)."""
-
-    error: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps({"error": self.error})
-
-    @classmethod
-    def from_json(cls, text: str | bytes, what: str) -> LoadReport:
-        return cls(_message(text, what).get("error", str, optional=True))
