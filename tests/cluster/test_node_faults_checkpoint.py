@@ -2,8 +2,9 @@
 
 Three training ranks on nodes 0 to 2, the durable tier on a moto S3 server on node 3. Step 1
 is saved and committed by all three. Then node 2 has a fault (its link cut, its processes
-frozen, the node killed whole) while the others are inside ``ss.async_save`` (the victim
-staged its part and its upload is under way) or ``ss.load``: each survivor's call fails
+frozen, the node killed whole) while the others are inside ``ss.async_save`` or
+``Checkpointer.save`` (the victim staged its part and its upload is under way), ``ss.load``
+or ``Checkpointer.load``: each survivor's call fails
 naming rank 2 within 5 s of the fault (the job's timeout is 120 s). The survivors, regrouped
 without it, load step 1 exactly (nothing committed is lost) and save and load again.
 """
@@ -81,6 +82,29 @@ def _regroup(rank: int, addr: str, port: int) -> None:
     )
 
 
+def _entries(rank: int, entry: str, committed: str):
+    """Start ``entry`` on this rank; on the victim (rank 2), mark the fault and wait for it
+    there. Returns what the survivors wait on."""
+    if entry in ("async_save", "Checkpointer.save"):
+        if entry == "async_save":
+            response = ss.async_save(state(rank, 2.0), f"s3://{BUCKET}/step-2", timeout=TIMEOUT)
+        else:
+            checkpointer = ss.Checkpointer(f"s3://{BUCKET}/run", timeout=TIMEOUT)
+            response = checkpointer.save(2, state(rank, 2.0))
+        response.staging_completion.result(TIMEOUT)
+        if rank == 2:  # its part is staged and its upload under way
+            trigger("mid-checkpoint")
+            wait_forever()
+        return lambda: response.result(TIMEOUT)
+    if rank == 2:  # the others are inside the load, waiting for its outcome
+        trigger("mid-checkpoint")
+        wait_forever()
+    if entry == "load":
+        return lambda: ss.load(blank(rank), committed, strict=False)
+    checkpointer = ss.Checkpointer(f"s3://{BUCKET}/run", timeout=TIMEOUT)
+    return lambda: checkpointer.load(blank(rank), strict=False)
+
+
 def _vanishing_in(rank, addr, port, entry):
     dist.init_process_group(
         "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=3,
@@ -95,19 +119,10 @@ def _vanishing_in(rank, addr, port, entry):
     dist.barrier()
     committed = f"s3://{BUCKET}/step-1"
     ss.save(state(rank, 1.0), committed, timeout=TIMEOUT)
+    with ss.Checkpointer(f"s3://{BUCKET}/run", timeout=TIMEOUT) as checkpointer:
+        checkpointer.save(1, state(rank, 1.0)).result(TIMEOUT)
     dist.barrier()
-    if entry == "save":
-        response = ss.async_save(state(rank, 2.0), f"s3://{BUCKET}/step-2", timeout=TIMEOUT)
-        response.staging_completion.result(TIMEOUT)
-        if rank == 2:
-            trigger("mid-checkpoint")
-            wait_forever()
-        run = lambda: response.result(TIMEOUT)  # noqa: E731
-    else:
-        if rank == 2:
-            trigger("mid-checkpoint")
-            wait_forever()
-        run = lambda: ss.load(blank(rank), committed, strict=False)  # noqa: E731
+    run = _entries(rank, entry, committed)
     try:
         run()
     except Exception as exc:
@@ -118,7 +133,7 @@ def _vanishing_in(rank, addr, port, entry):
     got = blank(rank)
     ss.load(got, committed, strict=False)
     kept = holds(got, rank, 1.0)
-    again = f"s3://{BUCKET}/again-{entry}"
+    again = f"s3://{BUCKET}/again-{entry.lower()}"
     ss.save(state(rank, 3.0), again, timeout=TIMEOUT)
     got = blank(rank)
     ss.load(got, again, strict=False)
@@ -126,8 +141,14 @@ def _vanishing_in(rank, addr, port, entry):
     return {"at": failed_at, "message": message, "kept": kept, "again": holds(got, rank, 3.0)}
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("entry", ["save", "load"])
+CASES = [
+    *((entry, fault) for entry in ("async_save", "load") for fault in FAULTS),
+    ("Checkpointer.save", "cut"),
+    ("Checkpointer.load", "cut"),
+]
+
+
+@pytest.mark.parametrize(("entry", "fault"), CASES)
 def test_a_node_that_vanishes_mid_checkpoint_is_named_within_seconds(entry, fault, tmp_path):
     require_namespaces()
     with Cluster(4) as cluster:

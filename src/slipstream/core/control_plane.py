@@ -159,6 +159,38 @@ class Heartbeat:
         self._thread.join(10 * self._interval)
 
 
+class SharedHeartbeats:
+    """One :class:`Heartbeat` per (store, key) in this process, however many holders need
+    it: :meth:`acquire` starts it on the first holder (on a store client of its own) and
+    :meth:`release` stops it when the last one lets go. So a process beats once for every
+    channel of a job, and a rank that beat for any of them is judged by every watcher,
+    even on a channel it never opened."""
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._beats: dict[tuple[int, str], tuple[dist.Store, Heartbeat, int]] = {}
+
+    def acquire(self, store: dist.Store, key: str) -> None:
+        with self._lock:
+            found = self._beats.get((id(store), key))
+            if found is None:
+                beat = Heartbeat(own_client(store), key, self._interval)
+                self._beats[(id(store), key)] = (store, beat, 1)
+            else:
+                self._beats[(id(store), key)] = (found[0], found[1], found[2] + 1)
+
+    def release(self, store: dist.Store, key: str) -> None:
+        with self._lock:
+            found = self._beats.pop((id(store), key), None)
+            if found is None:
+                return
+            if found[2] > 1:
+                self._beats[(id(store), key)] = (found[0], found[1], found[2] - 1)
+                return
+        found[1].close()
+
+
 class LivenessWatch:
     """When each peer's heartbeat counter last moved, seen from this process (so hosts'
     clocks need not agree). A rank that never beat is not judged; one that beats again

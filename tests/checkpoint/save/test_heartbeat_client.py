@@ -12,20 +12,21 @@ import torch.distributed as dist
 
 from slipstream.checkpoint.save import channel as channel_module
 from slipstream.checkpoint.save.channel import RankChannel
+from slipstream.core.control_plane import SharedHeartbeats
 
 BLOCK_S = 3.0
 """How long the other thread's ``store.get`` blocks on the shared client."""
 
 
 def test_beats_go_on_while_another_thread_blocks_on_the_shared_client(monkeypatch):
-    monkeypatch.setattr(channel_module, "BEAT_SECONDS", 0.05)
+    monkeypatch.setattr(channel_module, "BEATS", SharedHeartbeats(0.05))
     store = dist.TCPStore(
         "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=BLOCK_S)
     )
     shared = dist.PrefixStore("job", store)
     channel = RankChannel(shared, 0, 2, "ns")
     reader = dist.PrefixStore("job", store).clone()
-    key = "ns/alive/0"
+    key = "slipstream/alive/0"  # the process's one beat, shared by its channels
     blocking = threading.Event()
 
     def block() -> None:

@@ -7,15 +7,18 @@ wait for each other's through the control plane
 (:mod:`...core.control_plane`): polled with a deadline, so background threads may share the
 user's store client, and a missing rank is named in the timeout error instead of hanging.
 
-**Liveness.** Every channel of more than one rank beats: a thread it owns adds one to its
-rank's counter in the store every :data:`BEAT_SECONDS`. A rank waiting on others reads the
+**Liveness.** A process with a channel of more than one rank beats, once for all its
+channels on one store (:data:`BEATS`): a thread adds one to its global rank's counter in the
+store every :data:`BEAT_SECONDS`. A rank waiting on others reads the
 counters of those it is waiting for; one that has not moved for :data:`SILENT_AFTER_SECONDS`
 (as seen on the waiting rank's own clock, so hosts' clocks need not agree) belongs to a
 process that died or stopped (SIGKILL, SIGSTOP, a lost host), and the wait fails at once
 naming it, instead of running on until its timeout. The beat goes through a store client of
 its own (:func:`~slipstream.core.control_plane.own_client`), so a request blocked on the
-shared client cannot silence a live rank. A rank that has never beaten (its saver
-not made yet) gets the whole timeout. The mechanism is the control plane's
+shared client cannot silence a live rank. Every channel reads the same counters, so a rank
+that beat for any channel is judged on a channel it has not opened yet (a node lost before
+a new ``Checkpointer`` is made there); a rank that has never beaten at all gets the whole
+timeout. The mechanism is the control plane's
 (:class:`~slipstream.core.control_plane.Heartbeat`,
 :class:`~slipstream.core.control_plane.LivenessWatch`); the beat runs at the caller's
 priority, not the saver's lowered one: a rank whose cores are all busy training still beats.
@@ -37,9 +40,8 @@ from typing import Protocol, TypeVar
 import torch.distributed as dist
 
 from ...core.control_plane import (
-    Heartbeat,
     LivenessWatch,
-    own_client,
+    SharedHeartbeats,
     store_key,
     wait_for_keys,
 )
@@ -67,6 +69,8 @@ class Message(Protocol):
 LIVENESS_CHECK_SECONDS = 0.5
 """How often a wait reads the heartbeats of the ranks it is still waiting for (a read per
 rank: rank 0 gathering from thousands of ranks must not flood the store)."""
+BEATS = SharedHeartbeats(BEAT_SECONDS)
+"""This process's heartbeats, one per (store, global rank), shared by its channels."""
 _channels_made: dict[tuple[int, ...], int] = {}
 _channels_lock = threading.Lock()
 
@@ -74,26 +78,37 @@ _channels_lock = threading.Lock()
 class RankChannel:
     """Post and gather per-rank messages for one process group."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, namespace: str) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        namespace: str,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.namespace = namespace
+        self.global_ranks = list(range(world_size) if global_ranks is None else global_ranks)
+        """Each rank's rank in the job (whose counter it beats)."""
         self.dead: dict[int, str] = {}
         """Ranks found dead by their silence, with what was waiting for them."""
-        self._heartbeat: Heartbeat | None = None
         self._liveness = LivenessWatch(
             store,
-            lambda r: self._key("alive", r),
+            self._alive_key,
             SILENT_AFTER_SECONDS,
             notice_of=lambda r: self._key("gone", r),
         )
-        if world_size > 1:
-            # a client of its own: a blocking request of another thread on the shared
-            # client (NCCL's lazy communicator setup waits in ``store.get``) must not stop
-            # the beats, or the peers would take this rank for dead
-            beat_store = own_client(store)
-            self._heartbeat = Heartbeat(beat_store, self._key("alive", rank), BEAT_SECONDS)
+        self._beating = world_size > 1
+        if self._beating:
+            # on a client of its own (the shared heartbeats make one): a blocking request of
+            # another thread on the shared client (NCCL's lazy communicator setup waits in
+            # ``store.get``) must not stop the beats, or the peers would take this rank for dead
+            BEATS.acquire(store, self._alive_key(rank))
+
+    def _alive_key(self, rank: int) -> str:
+        return store_key("slipstream", "alive", self.global_ranks[rank])
 
     @classmethod
     def local(cls) -> RankChannel:
@@ -111,7 +126,7 @@ class RankChannel:
             number = _channels_made.get(ranks, 0)
             _channels_made[ranks] = number + 1
         namespace = f"slipstream/{'-'.join(map(str, ranks))}/{number}"
-        return cls(store, dist.get_rank(group), dist.get_world_size(group), namespace)
+        return cls(store, dist.get_rank(group), dist.get_world_size(group), namespace, ranks)
 
     def _key(self, topic: str, rank: int) -> str:
         return store_key(self.namespace, topic, rank)
@@ -197,10 +212,10 @@ class RankChannel:
         return posted, found, missing
 
     def close(self) -> None:
-        """Stop this rank's heartbeat."""
-        if self._heartbeat is not None:
-            self._heartbeat.close()
-            self._heartbeat = None
+        """Let go of this process's heartbeat (it stops with the last channel)."""
+        if self._beating:
+            self._beating = False
+            BEATS.release(self.store, self._alive_key(self.rank))
 
     def gather(self, topic: str, decode: Decoder[_M], deadline: Deadline, what: str) -> list[_M]:
         """Every rank's message for ``topic`` (index = rank), read by ``decode`` (a
