@@ -228,9 +228,12 @@ class SyncGroup:
 
     def drop_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
         """Forget the process group of ``ranks`` and ``tag`` and let it go: its connections
-        close, so every member blocked on one of its messages fails at once."""
+        are shut down now (whatever still references the group: a broken transfer's
+        frames, its pending messages), so every member blocked on one of its messages
+        fails at once."""
         pg = self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)
         if pg is not None:
+            SYNC_SOCKETS.shut_down(id(pg))
             SYNC_SOCKETS.discard(id(pg))
 
     def cut_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:

@@ -31,11 +31,11 @@ POLL = 0.05
 @dataclass
 class Breach:
     """What broke a round: ``abort``, when a rank posted one; ``dead``, the suspects found
-    dead, with why; ``refused``, the members' refusals (``"rollout rank r: error"``)."""
+    dead, with why; ``refused``, the members' refusals (rank: error)."""
 
     abort: RoundAbort | None = None
     dead: dict[int, str] = field(default_factory=dict)
-    refused: list[str] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 def in_transfer(exc: BaseException) -> bool:
@@ -77,14 +77,22 @@ def who_broke(
             breach.abort = read_abort(group, k, leader)
             return breach
         breach.dead = group.dead(suspects)
-        for r in members:
-            if group.has(Keys.ack(r, k)):
-                ack = read_ack(group, r, k)
-                if ack.error:
-                    breach.refused.append(f"rollout rank {r}: {ack.error}")
+        breach.refused = refusals(group, k, members)
         if breach.dead or breach.refused or time.monotonic() >= deadline:
             return breach
         time.sleep(POLL)
+
+
+def refusals(group: SyncGroup, k: int, members: Sequence[int]) -> dict[int, str]:
+    """The refusals of round ``k`` that ``members`` posted in their acknowledgements
+    (rank: error), whether or not they still run."""
+    found = {}
+    for r in members:
+        if group.has(Keys.ack(r, k)):
+            ack = read_ack(group, r, k)
+            if ack.error:
+                found[r] = ack.error
+    return found
 
 
 def read_abort(group: SyncGroup, k: int, leader: int) -> RoundAbort:

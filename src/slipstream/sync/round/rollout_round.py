@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from ...errors import SyncError
 from ..group import SyncGroup
-from ..transport.network import Receiver, let_go
+from ..transport.network import Receiver
 from .culprits import in_transfer, post_abort, read_abort, who_broke
 from .negotiation import build_receiver, epoch_tag
 from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
@@ -124,7 +124,6 @@ class RolloutRound:
         except BaseException as exc:
             self.drop_receivers(EpochState.BROKEN)
             forget()  # the round's own references to the receivers
-            let_go(exc)
             raise self.explain(k, exc) from exc
 
     def explain(self, k: int, exc: BaseException) -> BaseException:

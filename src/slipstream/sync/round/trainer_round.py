@@ -22,8 +22,8 @@ from ...core import tracing
 from ...core.control_plane import died_error
 from ...errors import MissingRanksError, PeerDiedError, SyncError
 from ..group import SyncGroup
-from ..transport.network import Sender, let_go
-from .culprits import post_abort, read_abort, read_ack, who_broke
+from ..transport.network import Sender
+from .culprits import post_abort, read_abort, read_ack, refusals, who_broke
 from .negotiation import build_sender, epoch_tag
 from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
 from .state import EpochState
@@ -212,12 +212,12 @@ class TrainerRound:
         the dead rank as its subject when one is found, else the members' own refusals."""
         self.state = EpochState.BROKEN
         self.drop_sender()
-        let_go(exc)
         dead: dict[int, str] = {}
-        refused: list[str] = []
+        refused: dict[int, str] = {}
         breach_known = False  # another rank's abort was read: posting one would read it back
         if isinstance(exc, PeerDiedError):
             dead = {r: str(exc) for r in exc.ranks}
+            refused = refusals(self.group, k, exc.ranks)
         else:
             try:
                 breach = who_broke(self.group, k, self.leader, start.members, start.members, exc)
@@ -227,6 +227,9 @@ class TrainerRound:
                     breach_known = True
             except (RuntimeError, SyncError):
                 pass  # the store's host is gone: every member finds that out by itself
+        # a rollout that refused the version and then exited is found gone: its posted
+        # refusal is the cause, not its exit
+        dead = {r: why for r, why in dead.items() if r not in refused}
         if not breach_known:
             try:  # the first to see the round break names the culprit; later ones agree
                 posted = post_abort(self.group, k, list(dead), str(exc))
@@ -238,7 +241,8 @@ class TrainerRound:
         if dead and not (isinstance(exc, PeerDiedError) and set(exc.ranks) == set(dead)):
             return died_error(dead, what, 0.0, f"trainer rank {self.rank} sending")
         if refused and not dead:
-            return SyncError(f"{what} was not applied everywhere: " + "; ".join(refused))
+            causes = "; ".join(f"rollout rank {r}: {e}" for r, e in sorted(refused.items()))
+            return SyncError(f"{what} was not applied everywhere: {causes}")
         return exc
 
     def finish(self, k: int, start: RoundStart) -> int:

@@ -33,7 +33,6 @@ from ..round.protocol import (
     encode,
 )
 from ..round.versions import RolloutVersions
-from ..transport.network import let_go
 from .host_cache import Generation, HostCache
 from .sending import send_cached
 
@@ -199,10 +198,9 @@ class RefetchServer:
             try:
                 send_cached(held, sender, self.group.device)
                 sender.flush()
-            except BaseException as exc:  # the pair's group is spent: build anew next time
+            except BaseException:  # the pair's group is spent: build anew next time
                 sender.close()
                 self.group.drop_subgroup([self.rank, r], tag)
-                let_go(exc)
                 raise
             sender.close()
         what = f"rollout rank {r} to acknowledge a refetch"

@@ -35,7 +35,6 @@ naming the peer rank.
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -157,23 +156,6 @@ def _post(
         return op()
     except RuntimeError as exc:
         raise _failure(what, "failed", why, exc) from exc
-
-
-def let_go(exc: BaseException) -> None:
-    """Drop the frames that ``exc`` and the errors it came from keep alive: a frame of a
-    broken transfer holds its pending messages, and a message holds its process group's
-    connections open, so a member blocked on them would wait out its timeout. Collects
-    the cycles they leave, so the connections close now. The messages keep their text."""
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        e.__traceback__ = None
-        stack += [e.__cause__, e.__context__]
-    gc.collect()
 
 
 class BroadcastSender:
