@@ -18,6 +18,7 @@ save to write over, and :meth:`Checkpointer.close` deletes what is left of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -490,7 +491,7 @@ class Checkpointer:
                 try:
                     agreement_for(self._saver.channel).run(
                         f"load of step {candidate} under {self.root}",
-                        lambda c=candidate: self._load_durable(target, c, strict, trusted),
+                        functools.partial(self._load_durable, target, candidate, strict, trusted),
                         self._saver.options.timeout,
                     )
                 except CheckpointError as exc:

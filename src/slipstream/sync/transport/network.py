@@ -35,6 +35,7 @@ naming the peer rank.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -345,12 +346,11 @@ class BroadcastReceiver:
             if self.watchdog is None:
                 _wait(work, self.timeout, self._relay_what)
                 continue
-            self.watchdog.wait_apart(
-                lambda work=work: _wait(work, self.timeout, self._relay_what),
-                self.timeout,
-                "slipstream-sync-pass-on",
-            )
+            self.watchdog.wait_apart(functools.partial(self._wait_sent, work), self.timeout)
         self._passing[slot] = []
+
+    def _wait_sent(self, work: dist.Work) -> None:
+        _wait(work, self.timeout, self._relay_what)
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
         buf = self._headers[self._header_count % 2][:header_bytes]

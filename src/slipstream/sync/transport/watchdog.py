@@ -9,9 +9,10 @@ group's connections down), so the blocked wait fails at once and :meth:`Watchdog
 says why.
 
 A wait that even a cut may not end (gloo leaves a send to a peer that already closed its
-connection pending until the timeout) runs apart (:meth:`Watchdog.wait_apart`): on a thread
-of its own, the caller looking meanwhile and leaving as soon as a look raises; the thread
-then ends at the wait's own timeout, and the process joins it at exit (:data:`STRAYS`).
+connection pending until the timeout) runs apart (:meth:`Watchdog.wait_apart`): on the
+watchdog's waiter thread, the caller looking meanwhile and leaving as soon as a look raises;
+a waiter left blocked then ends at the wait's own timeout, and the process joins it at exit
+(:data:`STRAYS`).
 
 Invariant: a look runs only while a wait is blocked (an idle transport costs no store
 request), the thread belongs to the watchdog and :meth:`Watchdog.close` joins it.
@@ -20,6 +21,7 @@ request), the thread belongs to the watchdog and :meth:`Watchdog.close` joins it
 from __future__ import annotations
 
 import atexit
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,6 +67,7 @@ class Watchdog:
         self._blocked = threading.Event()
         self._closed = threading.Event()
         self._error: BaseException | None = None
+        self._waiter: _Waiter | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -77,34 +80,27 @@ class Watchdog:
         finally:
             self._blocked.clear()
 
-    def wait_apart(self, wait: Callable[[], None], timeout: float, name: str) -> None:
-        """Run ``wait`` (one blocking wait of at most ``timeout`` seconds) on a thread of
-        its own; return when it does (raising what it raised), or raise the look's error as
-        soon as a look (every :data:`LOOK_EVERY` seconds, on the caller's thread) raises,
-        after cutting the transfer. The thread left behind joins :data:`STRAYS`."""
-        raised: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                wait()
-            except BaseException as exc:
-                raised.append(exc)
-
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        thread.start()
-        while True:
-            thread.join(LOOK_EVERY)
-            if not thread.is_alive():
-                if raised:
-                    raise raised[0]
-                return
+    def wait_apart(self, wait: Callable[[], None], timeout: float) -> None:
+        """Run ``wait`` (one blocking wait of at most ``timeout`` seconds) on the
+        watchdog's waiter thread; return when it does (raising what it raised), or raise the
+        look's error as soon as a look (every :data:`LOOK_EVERY` seconds, on the caller's
+        thread) raises, after cutting the transfer. A waiter left blocked joins
+        :data:`STRAYS` and ends at the wait's own timeout."""
+        if self._waiter is None:
+            self._waiter = _Waiter(f"{self._thread.name}-waiter")
+        done, raised = self._waiter.submit(wait)
+        while not done.wait(LOOK_EVERY):
             try:
                 self._look()
             except BaseException as exc:
                 self._error = exc
                 self._cut()
-                STRAYS.add(thread, timeout)
+                self._waiter.stop()
+                STRAYS.add(self._waiter.thread, timeout)
+                self._waiter = None
                 raise
+        if raised:
+            raise raised[0]
 
     def failure(self) -> BaseException | None:
         """The error the look raised (the transfer was cut for it), or ``None``."""
@@ -125,3 +121,40 @@ class Watchdog:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(10 * LOOK_EVERY + 30)
+        if self._waiter is not None:
+            self._waiter.stop()
+            self._waiter.thread.join(10 * LOOK_EVERY + 30)
+            self._waiter = None
+
+
+_Job = tuple[Callable[[], None], threading.Event, list[BaseException]]
+"""A wait handed to a :class:`_Waiter`, the event it sets when done and what it raised."""
+
+
+class _Waiter:
+    """One thread that runs the waits handed to it, in order, until :meth:`stop`."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, wait: Callable[[], None]) -> tuple[threading.Event, list[BaseException]]:
+        """Queue ``wait``; the event is set once it ran, the list then holds what it raised."""
+        done, raised = threading.Event(), list[BaseException]()
+        self._jobs.put((wait, done, raised))
+        return done, raised
+
+    def stop(self) -> None:
+        """End the thread once the waits queued before have run."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            wait, done, raised = job
+            try:
+                wait()
+            except BaseException as exc:
+                raised.append(exc)
+            finally:
+                done.set()
