@@ -176,3 +176,25 @@ def run_workers(
     bad = [(r, code) for r, code in exitcodes.items() if code != want[r]]
     if bad:
         raise AssertionError(f"workers exited abnormally (rank, exit code): {bad}")
+
+
+def links_in_child(fds: list[int]) -> list[str]:
+    """What each of ``fds`` names in a child forked now (its ``/proc/self/fd`` link, or
+    ``"closed"``): how a test sees what a forked child inherits."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        links = []
+        for fd in fds:
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                links.append("closed")
+        os.write(write, "\n".join(links).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read().split("\n")
+    os.waitpid(pid, 0)
+    return out

@@ -12,6 +12,7 @@ import socket
 from contextlib import ExitStack
 
 import pytest
+from dist_utils import links_in_child
 
 from slipstream.core.fork_closed import (
     ForkClosedSockets,
@@ -21,27 +22,6 @@ from slipstream.core.fork_closed import (
     open_sockets,
     tcp_sockets,
 )
-
-
-def _in_child(fds: list[int]) -> list[str]:
-    """What each of ``fds`` names in a forked child (its links, one per line)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        links = []
-        for fd in fds:
-            try:
-                links.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:
-                links.append("closed")
-        os.write(write, "\n".join(links).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        out = f.read().split("\n")
-    os.waitpid(pid, 0)
-    return out
 
 
 def test_a_forked_child_points_recorded_sockets_at_dev_null_and_keeps_the_rest():
@@ -54,7 +34,7 @@ def test_a_forked_child_points_recorded_sockets_at_dev_null_and_keeps_the_rest()
         registry.add("forgotten", {forgotten[0].fileno(): before[forgotten[0].fileno()]})
         registry.discard("forgotten")
         fds = [recorded[0].fileno(), forgotten[0].fileno(), other[0].fileno()]
-        links = _in_child(fds)
+        links = links_in_child(fds)
         assert links[0] == os.devnull, links
         assert links[1].startswith("socket:") and links[2].startswith("socket:"), links
         # the parent keeps every socket as it was
@@ -76,7 +56,7 @@ def test_a_descriptor_that_names_another_socket_now_is_left_alone():
     second = socket.socketpair()  # likely takes the same descriptor number
     try:
         now = os.readlink(f"/proc/self/fd/{second[0].fileno()}")
-        links = _in_child([second[0].fileno()])
+        links = links_in_child([second[0].fileno()])
         assert links == [now], (links, now)
     finally:
         for s in second:

@@ -16,7 +16,7 @@ import socket
 from datetime import timedelta
 
 import torch.distributed as dist
-from dist_utils import wait_for_key
+from dist_utils import links_in_child, wait_for_key
 from sync_procs import spawn
 
 import slipstream as ss
@@ -25,27 +25,6 @@ from slipstream.sync import group as group_module
 from slipstream.sync.group import STORE_PREFIX
 
 CLONED = "test/cloned"
-
-
-def _links_in_child(fds: list[int]) -> list[str]:
-    """What each of ``fds`` names in a child forked now."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        links = []
-        for fd in fds:
-            try:
-                links.append(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:
-                links.append("closed")
-        os.write(write, "\n".join(links).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        out = f.read().split("\n")
-    os.waitpid(pid, 0)
-    return out
 
 
 def _connected(fd: int) -> tuple[tuple[str, int], tuple[str, int]] | None:
@@ -105,7 +84,7 @@ def _rank(rank: int, port: int) -> dict[str, list[str]]:
     names = list(fds)
     flat = [fd for name in names for fd in fds[name]]
     parent = [os.readlink(f"/proc/self/fd/{fd}") for fd in flat]
-    child = _links_in_child(flat)
+    child = links_in_child(flat)
     out: dict[str, list[str]] = {}
     for name in names:
         n = len(fds[name])
