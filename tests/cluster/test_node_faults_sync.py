@@ -3,10 +3,10 @@
 One trainer on node 0, rollouts on nodes 1 and 2. Across nodes ``auto`` picks a network
 transport (the nodes share no ``/dev/shm``) and every version arrives exactly. Then node 2
 has a fault while version 1 is in flight: its link cut, its processes frozen, or the node
-killed whole. Over relay and broadcast, the trainer's ``delivered`` and the other rollout's
-``receive`` both fail naming rank 2 within 5 s of the fault (timed on the clock every
-namespace shares, with a group timeout of 60 s), and the next version reaches the survivor
-exactly, with rank 2 absent.
+killed whole. Over relay and broadcast, in ``direct`` mode (and ``cached``, the link cut),
+the trainer's ``delivered`` and the other rollout's ``receive`` both fail naming rank 2
+within 5 s of the fault (timed on the clock every namespace shares, with a group timeout of
+60 s), and the next version reaches the survivor exactly, with rank 2 absent.
 """
 
 from __future__ import annotations
@@ -75,10 +75,12 @@ def test_weights_cross_nodes_exactly_and_auto_picks_a_network_transport(transpor
     assert out[1] == out[2] == {"received": [0, 1], "exact": True}
 
 
-def _vanishing_rollout(rank, addr, port, transport):
+def _vanishing_rollout(rank, addr, port, transport, mode):
     group = ss.sync.init_group(addr, port, 3, rank, timeout=GROUP_TIMEOUT)
     if rank == 0:
-        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport)
+        pub = ss.WeightPublisher(
+            group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport, mode=mode
+        )
         assert pub.publish(weights(0)).delivered.result(timeout=60) == 0
         with pytest.raises(PeerDiedError) as err:
             pub.publish(weights(1)).delivered.result(timeout=90)
@@ -116,10 +118,16 @@ def _vanishing_rollout(rank, addr, port, transport):
     return out
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("transport", ["relay", "broadcast"])
+CASES = [
+    *((transport, "direct", fault) for transport in ("relay", "broadcast") for fault in FAULTS),
+    ("relay", "cached", "cut"),
+    ("broadcast", "cached", "cut"),
+]
+
+
+@pytest.mark.parametrize(("transport", "mode", "fault"), CASES)
 def test_a_rollout_node_that_vanishes_mid_publish_is_named_within_seconds(
-    transport, fault, tmp_path
+    transport, mode, fault, tmp_path
 ):
     require_namespaces()
     with Cluster(3) as cluster:
@@ -130,6 +138,7 @@ def test_a_rollout_node_that_vanishes_mid_publish_is_named_within_seconds(
                 _vanishing_rollout,
                 [0, 1, 2],
                 transport,
+                mode,
                 environ={MARKS_ENV: str(tmp_path)},
                 may_die=(2,),
                 timeout=150,
@@ -140,7 +149,8 @@ def test_a_rollout_node_that_vanishes_mid_publish_is_named_within_seconds(
     for rank in (0, 1):
         assert out[rank]["ranks"] == [2], out[rank]
         late = out[rank]["at"] - watch.at
-        print(f"\n{transport}, {fault}: rank {rank} named the lost node {late:.2f} s after it")
+        case = f"{transport}, {mode}, {fault}"
+        print(f"\n{case}: rank {rank} named the lost node {late:.2f} s after the fault")
         assert late < WITHIN, f"rank {rank} named the lost node {late:.1f} s after the fault"
     assert out[0]["next"] == 2 and out[0]["absent"] == [2]
     assert out[1]["next"] == 2 and out[1]["exact"]

@@ -120,6 +120,7 @@ class Watchdog:
 
     def close(self) -> None:
         self._closed.set()
+        self._blocked.set()  # wakes the thread at once
         self._thread.join(10 * LOOK_EVERY + 30)
         if self._waiter is not None:
             self._waiter.stop()
