@@ -145,6 +145,27 @@ def test_group_connections_keeps_a_connection_to_a_member_on_a_listener_new_to_e
     posted_a = NewSockets.from_json(NewSockets.of(a.values()).to_json())
     posted_b = NewSockets.from_json(NewSockets.of(b.values()).to_json())
     assert posted_a == NewSockets.of(a.values())
-    assert set(group_connections(a, [posted_b])) == {4}
-    assert set(group_connections(b, [posted_a])) == {7}
-    assert group_connections(b, []) == {}
+    assert set(group_connections(a, posted_a, [posted_b])) == {4}
+    assert set(group_connections(b, posted_b, [posted_a])) == {7}
+    assert group_connections(b, posted_b, []) == {}
+
+
+def test_group_connections_leave_out_another_groups_built_at_the_same_time():
+    """Two groups between the same members built at once (two channels' threads): each
+    member's window holds both groups' listeners and connections, and each group keeps only
+    the connections made on its own listeners."""
+    b_one, b_two = ("10.0.0.2", 40011), ("10.0.0.2", 40012)
+    a_window = {
+        3: TcpSocket(("0.0.0.0", 5001), ("0.0.0.0", 0), True),  # group one's listener
+        4: TcpSocket(("0.0.0.0", 5002), ("0.0.0.0", 0), True),  # group two's listener
+        5: TcpSocket(("10.0.0.1", 5001), b_one, False),  # group one's connection
+        6: TcpSocket(("10.0.0.1", 5002), b_two, False),  # group two's connection
+    }
+    b_window = {
+        7: TcpSocket(b_one, ("10.0.0.1", 5001), False),
+        8: TcpSocket(b_two, ("10.0.0.1", 5002), False),
+    }
+    a_one = NewSockets.of([a_window[3], a_window[5], a_window[6]])
+    b_posted = NewSockets.of(b_window.values())
+    assert set(group_connections(a_window, a_one, [b_posted])) == {5}
+    assert set(group_connections(b_window, b_posted, [a_one])) == {7}

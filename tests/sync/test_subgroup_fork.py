@@ -6,6 +6,10 @@ window :meth:`SyncGroup.subgroup` watches, by opens of the kind another thread m
 of the group's store (rank 1 opens it; rank 0's store accepts it inside its own window, as
 rank 0 waits for the key rank 1 writes through it). A child forked then finds every gloo
 connection on ``/dev/null`` and every one of those other descriptors still on its socket.
+
+Two subgroups over the same ranks built at the same time (two channels' threads) each record
+only their own connections: dropping one (which shuts its connections down) leaves the
+other's working.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from dist_utils import links_in_child, wait_for_key
 from sync_procs import spawn
@@ -107,3 +113,39 @@ def test_a_forked_child_lets_go_of_the_gloo_connections_and_keeps_what_other_thr
             for link in links[name]:
                 before, after = link.split(" -> ")
                 assert before.startswith("socket:") and after == before, (rank, name, links)
+
+
+def _two_at_once(rank: int, port: int) -> list[float]:
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=60)
+    both_started = threading.Barrier(2, timeout=30)
+
+    class StartsWithTheOther(group_module._GLOO):
+        """Connects only once the other group's device (its listener) exists too, so each
+        group's window holds both groups' listeners and connections."""
+
+        def __init__(self, *args: object) -> None:
+            both_started.wait()
+            super().__init__(*args)
+
+    group_module._GLOO = StartsWithTheOther
+    built: dict[str, object] = {}
+    threads = [
+        threading.Thread(target=lambda t=tag: built.update({t: group.subgroup([0, 1], t)}))
+        for tag in ("one", "two")
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    group.drop_subgroup([0, 1], "one")
+    data = torch.arange(4, dtype=torch.float32) if rank == 0 else torch.zeros(4)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    built["two"].broadcast([data], opts).wait(timedelta(seconds=30))  # type: ignore[attr-defined]
+    group.close()
+    return data.tolist()
+
+
+def test_two_subgroups_built_at_once_each_record_only_their_own_connections():
+    out = spawn(_two_at_once, 2, timeout=120)
+    assert out == {0: [0.0, 1.0, 2.0, 3.0], 1: [0.0, 1.0, 2.0, 3.0]}

@@ -11,16 +11,18 @@ parent's death closes the connection as if it had no children.
 
 Which sockets are a group's own (:func:`group_connections`): of the sockets opened while it
 was built, the TCP connections whose other end is a connection another member opened
-meanwhile (each member posts its :class:`NewSockets`), accepted on a listener one of the two
-opened meanwhile. Whatever another thread opened in that window is left out: a UNIX socket
-(a ``multiprocessing.Pipe``, a socketpair), a connection to anything but a member, and one
-between members on a listener older than the window (the sync group's store).
+meanwhile (each member posts its :class:`NewSockets`), accepted on a listener of that group
+at one of the two (the listener its transport opened, each member posting its own). Whatever
+another thread opened in that window is left out: a UNIX socket (a ``multiprocessing.Pipe``,
+a socketpair), a connection to anything but a member, one between members on a listener
+older than the window (the sync group's store), and the connections of another group built
+at the same time between the same members (on that group's listeners).
 
 Invariant: only a descriptor that still names the very socket recorded (the same inode)
 is touched in the child, and it stays open there (on ``/dev/null``), so a descriptor
 number the child's own code may still close is never handed to something else. A socket
 is recorded only when both its ends were opened while the group was built, one of them on a
-listener also opened then.
+listener of that group's.
 """
 
 from __future__ import annotations
@@ -142,12 +144,12 @@ class NewSockets:
 
 
 def group_connections(
-    mine: Mapping[int, TcpSocket], others: Iterable[NewSockets]
+    mine: Mapping[int, TcpSocket], own: NewSockets, others: Iterable[NewSockets]
 ) -> dict[int, TcpSocket]:
     """Those of ``mine`` (the TCP sockets this member opened while a process group was built)
     that connect it to another member's new connection (one of ``others``, what the other
-    members posted), accepted on a listener new to one of the two."""
-    own = NewSockets.of(mine.values())
+    members posted), accepted on a listener of the group's at one of the two (``own``:
+    what this member posted)."""
     others = list(others)
     return {
         fd: s
