@@ -42,10 +42,12 @@ from ..core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_k
 from ..core.fork_closed import (
     SYNC_SOCKETS,
     NewSockets,
+    TcpSocket,
     group_connections,
     open_sockets,
     tcp_sockets,
 )
+from ..core.strays import release_apart
 from ..core.waits import Deadline
 from ..errors import PeerTimeoutError, SyncError
 
@@ -190,11 +192,13 @@ class SyncGroup:
         prefix = dist.PrefixStore(STORE_PREFIX + name, self._store_client())
         rank_in_group = key.index(self.rank)
         before = open_sockets()
+        listeners: dict[int, TcpSocket] | None = None  # the group's own (gloo's device's)
         try:
             if self.backend == "gloo":
                 opts = _GLOO._Options()
                 opts._timeout = timedelta(seconds=self.timeout)
-                opts._devices = [gloo_device(self.addr)]
+                device, listeners = _device_and_listeners(self.addr)
+                opts._devices = [device]
                 pg: Backend = _GLOO(prefix, rank_in_group, len(key), opts)
             else:
                 nccl_opts = dist.ProcessGroupNCCL.Options()
@@ -208,33 +212,47 @@ class SyncGroup:
         # gloo connects every pair while it is built: a forked child lets go of those
         # connections (core.fork_closed), told apart from what other threads opened meanwhile
         opened = {fd: s for fd, s in open_sockets().items() if before.get(fd) != s}
-        SYNC_SOCKETS.add(id(pg), self._group_connections(name, key, opened))
+        SYNC_SOCKETS.add(id(pg), self._group_connections(name, key, opened, listeners))
         self._subgroups[(self.channel_name, tag, key)] = pg
         return pg
 
     def _group_connections(
-        self, name: str, ranks: tuple[int, ...], opened: dict[int, str]
+        self,
+        name: str,
+        ranks: tuple[int, ...],
+        opened: dict[int, str],
+        listeners: dict[int, TcpSocket] | None,
     ) -> dict[int, str]:
         """Those of ``opened`` (the sockets this process opened while the group ``name`` over
         ``ranks`` was built) that are its connections to the other members: every member
-        posts its new TCP sockets and reads the others'
+        posts its new TCP connections and the group's own ``listeners`` (``None``: every
+        listener opened meanwhile) and reads the others'
         (:func:`..core.fork_closed.group_connections`)."""
         mine = tcp_sockets(opened)
-        self.post(f"{name}sockets/{self.rank}", NewSockets.of(mine.values()).to_json())
+        if listeners is None:
+            listeners = {fd: s for fd, s in mine.items() if s.listening}
+        conns = [s for s in mine.values() if not s.listening]
+        own = NewSockets.of([*conns, *listeners.values()])
+        self.post(f"{name}sockets/{self.rank}", own.to_json())
         keys = {r: f"{name}sockets/{r}" for r in ranks if r != self.rank}
         self.wait_keys(keys, f"the new sockets of subgroup {list(ranks)}")
         others = [NewSockets.from_json(self.read(k)) for k in keys.values()]
-        return {fd: opened[fd] for fd in group_connections(mine, others)}
+        return {fd: opened[fd] for fd in group_connections(mine, own, others)}
 
-    def drop_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
+    def drop_subgroup(self, ranks: Sequence[int], tag: str = "", broken: bool = False) -> None:
         """Forget the process group of ``ranks`` and ``tag`` and let it go: its connections
         are shut down now (whatever still references the group: a broken transfer's
         frames, its pending messages), so every member blocked on one of its messages
-        fails at once."""
-        pg = self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)
-        if pg is not None:
-            SYNC_SOCKETS.shut_down(id(pg))
-            SYNC_SOCKETS.discard(id(pg))
+        fails at once. A ``broken`` transfer's group may still have receives queued, which
+        its destructor runs, each until it fails or times out: that group is destroyed
+        apart (:func:`~slipstream.core.strays.release_apart`)."""
+        box = [self._subgroups.pop((self.channel_name, tag, tuple(ranks)), None)]
+        if box[0] is None:
+            return
+        SYNC_SOCKETS.shut_down(id(box[0]))
+        SYNC_SOCKETS.discard(id(box[0]))
+        if broken:
+            release_apart(box, self.timeout, f"slipstream-sync-drop-{tag}")
 
     def cut_subgroup(self, ranks: Sequence[int], tag: str = "") -> None:
         """Shut the connections of the process group of ``ranks`` and ``tag`` down (it
@@ -458,6 +476,21 @@ class _Channels:
                 )
             self._used.add(name)
             return name
+
+
+#: Held while a gloo device is made, so the listener that appears meanwhile is its own.
+_DEVICE_LOCK = threading.Lock()
+
+
+def _device_and_listeners(addr: str) -> tuple[Any, dict[int, TcpSocket]]:
+    """A new gloo device (:func:`gloo_device`) and the listening sockets it opened: the
+    listener of the process group it is made for, told apart from another group's made
+    on another thread at the same time (made one at a time here)."""
+    with _DEVICE_LOCK:
+        before = open_sockets()
+        device = gloo_device(addr)
+        new = {fd: s for fd, s in open_sockets().items() if before.get(fd) != s}
+    return device, {fd: s for fd, s in tcp_sockets(new).items() if s.listening}
 
 
 def gloo_device(addr: str) -> Any:

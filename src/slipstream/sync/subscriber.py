@@ -49,7 +49,7 @@ from .rollout.apply import (
     raise_problems,
 )
 from .rollout.sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
-from .round.negotiation import network_receiver, read_offer
+from .round.negotiation import network_receiver, read_offer, unwatched
 from .round.protocol import Ack, AgainGo, AgainOffer, AgainRequest, Keys, encode
 from .round.rollout_round import RolloutRound
 from .round.state import EpochState
@@ -326,7 +326,7 @@ class WeightSubscriber:
             self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000]))
             for t, o in offers.items():
                 if o.cache is None:
-                    self.group.drop_subgroup([t, self.rank], self._again_tag())
+                    self.group.drop_subgroup([t, self.rank], self._again_tag(), broken=True)
             raise
         finally:
             for receiver in receivers.values():
@@ -354,6 +354,7 @@ class WeightSubscriber:
                 relay,
                 self._again_tag(),
                 self.timeout,
+                unwatched,
             )
         offsets = {int(g): off for g, off in cache.offsets.items()}
         return CacheReader(trainer, cache.pid, plan, cache.address, offsets)

@@ -3,10 +3,13 @@ the callable that raised is still in the error's chain (a broken round's transpo
 down by closing its connections, not by dropping the frames that reference it). And the
 trainer reports the rollout's refusal, not its death, though the rollout exits at once after
 refusing (over the network, and over shared memory, where the trainer's wait looks at the
-rollout's process)."""
+rollout's process). A rollout that refuses mid-transfer and stays in the group is reported
+at once over the network too, and its own receive fails at once: neither waits out the
+group's timeout for the sends and receives the refusal left behind."""
 
 from __future__ import annotations
 
+import time
 import traceback
 
 import torch
@@ -65,3 +68,63 @@ def test_a_load_weights_error_keeps_the_users_frame_in_its_traceback():
         out = spawn(_user_error, 2, transport, timeout=90)
         assert "user_load_weights" in out[1]["frames"], (transport, out[1])
         assert "the user's own refusal" in out[0], (transport, out[0])
+
+
+#: The group's timeout in the refusal tests: a wait for what a refusal left behind lasts it.
+REFUSAL_TIMEOUT = 60.0
+#: Refusals are reported within this many seconds (the rollout's ack, read by a look).
+REPORTED_WITHIN_S = 5.0
+
+
+def _big_weights(version: int) -> dict[str, torch.Tensor]:
+    """256 MiB in 4 MiB tensors: far more than a socket's buffers hold, so the trainer has
+    sends in flight to the refusing rollout when it refuses."""
+    return {f"w{i}": torch.full((1 << 20,), float(version * 100 + i)) for i in range(64)}
+
+
+def _refuse_and_stay(rank, port, transport, versions):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=REFUSAL_TIMEOUT)
+    if rank == 0:
+        pub = ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=4 << 20, transport=transport)
+        out = []
+        for v in range(versions):
+            started = time.monotonic()
+            try:
+                pub.publish(_big_weights(v)).delivered.result(timeout=2 * REFUSAL_TIMEOUT)
+                text = "delivered"
+            except ss.SyncError as exc:
+                text = str(exc)
+            out.append((time.monotonic() - started, text))
+        group.post("test/done", "1")
+        pub.close()
+        group.close()
+        return out
+    sub = ss.WeightSubscriber(group, [0], [1, 2])
+    took = []
+    for _ in range(versions):
+        refused_at = []
+
+        def load_weights(batch):
+            if rank == 2 and not refused_at:
+                refused_at.append(time.monotonic())
+                raise ValueError("rank 2 refuses this version")
+
+        try:
+            sub.receive(load_weights)
+        except (ss.SyncError, ValueError):  # the refusal here; its round broken at rank 1
+            pass
+        if refused_at:
+            took.append(time.monotonic() - refused_at[0])
+    group.wait_keys({0: "test/done"}, "the trainer to finish", 2 * REFUSAL_TIMEOUT * versions)
+    sub.close()
+    group.close()
+    return took
+
+
+def test_a_rollout_that_refuses_mid_transfer_and_stays_is_reported_at_once_over_the_network():
+    for transport in ("broadcast", "relay"):
+        out = spawn(_refuse_and_stay, 3, transport, 3, timeout=600)
+        for took, text in out[0]:
+            assert "rank 2 refuses this version" in text, (transport, text)
+            assert took < REPORTED_WITHIN_S, (transport, took, text)
+        assert len(out[2]) == 3 and max(out[2]) < REPORTED_WITHIN_S, (transport, out[2])

@@ -68,13 +68,20 @@ REFUSALS = {
 }
 
 Watch = Callable[[], None]
+"""``watch()``: raises when a round was given up (its abort, a member's broken transfer)."""
 
 
-def liveness_watchdog(group: SyncGroup, members: Sequence[int], tag: str) -> Watchdog:
+def unwatched() -> None:
+    """The watch of a transfer outside any round (a refetch): nothing to look at."""
+
+
+def liveness_watchdog(group: SyncGroup, members: Sequence[int], tag: str, watch: Watch) -> Watchdog:
     """The watchdog of this rank's transfer over the process group of ``members`` and
     ``tag``: while a wait is blocked it looks at the other members' liveness
-    (:meth:`SyncGroup.dead`), and one found dead cuts the group's connections and is named
-    by :class:`~slipstream.errors.PeerDiedError`."""
+    (:meth:`SyncGroup.dead`) and runs ``watch`` (the round's own look: its abort, a
+    member's broken transfer); a member found dead cuts the group's connections and is
+    named by :class:`~slipstream.errors.PeerDiedError`, and what ``watch`` raises cuts them
+    too."""
     others = [r for r in members if r != group.rank]
     began = time.monotonic()
     waiter = f"rank {group.rank}"
@@ -83,6 +90,7 @@ def liveness_watchdog(group: SyncGroup, members: Sequence[int], tag: str) -> Wat
         found = group.dead(others)
         if found:
             raise died_error(found, "a transfer", time.monotonic() - began, waiter)
+        watch()
 
     def cut() -> None:
         group.cut_subgroup(members, tag)
@@ -241,10 +249,11 @@ def network_sender(
     relay: bool,
     tag: str,
     timeout: float,
+    watch: Watch,
 ) -> BroadcastSender:
     """A sender over the group of this rank and ``rollouts`` (tagged ``tag``), relaying along
     them with ``relay``; the rollouts build the matching :func:`network_receiver`. Its waits
-    end as soon as a rollout is found dead."""
+    end as soon as a rollout is found dead or ``watch`` raises."""
     members = [group.rank, *rollouts]
     return BroadcastSender(
         group.subgroup(members, tag),
@@ -258,7 +267,7 @@ def network_sender(
         rollouts,
         lambda: exited(group, rollouts),
         relay,
-        liveness_watchdog(group, members, tag),
+        liveness_watchdog(group, members, tag, watch),
     )
 
 
@@ -270,6 +279,7 @@ def network_receiver(
     relay: bool,
     tag: str,
     timeout: float,
+    watch: Watch,
 ) -> BroadcastReceiver:
     """A receiver of what ``trainer`` sends over the group of ``trainer`` and ``rollouts``
     (tagged ``tag``), relayed along ``rollouts`` with ``relay``. Its waits end as soon as
@@ -285,7 +295,7 @@ def network_receiver(
         group.device,
         shape.separate_min,
         chain=members if relay else None,
-        watchdog=liveness_watchdog(group, members, tag),
+        watchdog=liveness_watchdog(group, members, tag, watch),
     )
 
 
@@ -303,7 +313,7 @@ def build_sender(
     assert shape is not None
     if offer.kind in NETWORK_TRANSPORTS:
         return network_sender(
-            group, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
+            group, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout, watch
         )
     rank = group.rank
     pids = [group.member(r).pid for r in members]
@@ -364,7 +374,14 @@ def build_receiver(
     assert shape is not None
     if offer.kind in NETWORK_TRANSPORTS:
         return network_receiver(
-            group, trainer, members, shape, offer.kind == "relay", epoch_tag(epoch), timeout
+            group,
+            trainer,
+            members,
+            shape,
+            offer.kind == "relay",
+            epoch_tag(epoch),
+            timeout,
+            watch,
         )
     what = f"trainer rank {trainer}'s shared-memory ring (epoch {epoch})"
     if offer.kind == "ipc":

@@ -104,7 +104,9 @@ class RolloutRound:
             receiver.close()
         self.receivers = {}
         for t in self.trainer_ranks:
-            self.group.drop_subgroup([t, *self._members], epoch_tag(self.epoch))
+            self.group.drop_subgroup(
+                [t, *self._members], epoch_tag(self.epoch), then is EpochState.BROKEN
+            )
         self.state = then
 
     def _watch(self) -> None:

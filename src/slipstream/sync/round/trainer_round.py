@@ -173,15 +173,16 @@ class TrainerRound:
         self.drop_sender()
         self.state = EpochState.NONE
 
-    def drop_sender(self) -> None:
-        """Let the current epoch's transport go: its process group's connections close."""
+    def drop_sender(self, broken: bool = False) -> None:
+        """Let the current epoch's transport go: its process group's connections close
+        (``broken``: its transfer broke, see :meth:`.SyncGroup.drop_subgroup`)."""
         sender = self.sender
         if sender is None:
             return
         self.sender = None
         self._sent_by_old_senders += sender.bytes_sent
         sender.close()
-        self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch))
+        self.group.drop_subgroup([self.rank, *self._members], epoch_tag(self._epoch), broken)
 
     def _watch(self) -> None:
         """Raise when the current round was given up by another trainer, or a member's
@@ -211,7 +212,7 @@ class TrainerRound:
         it), post the abort naming the members found dead, and return the error to raise:
         the dead rank as its subject when one is found, else the members' own refusals."""
         self.state = EpochState.BROKEN
-        self.drop_sender()
+        self.drop_sender(broken=True)
         dead: dict[int, str] = {}
         refused: dict[int, str] = {}
         breach_known = False  # another rank's abort was read: posting one would read it back

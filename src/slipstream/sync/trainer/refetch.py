@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from ...core import tracing
 from ...errors import SyncError
 from ..group import SyncGroup
-from ..round.negotiation import network_sender, separate_min_for, shape_of
+from ..round.negotiation import network_sender, separate_min_for, shape_of, unwatched
 from ..round.protocol import (
     Ack,
     AgainGo,
@@ -193,14 +193,14 @@ class RefetchServer:
         if self.kind != "cma":
             tag = f"again-i{request.incarnation}"
             sender = network_sender(
-                self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout
+                self.group, [r], offer.shape, self.kind == "relay", tag, self.timeout, unwatched
             )
             try:
                 send_cached(held, sender, self.group.device)
                 sender.flush()
             except BaseException:  # the pair's group is spent: build anew next time
                 sender.close()
-                self.group.drop_subgroup([self.rank, r], tag)
+                self.group.drop_subgroup([self.rank, r], tag, broken=True)
                 raise
             sender.close()
         what = f"rollout rank {r} to acknowledge a refetch"

@@ -148,6 +148,25 @@ def _wait(
             raise _failure(what, f"failed or timed out after {timeout:.1f} s", why, exc) from exc
 
 
+def _wait_unmarked(
+    work: dist.Work,
+    timeout: float,
+    what: str,
+    why: Callable[[], str] | None,
+    watchdog: Watchdog | None,
+) -> None:
+    """:func:`_wait` run apart (:meth:`Watchdog.wait_apart` looks meanwhile): the wait is
+    not marked blocked, and a failure after the watchdog cut the transfer raises its
+    error."""
+    try:
+        _wait(work, timeout, what, why)
+    except SyncError as exc:
+        found = watchdog.failure() if watchdog is not None else None
+        if found is not None:
+            raise found from exc
+        raise
+
+
 def _post(
     op: Callable[[], dist.Work], what: str, why: Callable[[], str] | None = None
 ) -> dist.Work:
@@ -214,10 +233,19 @@ class BroadcastSender:
         return f"trainer rank {self.rank} broadcasting a bucket to rollout rank(s) {self.peers}"
 
     def _drain(self, slot: int) -> None:
+        """Wait for the messages of ``slot``. Apart (see :mod:`.watchdog`): gloo may leave a
+        send to a member that stopped reading pending until the timeout, and the watch
+        sees such a member's refusal."""
         for work in self._works[slot]:
-            _wait(work, self.timeout, self._what, self._who_exited, self.watchdog)
+            if self.watchdog is None or work.is_completed():
+                _wait(work, self.timeout, self._what, self._who_exited)
+                continue
+            self.watchdog.wait_apart(functools.partial(self._wait_sent, work), self.timeout)
         self._works[slot] = []
         self._sending[slot] = ()
+
+    def _wait_sent(self, work: dist.Work) -> None:
+        _wait_unmarked(work, self.timeout, self._what, self._who_exited, self.watchdog)
 
     def next_buffer(self) -> torch.Tensor:
         slot = self._count % self.num_slots
@@ -343,14 +371,14 @@ class BroadcastReceiver:
         """Wait for what was passed on from ``slot``. Apart (see :mod:`.watchdog`): gloo
         may leave a send to a next member that died pending until the timeout."""
         for work in self._passing[slot]:
-            if self.watchdog is None:
+            if self.watchdog is None or work.is_completed():
                 _wait(work, self.timeout, self._relay_what)
                 continue
             self.watchdog.wait_apart(functools.partial(self._wait_sent, work), self.timeout)
         self._passing[slot] = []
 
     def _wait_sent(self, work: dist.Work) -> None:
-        _wait(work, self.timeout, self._relay_what)
+        _wait_unmarked(work, self.timeout, self._relay_what, None, self.watchdog)
 
     def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
         buf = self._headers[self._header_count % 2][:header_bytes]

@@ -12,7 +12,7 @@ A wait that even a cut may not end (gloo leaves a send to a peer that already cl
 connection pending until the timeout) runs apart (:meth:`Watchdog.wait_apart`): on the
 watchdog's waiter thread, the caller looking meanwhile and leaving as soon as a look raises;
 a waiter left blocked then ends at the wait's own timeout, and the process joins it at exit
-(:data:`STRAYS`).
+(:data:`~slipstream.core.strays.STRAYS`).
 
 Invariant: a look runs only while a wait is blocked (an idle transport costs no store
 request), the thread belongs to the watchdog and :meth:`Watchdog.close` joins it.
@@ -20,41 +20,18 @@ request), the thread belongs to the watchdog and :meth:`Watchdog.close` joins it
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from ...core.strays import STRAYS
 
 #: How often a blocked wait's members are looked at, in seconds.
 LOOK_EVERY = 0.25
 
 Look = Callable[[], None]
 """``look()``: raises when the transfer cannot finish (a member found dead)."""
-
-
-class _Strays:
-    """Waits left running by a caller that gave up on them; each ends at its own timeout,
-    and the process joins them at exit (each for as long as it may still run)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._threads: list[tuple[threading.Thread, float]] = []
-        atexit.register(self.join)
-
-    def add(self, thread: threading.Thread, timeout: float) -> None:
-        with self._lock:
-            self._threads = [(t, s) for t, s in self._threads if t.is_alive()]
-            self._threads.append((thread, timeout))
-
-    def join(self) -> None:
-        with self._lock:
-            threads, self._threads = self._threads, []
-        for thread, timeout in threads:
-            thread.join(timeout)
-
-
-STRAYS = _Strays()
 
 
 class Watchdog:
