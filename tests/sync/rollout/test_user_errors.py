@@ -104,7 +104,7 @@ def _refuse_and_stay(rank, port, transport, versions):
     for _ in range(versions):
         refused_at = []
 
-        def load_weights(batch):
+        def load_weights(batch, refused_at=refused_at):
             if rank == 2 and not refused_at:
                 refused_at.append(time.monotonic())
                 raise ValueError("rank 2 refuses this version")
