@@ -1,11 +1,13 @@
 """Where received bytes go: an ``nn.Module`` (in place, by name) or a ``load_weights`` callable.
 
 :class:`ModuleTarget` checks the whole plan against the module before any byte is received
-(missing names, shape or dtype mismatches, non-contiguous parameters, all listed at once) and
-then copies each received slice straight into the parameter's bytes. Every name of a sent
-tensor is applied (aliases: a tie sent once); names are looked up among the module's
-parameters and buffers under all the names they go by (``remove_duplicate=False``, the names
-``state_dict()`` uses), then, for what is still missing, in ``state_dict(keep_vars=True)``.
+(missing names, tensors it cannot write in place, shape or dtype mismatches, non-contiguous
+parameters, all listed at once) and then copies each received slice straight into the
+parameter's bytes: every destination it writes (in place, by view or by address) is one of
+the tensors that check accepted. Every name of a sent tensor is applied (aliases: a tie sent
+once); names are looked up among the module's parameters and buffers under all the names
+they go by (``remove_duplicate=False``, the names ``state_dict()`` uses), then, for what is
+still missing, in ``state_dict(keep_vars=True)``.
 A target tensor reached by several names of one sent tensor (a tie kept in the target) is
 written once.
 
@@ -27,7 +29,7 @@ from ...core.buffers import as_bytes
 from ...core.copy import copy_in_slices, copy_to_address
 from ...errors import SyncError
 from ..layout.described import DESCRIBED
-from ..layout.plan import BucketPlan, Slice, TensorSpec
+from ..layout.plan import BucketPlan, Slice, TensorSpec, is_dtensor
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -39,6 +41,31 @@ def map_name(name_map: NameMap, name: str) -> str | None:
     if callable(name_map):
         return name_map(name)
     return name_map.get(name, name)
+
+
+def unwritable(t: torch.Tensor) -> str | None:
+    """Why slipstream cannot write received bytes into ``t`` through its own pointer, or
+    ``None`` when it can.
+
+    Invariant: a destination is written only through a pointer slipstream checked: ``t`` is a
+    plain tensor (``torch.Tensor`` or ``nn.Parameter``, no subclass) with strided memory of its
+    own (not on the meta device, a non-zero ``data_ptr()`` if it holds any byte). Its
+    contiguity is checked apart (:meth:`ModuleTarget.check`).
+    """
+    if is_dtensor(t):
+        return (
+            "DTensor (a sharded or replicated tensor of a device mesh): slipstream cannot "
+            "write through it; receive into its local shard or a plain module"
+        )
+    if type(t) not in (torch.Tensor, nn.Parameter):
+        return f"a tensor subclass ({type(t).__name__}): slipstream writes plain tensors only"
+    if t.device.type == "meta":
+        return "on the meta device: it has no memory"
+    if t.layout != torch.strided:
+        return f"{t.layout} layout: slipstream writes strided tensors only"
+    if t.numel() and not t.data_ptr():
+        return "its data_ptr() is 0 (a wrapper without memory of its own): nothing to write to"
+    return None
 
 
 class ModuleTarget:
@@ -54,7 +81,9 @@ class ModuleTarget:
         self._whole_dict = False
 
     def check(self, plan: BucketPlan, first: int = 0) -> list[str]:
-        """Every problem between the plan and the module, as messages naming the tensors.
+        """Every problem between the plan and the module, as messages naming the tensors;
+        only a tensor it accepts (:func:`unwritable` has nothing against it, contiguous, of the
+        sent shape and dtype) becomes a destination.
 
         Every name of a sent tensor (its aliases too) is looked up; names that reach the
         same target tensor (a tie in the target) are written once. ``first``: the plan's
@@ -65,7 +94,7 @@ class ModuleTarget:
             self._dest, self._own, self._whole_dict = {}, None, False
         specs = plan.specs[first:]
         own = self._named_tensors(n for spec in specs for n in spec.names)
-        missing, shapes, dtypes, layout = [], [], [], []
+        missing, unwritables, shapes, dtypes, layout = [], [], [], [], []
         for i, spec in enumerate(specs, first):
             dests: dict[tuple, torch.Tensor] = {}
             for sent in spec.names:
@@ -75,6 +104,8 @@ class ModuleTarget:
                 t = own.get(name)
                 if t is None:
                     missing.append(name if name == sent else f"{sent} -> {name}")
+                elif (why := unwritable(t)) is not None:
+                    unwritables.append(f"{name}: {why}")
                 elif tuple(t.shape) != spec.shape:
                     shapes.append(f"{name}: sent {list(spec.shape)}, target {list(t.shape)}")
                 elif t.dtype != spec.torch_dtype:
@@ -91,6 +122,8 @@ class ModuleTarget:
         problems = []
         if missing:
             problems.append(f"not in the target: {missing}")
+        if unwritables:
+            problems.append(f"cannot be written in place: {unwritables}")
         if shapes:
             problems.append(f"shape mismatch: {shapes}")
         if dtypes:
