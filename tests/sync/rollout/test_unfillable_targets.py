@@ -175,3 +175,15 @@ def test_a_wrapper_without_memory_and_a_sparse_tensor_are_refused_by_name():
     assert len(problems) == 1 and problems[0].startswith("cannot be written in place"), problems
     assert "wrapper: its data_ptr() is 0" in problems[0], problems
     assert "sparse: torch.sparse_coo layout" in problems[0], problems
+
+
+class EngineParameter(nn.Parameter):
+    """A ``Parameter`` subclass that keeps its values in its own storage, as an inference
+    engine's parameters do (vLLM's ``BasevLLMParameter``): written like a plain tensor."""
+
+
+def test_a_parameter_subclass_with_memory_of_its_own_is_written():
+    m = nn.Module()
+    m.w = EngineParameter(torch.zeros(4))
+    specs, _ = unique_tensors([("w", torch.ones(4))])
+    assert ModuleTarget(m).check(BucketPlan.build(specs, BUCKET, [0])) == []

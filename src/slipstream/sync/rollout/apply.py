@@ -48,16 +48,18 @@ def unwritable(t: torch.Tensor) -> str | None:
     ``None`` when it can.
 
     Invariant: a destination is written only through a pointer slipstream checked: ``t`` is a
-    plain tensor (``torch.Tensor`` or ``nn.Parameter``, no subclass) with strided memory of its
-    own (not on the meta device, a non-zero ``data_ptr()`` if it holds any byte). Its
-    contiguity is checked apart (:meth:`ModuleTarget.check`).
+    tensor whose values are its own memory (no wrapper subclass, one that defines
+    ``__torch_dispatch__``: a DTensor, a fake or functional tensor), strided, not on the meta
+    device, with a non-zero ``data_ptr()`` if it holds any byte. A ``Parameter`` subclass
+    that keeps its values in its own storage (an inference engine's) is written like any
+    tensor. Its contiguity is checked apart (:meth:`ModuleTarget.check`).
     """
     if is_dtensor(t):
         return (
             "DTensor (a sharded or replicated tensor of a device mesh): slipstream cannot "
-            "write through it; receive into its local shard or a plain module"
+            "write through it; receive into a module of plain tensors"
         )
-    if type(t) not in (torch.Tensor, nn.Parameter):
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         return f"a tensor subclass ({type(t).__name__}): slipstream writes plain tensors only"
     if t.device.type == "meta":
         return "on the meta device: it has no memory"
