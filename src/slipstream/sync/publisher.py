@@ -40,6 +40,7 @@ from enum import Enum, auto
 from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 
 from ..core import tracing
 from ..core.handles import fail_unfinished
@@ -49,7 +50,8 @@ from .group import SyncGroup
 from .layout.aliases import named_items, unique_tensors
 from .layout.delta import BucketDelta, DeltaStats, Differ
 from .layout.described import DESCRIBED, DescribedSources, GrowingLayout, described_header, nonempty
-from .layout.plan import HEADER_CAP, BucketPlan, TensorSpec, layout_json
+from .layout.holders import holders_of
+from .layout.plan import HEADER_CAP, BucketPlan, Holders, TensorSpec, is_dtensor, layout_json
 from .round.negotiation import LOCAL_TRANSPORTS, TRANSPORTS, candidates, negotiate
 from .round.protocol import Keys, Request
 from .round.trainer_round import TrainerRound
@@ -228,6 +230,8 @@ class WeightPublisher:
         self._round = 0
         self._last_version: int | None = None
         self._plan: BucketPlan | None = None
+        #: a trainer's rank in the default process group -> its trainer rank here
+        self._trainer_of: dict[int, int] | None = None
         self._announced: set[str] = set()
         self._checksums: dict[int, dict[int, int]] = {}
         self._last_round: Future[int] | None = None
@@ -348,7 +352,7 @@ class WeightPublisher:
                     sources = StreamSources(plan, items, self.rank)
                 else:
                     specs, tensors = unique_tensors(named_items(named_tensors))
-                    plan = self._plan_for(specs)
+                    plan = self._plan_for(specs, self._holders(specs, tensors))
                     sources = BucketSources(plan, tensors, self.rank)
                 self._last_version = version
                 handle.timings.dense_bytes = self._dense_bytes(plan)
@@ -490,10 +494,29 @@ class WeightPublisher:
                 f"{self.timeout:.1f} s; rollout versions: {self.rollout_versions}"
             ) from None
 
-    def _plan_for(self, specs: Sequence[TensorSpec]) -> BucketPlan:
+    def _holders(
+        self, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]
+    ) -> Holders | None:
+        """Which trainer sends which bytes of the DTensors among ``tensors`` (each its own
+        shard's, :mod:`.layout.holders`); ``None`` when there are none."""
+        if not any(is_dtensor(t) for t in tensors):
+            return None
+        if self._trainer_of is None:
+            self._trainer_of = self._exchange_world_ranks()
+        return holders_of(specs, tensors, self._trainer_of)
+
+    def _exchange_world_ranks(self) -> dict[int, int]:
+        """Each trainer's rank in the default process group -> its trainer rank here (posted
+        once by every trainer, read by each)."""
+        self.group.post(Keys.world_rank(self.rank), str(dist.get_rank()))
+        keys = {r: Keys.world_rank(r) for r in self.trainer_ranks}
+        self.group.wait_keys(keys, "the trainers' ranks in their process group", self.timeout)
+        return {int(self.group.read(key)): r for r, key in keys.items()}
+
+    def _plan_for(self, specs: Sequence[TensorSpec], holders: Holders | None = None) -> BucketPlan:
         plan = self._plan
-        if plan is None or plan.specs != tuple(specs):
-            plan = BucketPlan.build(specs, self.bucket_bytes, self.trainer_ranks)
+        if plan is None or plan.specs != tuple(specs) or plan.holders != holders:
+            plan = BucketPlan.build(specs, self.bucket_bytes, self.trainer_ranks, holders)
             if plan.max_header_bytes > HEADER_CAP:
                 raise ValueError(
                     f"a bucket holds {plan.max_header_bytes - 8} slices, more than "
@@ -504,7 +527,7 @@ class WeightPublisher:
         if self.rank == self.leader and plan.plan_id not in self._announced:
             self.group.post(
                 Keys.plan(plan.plan_id),
-                layout_json(plan.specs, plan.bucket_bytes, plan.trainer_ranks),
+                layout_json(plan.specs, plan.bucket_bytes, plan.trainer_ranks, plan.holders),
             )
             self._announced.add(plan.plan_id)
         return plan

@@ -1,9 +1,17 @@
 """The bucket plan: which bytes of which tensor travel in which bucket, from which trainer.
 
-Tensors are laid out one after another in a virtual byte stream, each starting on an
-``ALIGN`` boundary; bucket ``g`` is the stream range ``[g * bucket_bytes, (g + 1) *
-bucket_bytes)``, so a tensor larger than a bucket is simply cut into slices at bucket
-boundaries. Bucket ``g`` is owned (packed and sent) by ``trainer_ranks[g % len(trainer_ranks)]``.
+Tensors every trainer holds whole are laid out one after another in a virtual byte stream,
+each starting on an ``ALIGN`` boundary; bucket ``g`` is the stream range ``[g *
+bucket_bytes, (g + 1) * bucket_bytes)``, so a tensor larger than a bucket is simply cut into
+slices at bucket boundaries. Bucket ``g`` is owned (packed and sent) by ``trainer_ranks[g %
+len(trainer_ranks)]``.
+
+When trainers hold tensors in shards (``holders``: per tensor, the :class:`Part` each
+trainer holds and sends, from a DTensor's placements: :mod:`.holders`), each trainer lays its
+own parts out in a stream of its own, cut into buckets the same way; bucket ``g`` of the plan
+is then the next bucket of the trainers' streams taken in turn, so no trainer sends a byte it
+does not hold. A tensor every trainer holds whole goes, a bucket's worth at a time, to the
+trainer whose stream is shortest.
 
 A bucket travels as a header (payload size, then one byte per slice: 1 if its bytes are in
 the payload) and a payload holding the included slices back to back, each on an ``ALIGN``
@@ -20,6 +28,7 @@ gets the same plan, with the same ``plan_id``; nothing else is exchanged per pub
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Sequence
@@ -100,6 +109,19 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class Part:
+    """Bytes ``[start, stop)`` of a tensor, sent by trainer rank ``owner`` (which holds them)."""
+
+    owner: int
+    start: int
+    stop: int
+
+
+#: Per tensor, the parts its trainers send (``None``: every trainer holds it whole).
+Holders = tuple[tuple[Part, ...] | None, ...]
+
+
+@dataclass(frozen=True)
 class Slice:
     """Bytes ``[tensor_offset, tensor_offset + nbytes)`` of tensor ``tensor``, in ``bucket``."""
 
@@ -135,19 +157,31 @@ class BucketPlan:
     bucket_bytes: int
     trainer_ranks: tuple[int, ...]
     plan_id: str
+    holders: Holders | None = None
 
     @classmethod
     def build(
-        cls, specs: Sequence[TensorSpec], bucket_bytes: int, trainer_ranks: Sequence[int]
+        cls,
+        specs: Sequence[TensorSpec],
+        bucket_bytes: int,
+        trainer_ranks: Sequence[int],
+        holders: Holders | None = None,
     ) -> BucketPlan:
         if bucket_bytes <= 0 or bucket_bytes % ALIGN:
             raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}")
-        slices: list[Slice] = []
+        if holders is not None and all(h is None for h in holders):
+            holders = None
+        meta = layout_json(specs, bucket_bytes, trainer_ranks, holders)
+        plan_id = f"{checksum(meta.encode()):016x}"
+        if holders is not None:
+            slices, owners = _cut_held(specs, bucket_bytes, trainer_ranks, holders)
+            return cls.assemble(
+                specs, slices, bucket_bytes, trainer_ranks, plan_id, owners, holders
+            )
+        slices = []
         cursor = 0
         for i, spec in enumerate(specs):
             cursor = cut_tensor(i, spec, cursor, bucket_bytes, slices)
-        meta = layout_json(specs, bucket_bytes, trainer_ranks)
-        plan_id = f"{checksum(meta.encode()):016x}"
         return cls.assemble(specs, slices, bucket_bytes, trainer_ranks, plan_id)
 
     @classmethod
@@ -158,9 +192,12 @@ class BucketPlan:
         bucket_bytes: int,
         trainer_ranks: Sequence[int],
         plan_id: str,
+        bucket_owners: Sequence[int] | None = None,
+        holders: Holders | None = None,
     ) -> BucketPlan:
-        """The plan of ``specs`` cut into ``slices`` (by :func:`cut_tensor`), under
-        ``plan_id``."""
+        """The plan of ``specs`` cut into ``slices`` (by :func:`cut_tensor`, in bucket
+        order), under ``plan_id``; bucket ``g`` is owned by ``bucket_owners[g]``, else by the
+        trainers in turn."""
         owners = tuple(trainer_ranks)
         num_buckets = slices[-1].bucket + 1 if slices else 0
         buckets: list[Bucket] = []
@@ -170,8 +207,11 @@ class BucketPlan:
             while j < len(slices) and slices[j].bucket == g:
                 j += 1
             nbytes = max((s.bucket_offset + s.nbytes for s in slices[first:j]), default=0)
-            buckets.append(Bucket(g, owners[g % len(owners)], first, j - first, nbytes))
-        return cls(tuple(specs), tuple(slices), tuple(buckets), bucket_bytes, owners, plan_id)
+            owner = bucket_owners[g] if bucket_owners is not None else owners[g % len(owners)]
+            buckets.append(Bucket(g, owner, first, j - first, nbytes))
+        return cls(
+            tuple(specs), tuple(slices), tuple(buckets), bucket_bytes, owners, plan_id, holders
+        )
 
     def bucket_slices(self, g: int) -> tuple[Slice, ...]:
         b = self.buckets[g]
@@ -194,21 +234,30 @@ class BucketPlan:
         return tuple(first)
 
     @cached_property
-    def stream_offset(self) -> tuple[int, ...]:
-        """Each tensor's start in the stream (its first slice's bucket start plus offset)."""
-        out = [0] * len(self.specs)
-        seen = set()
-        for s in self.slices:
-            if s.tensor not in seen:
-                seen.add(s.tensor)
-                out[s.tensor] = s.bucket * self.bucket_bytes + s.bucket_offset
+    def tensor_offsets(self) -> tuple[int, ...]:
+        """Each tensor's start when the tensors are laid out whole, one after another, each
+        on an ``ALIGN`` boundary (a receive buffer that holds them all: :attr:`tensor_bytes`)."""
+        out, cursor = [], 0
+        for spec in self.specs:
+            cursor = align(cursor)
+            out.append(cursor)
+            cursor += spec.nbytes
         return tuple(out)
 
     @property
-    def stream_bytes(self) -> int:
-        if not self.buckets:
+    def tensor_bytes(self) -> int:
+        """The size of the tensors laid out whole (:attr:`tensor_offsets`)."""
+        if not self.specs:
             return 0
-        return (len(self.buckets) - 1) * self.bucket_bytes + self.buckets[-1].nbytes
+        return self.tensor_offsets[-1] + self.specs[-1].nbytes
+
+    def parts_of(self, i: int, rank: int) -> tuple[Part, ...]:
+        """The parts of tensor ``i`` trainer ``rank`` sends (every trainer holds a tensor
+        with no holders whole, and may send any of its bytes)."""
+        held = self.holders[i] if self.holders is not None else None
+        if held is None:
+            return (Part(rank, 0, self.specs[i].nbytes),)
+        return tuple(p for p in held if p.owner == rank)
 
     @property
     def max_header_bytes(self) -> int:
@@ -250,19 +299,26 @@ def decode_header(header: torch.Tensor, num_slices: int) -> tuple[int, list[int]
 
 
 def layout_json(
-    specs: Sequence[TensorSpec], bucket_bytes: int, trainer_ranks: Sequence[int]
+    specs: Sequence[TensorSpec],
+    bucket_bytes: int,
+    trainer_ranks: Sequence[int],
+    holders: Holders | None = None,
 ) -> str:
     """The metadata that crosses the store once per layout."""
-    return json.dumps(
-        {
-            "specs": [
-                [s.name, list(s.shape), s.dtype, *([list(s.aliases)] if s.aliases else [])]
-                for s in specs
-            ],
-            "bucket_bytes": bucket_bytes,
-            "trainer_ranks": list(trainer_ranks),
-        }
-    )
+    meta: dict[str, object] = {
+        "specs": [
+            [s.name, list(s.shape), s.dtype, *([list(s.aliases)] if s.aliases else [])]
+            for s in specs
+        ],
+        "bucket_bytes": bucket_bytes,
+        "trainer_ranks": list(trainer_ranks),
+    }
+    if holders is not None:
+        meta["holders"] = [
+            None if parts is None else [[p.owner, p.start, p.stop] for p in parts]
+            for parts in holders
+        ]
+    return json.dumps(meta)
 
 
 def plan_from_json(meta: str) -> BucketPlan:
@@ -271,4 +327,78 @@ def plan_from_json(meta: str) -> BucketPlan:
         TensorSpec(n, tuple(shape), dt, tuple(aliases[0]) if aliases else ())
         for n, shape, dt, *aliases in obj["specs"]
     ]
-    return BucketPlan.build(specs, obj["bucket_bytes"], obj["trainer_ranks"])
+    held = obj.get("holders")
+    holders = (
+        None
+        if held is None
+        else tuple(None if ps is None else tuple(Part(*p) for p in ps) for ps in held)
+    )
+    return BucketPlan.build(specs, obj["bucket_bytes"], obj["trainer_ranks"], holders)
+
+
+def _cut_held(
+    specs: Sequence[TensorSpec],
+    bucket_bytes: int,
+    trainer_ranks: Sequence[int],
+    holders: Holders,
+) -> tuple[list[Slice], list[int]]:
+    """The slices of ``specs`` laid out in a stream per trainer (see the module doc), each
+    numbered with its bucket in the plan, in bucket order; and each bucket's owner."""
+    streams: dict[int, list[Slice]] = {t: [] for t in trainer_ranks}
+    cursors = dict.fromkeys(trainer_ranks, 0)
+    for i, spec in enumerate(specs):
+        parts = holders[i]
+        if parts is None:
+            parts = _spread(spec.nbytes, bucket_bytes, cursors)
+        for part in parts:
+            cursors[part.owner] = _cut_part(i, part, cursors[part.owner], bucket_bytes, streams)
+    counts = {t: max((s.bucket + 1 for s in own), default=0) for t, own in streams.items()}
+    numbering: dict[tuple[int, int], int] = {}
+    owners: list[int] = []
+    for k in range(max(counts.values(), default=0)):
+        for t in trainer_ranks:
+            if k < counts[t]:
+                numbering[(t, k)] = len(owners)
+                owners.append(t)
+    slices = [
+        dataclasses.replace(s, bucket=numbering[(t, s.bucket)])
+        for t, own in streams.items()
+        for s in own
+    ]
+    slices.sort(key=lambda s: (s.bucket, s.bucket_offset))
+    return slices, owners
+
+
+def _spread(nbytes: int, bucket_bytes: int, cursors: dict[int, int]) -> tuple[Part, ...]:
+    """Parts of a tensor every trainer holds whole: a bucket's worth at a time, each to the
+    trainer whose stream is shortest then (a zero-byte tensor: one empty part)."""
+    lengths = dict(cursors)
+    parts, start = [], 0
+    while True:
+        owner = min(lengths, key=lambda t: (lengths[t], t))
+        stop = min(nbytes, start + bucket_bytes)
+        parts.append(Part(owner, start, stop))
+        lengths[owner] = align(lengths[owner]) + stop - start
+        start = stop
+        if start >= nbytes:
+            return tuple(parts)
+
+
+def _cut_part(
+    i: int, part: Part, cursor: int, bucket_bytes: int, streams: dict[int, list[Slice]]
+) -> int:
+    """Lay ``part`` of tensor ``i`` out in its owner's stream from ``cursor`` (aligned up),
+    cut at that stream's bucket boundaries; return where it ends. A slice's bucket is the
+    owner's own bucket number here (renumbered in the plan by :func:`_cut_held`)."""
+    out = streams[part.owner]
+    start = align(cursor)
+    end = start + part.stop - part.start
+    if part.stop == part.start:
+        out.append(Slice(i, part.start, 0, start // bucket_bytes, start % bucket_bytes))
+    pos = start
+    while pos < end:
+        g = pos // bucket_bytes
+        stop = min(end, (g + 1) * bucket_bytes)
+        out.append(Slice(i, part.start + pos - start, stop - pos, g, pos - g * bucket_bytes))
+        pos = stop
+    return end

@@ -2,7 +2,7 @@
 
 - :class:`TargetSink`: into the target as each bucket lands (a module in place; a
   ``load_weights`` callable gets whole tensors after each bucket);
-- :class:`StreamSink`: into a host buffer laid out as the plan's stream, applied to the
+- :class:`StreamSink`: into a host buffer holding the plan's tensors whole, applied to the
   target only once every byte is in (``atomic=True``); :class:`BucketsSink` does the same
   for a described round (:mod:`..layout.described`), whose size is known only at its end, in a
   buffer per bucket;
@@ -95,8 +95,8 @@ class TargetSink:
 
 
 class StreamSink:
-    """Gathers the round in a host buffer laid out as the plan's stream; applies it to
-    ``target`` at :meth:`finish`."""
+    """Gathers the round in a host buffer holding the plan's tensors whole, one after another
+    (:attr:`.BucketPlan.tensor_offsets`); applies it to ``target`` at :meth:`finish`."""
 
     buffered = True
 
@@ -105,13 +105,13 @@ class StreamSink:
     ) -> None:
         self.plan = plan
         self.target = target
-        self.stream = pool.acquire("sync-atomic", max(plan.stream_bytes, 1))
+        self.stream = pool.acquire("sync-atomic", max(plan.tensor_bytes, 1))
         pool.release("sync-atomic")
         self.dirty: set[int] = set()
         self.slices: list[tuple[int, Slice]] = []
 
     def _bytes(self, g: int, s: Slice) -> torch.Tensor:
-        start = g * self.plan.bucket_bytes + s.bucket_offset
+        start = self.plan.tensor_offsets[s.tensor] + s.tensor_offset
         return self.stream[start : start + s.nbytes]
 
     def land(self, g: int, s: Slice) -> torch.Tensor | None:
@@ -134,7 +134,7 @@ class StreamSink:
         for g, s in self.slices:
             target.write(s, self._bytes(g, s))
         for i in sorted(self.dirty):
-            start = plan.stream_offset[i]
+            start = plan.tensor_offsets[i]
             target.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
         target.flush()
 

@@ -251,6 +251,11 @@ class Keys:
         return store_key("plan", plan_id)
 
     @staticmethod
+    def world_rank(trainer: int) -> str:
+        """Trainer ``trainer``'s rank in its job's default process group (once)."""
+        return store_key("world_rank", trainer)
+
+    @staticmethod
     def request(rollout: int, k: int) -> str:
         return store_key("req", rollout, k)
 

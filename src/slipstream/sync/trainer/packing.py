@@ -1,10 +1,12 @@
 """Reading the trainer's tensors bucket by bucket and packing them into payloads.
 
 :class:`BucketSources` walks the plan's buckets in order and materialises only the tensors
-the current bucket needs: a DTensor is gathered (``full_tensor``) when its first bucket comes
-up and dropped after its last, so at most the tensors of one bucket (plus one that spans
+the current bucket needs. A DTensor the plan has holders for (:mod:`..layout.holders`) is read
+from this rank's own shard, which holds every byte this rank sends of it: no collective, no
+full tensor. Any other DTensor is gathered (``full_tensor``) when its first bucket comes up
+and dropped after its last, so at most the tensors of one bucket (plus one that spans
 several) are ever gathered at once, never the whole model. Every trainer rank walks the same
-buckets in the same order, so the DTensor gathers (collectives on the user's mesh, run on the
+buckets in the same order, so those gathers (collectives on the user's mesh, run on the
 caller's thread) match across ranks.
 
 :func:`pack_slices` copies a bucket's slices into a payload buffer, takes an xxh3 checksum of
@@ -25,6 +27,7 @@ import torch
 from ...core.buffers import as_bytes, byte_view, memory_at
 from ...core.checksum import checksum
 from ...core.copy import copy_in_slices, copy_to_address
+from ..layout.holders import local_start
 from ..layout.plan import BucketPlan, Slice, align, is_dtensor
 from ..layout.segments import Segment, sent_separately
 
@@ -37,18 +40,26 @@ class BucketSources:
         self.tensors = tensors
         self.rank = rank
         self._live: dict[int, torch.Tensor] = {}
+        #: where each live tensor starts in its tensor's bytes (a shard's start; else 0)
+        self._start: dict[int, int] = {}
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
 
     def enter(self, g: int) -> None:
         """Materialise the tensors that start in bucket ``g`` (gathers run on every rank)."""
         owner = self.plan.buckets[g].owner == self.rank
+        holders = self.plan.holders
         for s in self.plan.bucket_slices(g):
             i = s.tensor
             if i in self._live or self.plan.first_bucket[i] != g:
                 continue
             t = self.tensors[i]
-            if is_dtensor(t):
+            if holders is not None and holders[i] is not None:
+                if self.plan.parts_of(i, self.rank):
+                    local = cast(Any, t).to_local()
+                    self._live[i] = local.detach().contiguous()
+                    self._start[i] = local_start(t, self.plan.specs[i])
+            elif is_dtensor(t):
                 full = cast(Any, t).full_tensor()
                 self.gathered_bytes += self.plan.specs[i].nbytes
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -69,11 +80,12 @@ class BucketSources:
             i = s.tensor
             if self.plan.last_bucket[i] == g and i in self._live:
                 del self._live[i]
-                if is_dtensor(self.tensors[i]):
+                if self._start.pop(i, None) is None and is_dtensor(self.tensors[i]):
                     self.gathered_bytes -= self.plan.specs[i].nbytes
 
     def slice_bytes(self, s: Slice) -> torch.Tensor:
-        return as_bytes(self._live[s.tensor])[s.tensor_offset : s.tensor_offset + s.nbytes]
+        start = s.tensor_offset - self._start.get(s.tensor, 0)
+        return as_bytes(self._live[s.tensor])[start : start + s.nbytes]
 
     def finish(self) -> None:
         """Nothing is left to read: every tensor was given up front."""

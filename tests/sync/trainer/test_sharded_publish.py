@@ -1,0 +1,146 @@
+"""FSDP2 trainers publish each rank's own shards: no collective on the trainers' mesh during
+a publish, no full tensor on a trainer, and every rollout (a module, a ``load_weights``
+callable) holds exactly the trainers' weights after each version, in ``direct`` and
+``cached`` mode, over 2 and 4 trainer ranks.
+
+The reference is each version's full tensors, gathered by the trainers with
+``full_tensor()`` after the publish (outside the counted window). The count: the default
+group's collective sequence number, and calls to ``DTensor.full_tensor`` and
+``DTensor.redistribute``; a DTensor placed ``Shard(1)`` (which the publisher still gathers)
+shows the count is live."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import free_port
+from sync_procs import spawn
+from torch import nn
+
+import slipstream as ss
+
+BUCKET = 256 * 1024
+VERSIONS = (1, 2, 3)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(97, 48),
+        nn.Linear(48, 160),
+        nn.LayerNorm(160),
+        nn.Linear(160, 48, bias=False),
+        nn.Linear(48, 97),
+    )
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, version: int) -> None:
+    torch.manual_seed(100 + version)
+    tokens = torch.randint(0, 97, (4, 6))
+    model(tokens).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class Collectives:
+    """Counts what a publish could gather with: the default group's collectives and the
+    DTensor calls that run them."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.calls = 0
+        for name in ("full_tensor", "redistribute"):
+            original = getattr(DTensor, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(*args, **kwargs)
+
+            setattr(DTensor, name, counted)
+
+    def now(self) -> int:
+        seq = torch.distributed.group.WORLD._get_sequence_number_for_group()
+        return seq + self.calls
+
+
+def _trainer(rank, port, mesh_port, world, mode):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model()
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = Collectives()
+    rollouts = [world, world + 1]
+    out: dict = {"counts": [], "full": {}}
+    with ss.WeightPublisher(
+        group, list(range(world)), rollouts, bucket_bytes=BUCKET, mode=mode
+    ) as pub:
+        for version in VERSIONS:
+            _step(model, opt, version)
+            state = model.state_dict()
+            before = counter.now()
+            handle = pub.publish(state, version=version)
+            handle.staged.result(timeout=60)
+            out["counts"].append(counter.now() - before)
+            assert handle.delivered.result(timeout=60) == version
+            out["full"][version] = {n: t.full_tensor().numpy().copy() for n, t in state.items()}
+        strided = {"strided": distribute_tensor(torch.arange(64.0).view(8, 8), mesh, [Shard(1)])}
+        before = counter.now()
+        pub.publish(strided, version=len(VERSIONS) + 1).delivered.result(timeout=60)
+        out["gathered"] = counter.now() - before
+    torch.distributed.destroy_process_group()
+    group.close()
+    return out if rank == 0 else {"counts": out["counts"], "gathered": out["gathered"]}
+
+
+def _rollout(rank, port, world):
+    group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
+    into_module = rank == world
+    target: nn.Module | dict = _model() if into_module else {}
+    held = {}
+    with ss.WeightSubscriber(group, list(range(world)), [world, world + 1]) as sub:
+        for version in VERSIONS:
+            if into_module:
+                assert sub.receive(target) == version
+                held[version] = {n: t.numpy().copy() for n, t in target.state_dict().items()}
+            else:
+                sub.receive(lambda batch: target.update((n, t.numpy().copy()) for n, t in batch))
+                held[version] = dict(target)
+        sub.receive(lambda batch: held.update({"strided": dict(batch)["strided"].numpy().copy()}))
+    group.close()
+    return held
+
+
+def _run(rank, port, mesh_port, world, mode):
+    if rank < world:
+        return _trainer(rank, port, mesh_port, world, mode)
+    return _rollout(rank, port, world)
+
+
+@pytest.mark.parametrize(("world", "mode"), [(2, "direct"), (2, "cached"), (4, "direct")])
+def test_fsdp2_trainers_send_their_own_shards_without_a_collective_and_rollouts_are_exact(
+    world, mode
+):
+    out = spawn(_run, world + 2, free_port(), world, mode, timeout=300)
+    for trainer in range(world):
+        assert out[trainer]["counts"] == [0] * len(VERSIONS), (trainer, out[trainer])
+        assert out[trainer]["gathered"] > 0, trainer  # the count sees a gather
+    full = out[0]["full"]
+    for rollout in (world, world + 1):
+        for version in VERSIONS:
+            got = out[rollout][version]
+            assert set(got) == set(full[version]), (rollout, version)
+            for name, t in full[version].items():
+                assert np.array_equal(got[name], t), (rollout, version, name)
+        assert np.array_equal(out[rollout]["strided"], np.arange(64.0).reshape(8, 8)), rollout
