@@ -27,7 +27,6 @@ import math
 import mmap
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from common import (  # noqa: E402
     Result,
     Table,
     drop_page_cache,
+    free_port,
     interleave,
     median,
 )
@@ -552,12 +552,6 @@ def child_memory(kind: str, peer: str, opts: BenchOptions) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------
 # Resharding: saved by 1 rank, loaded by N ranks into DTensor Shard(0) targets
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reshard_rank(rank: int, world: int, port: int, opts: BenchOptions, queue) -> None:

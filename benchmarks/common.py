@@ -28,6 +28,7 @@ import platform
 import random
 import resource
 import shutil
+import socket
 import statistics
 import sys
 import time
@@ -122,6 +123,13 @@ def scratch(path: str | os.PathLike) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a store or a process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Result, Table, median, scratch  # noqa: E402
+from common import Result, Table, free_port, median, scratch  # noqa: E402
 
 SS = "ss.load"
 DCP = "dcp.load + HuggingFaceStorageReader"
@@ -74,12 +73,6 @@ def write_model(directory: Path, quick: bool) -> int:
             p.normal_(0, 0.02)
     model.save_pretrained(directory)
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_main(rank: int, world: int, port: int, directory: str, rounds: int, queue) -> None:

@@ -304,7 +304,7 @@ def _dtensor_run(rank, port, mesh_port):
                 separate_min_bytes=SEPARATE,
             ) as pub:
                 pub.publish(named, version=7).delivered.result(timeout=20)
-                out[mode] = (pub.bytes_sent, pub.peak_gathered_bytes)
+                sent_by_shard = (pub.bytes_sent, pub.peak_gathered_bytes)
                 if mode == "cached":  # serve the rollouts' refetches from both caches
                     keys = {r: f"test/{channel}/refetched/{r}" for r in (2, 3)}
                     group.wait_keys(keys, "the rollouts' refetches", 20)
@@ -313,6 +313,7 @@ def _dtensor_run(rank, port, mesh_port):
                     for n, t in base.items()
                 )
                 pub.publish(doubled, version=8).delivered.result(timeout=20)
+                out[mode] = (*sent_by_shard, pub.peak_gathered_bytes)
         else:
             target = nn.Module()
             for n, t in base.items():
@@ -337,7 +338,7 @@ def _dtensor_run(rank, port, mesh_port):
     return out
 
 
-def test_two_trainers_two_rollouts_dtensor_sources_spread_and_gathered_bucket_by_bucket():
+def test_two_trainers_send_dtensors_by_shard_and_gather_streamed_ones_bucket_by_bucket():
     from dist_utils import free_port
 
     out = spawn(_dtensor_run, 4, free_port(), timeout=90)
@@ -345,11 +346,12 @@ def test_two_trainers_two_rollouts_dtensor_sources_spread_and_gathered_bucket_by
     dtensor_bytes = sum(sizes)
     total = dtensor_bytes + 40
     for mode in ("direct", "cached"):
-        sent0, peak0 = out[0][mode]
-        sent1, peak1 = out[1][mode]
-        assert sent0 > 0 and sent1 > 0 and sent0 + sent1 >= total  # both trainers send
-        # only the tensors touching the bucket being packed are gathered, never the whole model
-        assert 0 < max(peak0, peak1) <= BUCKET + 2 * max(sizes) < dtensor_bytes / 2
+        sent0, mapped0, streamed0 = out[0][mode]
+        sent1, mapped1, streamed1 = out[1][mode]
+        assert sent0 > 0 and sent1 > 0 and sent0 + sent1 == total  # each sends its own shards
+        assert mapped0 == mapped1 == 0  # nothing gathered: every byte came from a local shard
+        # DTensors yielded by a generator are gathered as they come, bucket by bucket
+        assert 0 < max(streamed0, streamed1) <= BUCKET + 2 * max(sizes) < dtensor_bytes / 2
 
 
 # --------------------------------------------------------------------------- versions, cache

@@ -478,9 +478,10 @@ class WeightPublisher:
         """Fix the layout (names, global shapes, dtypes, ties) that streamed publishes must
         follow, from tensors shaped as the published ones will be: e.g. the model's
         ``state_dict()`` (DTensors give their global shape; meta tensors are fine, though
-        their ties cannot be seen). Nothing is read from their bytes and nothing is sent."""
-        specs, _ = unique_tensors(named_items(named_tensors))
-        self._plan_for(specs)
+        their ties cannot be seen; DTensors placed by rows are planned to be sent by shard).
+        Nothing is read from their bytes and nothing is sent."""
+        specs, tensors = unique_tensors(named_items(named_tensors))
+        self._plan_for(specs, self._holders(specs, tensors))
 
     def _wait_previous_round(self) -> None:
         previous = self._last_round

@@ -1,7 +1,8 @@
 """FSDP2 trainers publish each rank's own shards: no collective on the trainers' mesh during
 a publish, no full tensor on a trainer, and every rollout (a module, a ``load_weights``
 callable) holds exactly the trainers' weights after each version, in ``direct`` and
-``cached`` mode, over 2 and 4 trainer ranks.
+``cached`` mode, over 2 and 4 trainer ranks, FSDP and HSDP (a replicated mesh dimension:
+the replicas of a shard split it).
 
 The reference is each version's full tensors, gathered by the trainers with
 ``full_tensor()`` after the publish (outside the counted window). The count: the default
@@ -10,6 +11,8 @@ group's collective sequence number, and calls to ``DTensor.full_tensor`` and
 shows the count is live."""
 
 from __future__ import annotations
+
+from math import prod
 
 import numpy as np
 import pytest
@@ -65,16 +68,18 @@ class Collectives:
         return seq + self.calls
 
 
-def _trainer(rank, port, mesh_port, world, mode):
+def _trainer(rank, port, mesh_port, mesh_shape, mode):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    world = prod(mesh_shape)
     group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank, world_size=world
     )
-    mesh = init_device_mesh("cpu", (world,))
+    names = ("replicate", "shard")[-len(mesh_shape) :]
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)  # 2-D: HSDP
     model = _model()
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -95,7 +100,8 @@ def _trainer(rank, port, mesh_port, world, mode):
             out["counts"].append(counter.now() - before)
             assert handle.delivered.result(timeout=60) == version
             out["full"][version] = {n: t.full_tensor().numpy().copy() for n, t in state.items()}
-        strided = {"strided": distribute_tensor(torch.arange(64.0).view(8, 8), mesh, [Shard(1)])}
+        placements = [Shard(1)] * len(mesh_shape)
+        strided = {"strided": distribute_tensor(torch.arange(64.0).view(8, 8), mesh, placements)}
         before = counter.now()
         pub.publish(strided, version=len(VERSIONS) + 1).delivered.result(timeout=60)
         out["gathered"] = counter.now() - before
@@ -122,17 +128,22 @@ def _rollout(rank, port, world):
     return held
 
 
-def _run(rank, port, mesh_port, world, mode):
+def _run(rank, port, mesh_port, mesh_shape, mode):
+    world = prod(mesh_shape)
     if rank < world:
-        return _trainer(rank, port, mesh_port, world, mode)
+        return _trainer(rank, port, mesh_port, mesh_shape, mode)
     return _rollout(rank, port, world)
 
 
-@pytest.mark.parametrize(("world", "mode"), [(2, "direct"), (2, "cached"), (4, "direct")])
+@pytest.mark.parametrize(
+    ("mesh_shape", "mode"),
+    [((2,), "direct"), ((2,), "cached"), ((4,), "direct"), ((2, 2), "cached")],
+)
 def test_fsdp2_trainers_send_their_own_shards_without_a_collective_and_rollouts_are_exact(
-    world, mode
+    mesh_shape, mode
 ):
-    out = spawn(_run, world + 2, free_port(), world, mode, timeout=300)
+    world = prod(mesh_shape)
+    out = spawn(_run, world + 2, free_port(), mesh_shape, mode, timeout=300)
     for trainer in range(world):
         assert out[trainer]["counts"] == [0] * len(VERSIONS), (trainer, out[trainer])
         assert out[trainer]["gathered"] > 0, trainer  # the count sees a gather

@@ -1,0 +1,241 @@
+"""Shard-aware publishes, side by side with today's gather path: 2 FSDP trainer ranks, 2
+rollout ranks.
+
+``--mib`` MiB of transformer-shaped bf16 weights (``--hidden``, ``--ffn``; layers of q, k, v,
+o, gate, up, down and two norms, as many as fit, plus an embedding), each a DTensor placed
+``Shard(0)`` over the two trainers' gloo mesh (made with ``DTensor.from_local``: no trainer
+ever holds a full tensor). Two publishers in the same processes, one channel each, interleaved
+A B A B, median of ``--repeats`` after one warm-up, in ``direct`` and ``cached`` mode:
+
+- ``gather``: today's path: the publisher's holders turned off, so every DTensor is gathered
+  (``full_tensor``) bucket by bucket on the caller's thread and each trainer sends the buckets
+  it owns of the gathered stream;
+- ``sharded``: each trainer sends its own shards (:mod:`slipstream.sync.layout.holders`).
+
+Per publish, on each trainer: ``blocked`` (until ``publish`` returned: the caller's loop stalls
+this long) and ``delivered`` (until every rollout acknowledged). The rollouts receive into
+plain modules (full tensors, ``auto`` transport: ``ipc`` on one host); the last version of
+each peer is checked on the rollouts, every row against the value its trainer wrote.
+
+python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import Result, Table, fmt, free_port, interleave, median  # noqa: E402
+
+import slipstream as ss  # noqa: E402
+
+MiB = 2**20
+PEERS = ["gather", "sharded"]
+TRAINERS = 2
+
+
+def shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    """Transformer-shaped tensors of about ``--mib`` MiB in bf16 (each row count even)."""
+    h, f = args.hidden, args.ffn
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (args.vocab, h)}
+    layer = {
+        "q": (h, h), "k": (h, h), "v": (h, h), "o": (h, h),
+        "gate": (f, h), "up": (f, h), "down": (h, f), "norm1": (h,), "norm2": (h,),
+    }  # fmt: skip
+    per_layer = sum(torch.Size(s).numel() for s in layer.values()) * 2
+    budget = args.mib * MiB - args.vocab * h * 2
+    for i in range(max(1, budget // per_layer)):
+        out.update({f"layers.{i}.{n}": s for n, s in layer.items()})
+    return out
+
+
+def value(version: int, trainer: int) -> float:
+    return float(version * 4 + trainer)
+
+
+def trainer(rank: int, group, args: argparse.Namespace) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.mesh_port}",
+        rank=rank,
+        world_size=TRAINERS,
+        timeout=timedelta(seconds=600),
+    )
+    mesh = init_device_mesh("cpu", (TRAINERS,))
+    local = {
+        n: torch.empty((s[0] // TRAINERS, *s[1:]), dtype=torch.bfloat16)
+        for n, s in shapes(args).items()
+    }
+    state = {n: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for n, t in local.items()}
+    results = {
+        mode: measure(rank, group, args, mode, local, state) for mode in ("direct", "cached")
+    }
+    torch.distributed.destroy_process_group()
+    return results
+
+
+def measure(
+    rank: int, group, args: argparse.Namespace, mode: str, local: dict, state: dict
+) -> dict:
+    """Both peers' publishes in ``mode``, interleaved; each version's rows carry its value."""
+    pubs = {
+        peer: ss.WeightPublisher(
+            group,
+            list(range(TRAINERS)),
+            [TRAINERS, TRAINERS + 1],
+            bucket_bytes=args.bucket_mib * MiB,
+            mode=mode,
+            delta=False,
+            channel=f"{mode}-{peer}",
+        )
+        for peer in PEERS
+    }
+    pubs["gather"]._holders = lambda specs, tensors: None  # type: ignore[method-assign]
+    versions = dict.fromkeys(PEERS, 0)
+
+    def runner(peer: str):
+        def run(rep: int) -> dict[str, float]:
+            versions[peer] += 1
+            for t in local.values():
+                t.fill_(value(versions[peer], rank))
+            start = time.perf_counter()
+            handle = pubs[peer].publish(state, version=versions[peer])
+            blocked = time.perf_counter() - start
+            handle.delivered.result(timeout=600)
+            return {"blocked": blocked, "delivered": time.perf_counter() - start}
+
+        return run
+
+    kept: dict = interleave({p: runner(p) for p in PEERS}, args.repeats)
+    kept["transport"] = pubs["sharded"].transport
+    for pub in pubs.values():
+        pub.close()
+    return kept
+
+
+def rollout(rank: int, group, args: argparse.Namespace) -> dict:
+    sizes = shapes(args)
+    checked = {}
+    for mode in ("direct", "cached"):
+        subs = {
+            peer: ss.WeightSubscriber(
+                group, list(range(TRAINERS)), [TRAINERS, TRAINERS + 1], channel=f"{mode}-{peer}"
+            )
+            for peer in PEERS
+        }
+        targets = {peer: nn.Module() for peer in PEERS}
+        for target in targets.values():
+            for i, shape in enumerate(sizes.values()):
+                target.register_buffer(f"t{i}", torch.zeros(shape, dtype=torch.bfloat16))
+        names = {n: f"t{i}" for i, n in enumerate(sizes)}
+        version = 0
+        for _ in range(1 + args.repeats):
+            version += 1
+            for peer in PEERS:
+                assert subs[peer].receive(targets[peer], name_map=names) == version
+        for peer in PEERS:
+            ok = True
+            for n, s in sizes.items():
+                t = targets[peer].get_buffer(names[n])
+                half = s[0] // TRAINERS
+                ok &= bool((t[:half] == value(version, 0)).all())
+                ok &= bool((t[half:] == value(version, 1)).all())
+            checked[f"{mode} {peer}"] = ok
+            subs[peer].close()
+    return checked
+
+
+def worker(rank: int, args: argparse.Namespace, queue) -> None:
+    try:
+        group = ss.sync.init_group("127.0.0.1", args.port, TRAINERS + 2, rank, timeout=600)
+        out = trainer(rank, group, args) if rank < TRAINERS else rollout(rank, group, args)
+        group.close()
+        queue.put((rank, out, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results/sync_sharded.json")
+    args = parser.parse_args()
+    args.port, args.mesh_port = free_port(), free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, args, queue)) for r in range(TRAINERS + 2)]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in procs:
+        rank, value_, error = queue.get()
+        if error:
+            raise SystemExit(f"rank {rank} failed:\n{error}")
+        out[rank] = value_
+    for p in procs:
+        p.join(60)
+    total = sum(torch.Size(s).numel() for s in shapes(args).values()) * 2
+    result = Result(
+        "sync_sharded",
+        "Shard-aware publish vs today's gather path: 2 FSDP trainers, 2 rollouts",
+        setup={
+            "weights": f"{total / MiB:.0f} MiB bf16 in {len(shapes(args))} DTensors, Shard(0)",
+            "bucket": f"{args.bucket_mib} MiB",
+            "repeats": args.repeats,
+            "transport": out[0]["direct"]["transport"],
+        },
+    )
+    for mode in ("direct", "cached"):
+        table = Table(
+            f"{mode} mode (median s, trainer rank 0 / 1)", ["peer", "blocked", "delivered"]
+        )
+        med = {
+            p: {
+                m: [median(out[t][mode][p][m]) for t in range(TRAINERS)]
+                for m in ("blocked", "delivered")
+            }
+            for p in PEERS
+        }
+        for p in PEERS:
+            table.rows.append(
+                [p, *(" / ".join(fmt(v) for v in med[p][m]) for m in ("blocked", "delivered"))]
+            )
+        result.tables.append(table)
+        for metric, floor in (("blocked", 0.3), ("delivered", 0.5)):
+            ratio = max(med["sharded"][metric]) / max(med["gather"][metric])
+            result.floor(f"{mode}: sharded {metric} / gather", ratio, f"<= {floor}", ratio <= floor)
+    result.notes.append(
+        "Both peers send every byte to plain rollouts (full tensors); rollouts that receive "
+        "only their own tensor-parallel shards are not built yet. The gather peer is the "
+        "publisher with its holders turned off: the path every DTensor took before."
+    )
+    result.notes.append(f"rollouts' last versions exact: {out[TRAINERS] | out[TRAINERS + 1]}")
+    for table in result.tables:
+        print(table.title)
+        for row in table.rows:
+            print("  ", *row)
+    for f in result.floors:
+        print(f"{f.claim}: {f.measured} ({f.floor}: {'met' if f.passed else 'NOT met'})")
+    print(result.notes[-1])
+    result.write(args.out)
+
+
+if __name__ == "__main__":
+    main()
