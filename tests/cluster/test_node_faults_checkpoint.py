@@ -142,10 +142,9 @@ def _vanishing_in(rank, addr, port, entry):
 
 
 CASES = [
-    *(("async_save", fault) for fault in FAULTS),
-    ("load", "cut"),
-    ("Checkpointer.save", "cut"),
-    ("Checkpointer.load", "cut"),
+    (entry, fault)
+    for entry in ("async_save", "load", "Checkpointer.save", "Checkpointer.load")
+    for fault in FAULTS
 ]
 
 

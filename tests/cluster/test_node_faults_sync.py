@@ -119,9 +119,10 @@ def _vanishing_rollout(rank, addr, port, transport, mode):
 
 
 CASES = [
-    *((transport, "direct", fault) for transport in ("relay", "broadcast") for fault in FAULTS),
-    ("relay", "cached", "cut"),
-    ("broadcast", "cached", "cut"),
+    (transport, mode, fault)
+    for transport in ("relay", "broadcast")
+    for mode in ("direct", "cached")
+    for fault in FAULTS
 ]
 
 
