@@ -232,6 +232,8 @@ class WeightPublisher:
         self._plan: BucketPlan | None = None
         #: a trainer's rank in the default process group -> its trainer rank here
         self._trainer_of: dict[int, int] | None = None
+        if dist.is_available() and dist.is_initialized():  # read at the first DTensor plan
+            self.group.post(Keys.world_rank(self.rank), str(dist.get_rank()))
         self._announced: set[str] = set()
         self._checksums: dict[int, dict[int, int]] = {}
         self._last_round: Future[int] | None = None
@@ -508,7 +510,7 @@ class WeightPublisher:
 
     def _exchange_world_ranks(self) -> dict[int, int]:
         """Each trainer's rank in the default process group -> its trainer rank here (posted
-        once by every trainer, read by each)."""
+        by every trainer, when it made its publisher or now, and read by each once)."""
         self.group.post(Keys.world_rank(self.rank), str(dist.get_rank()))
         keys = {r: Keys.world_rank(r) for r in self.trainer_ranks}
         self.group.wait_keys(keys, "the trainers' ranks in their process group", self.timeout)
