@@ -265,7 +265,8 @@ class WeightSubscriber:
                 sink.adopt(plan.plan_id)
             if rnd.tokens is not None:
                 rnd.tokens = {g: root_token(plan.plan_id, g, version) for g in rnd.tokens}
-        if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets):
+        whole = not isinstance(sink, ModuleTarget) or sink.whole  # shards take no deltas
+        if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets) and whole:
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
         self._rounds.ack(ack_key, Ack(version))

@@ -63,7 +63,7 @@ def _parts(
 ) -> tuple[Part, ...] | None:
     d: Any = t
     placements = tuple(d.placements)
-    if not all(_row_placement(p) for p in placements):
+    if not all(row_placement(p) for p in placements):
         return None
     mesh = d.device_mesh.mesh
     members = tuple(int(r) for r in mesh.flatten().tolist())
@@ -79,7 +79,7 @@ def _parts(
     return tuple(parts)
 
 
-def _row_placement(p: object) -> bool:
+def row_placement(p: object) -> bool:
     """Whether ``p`` keeps each coordinate's box a run of whole rows."""
     from torch.distributed.tensor import Replicate, Shard
 

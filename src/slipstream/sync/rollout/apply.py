@@ -9,7 +9,9 @@ once); names are looked up among the module's parameters and buffers under all t
 they go by (``remove_duplicate=False``, the names ``state_dict()`` uses), then, for what is
 still missing, in ``state_dict(keep_vars=True)``.
 A target tensor reached by several names of one sent tensor (a tie kept in the target) is
-written once.
+written once. A DTensor placed by rows (a tensor-parallel rollout's column-parallel weight, a
+replicated one) is written in its local shard, which holds a run of the tensor's rows
+(:class:`Dest`): of each slice, only the bytes of those rows.
 
 :class:`CallableTarget` hands ``load_weights`` whole tensors only: a tensor that fits in one
 slice is passed as a view of the receive buffer; a tensor split over several buckets is
@@ -21,6 +23,8 @@ passed are valid only during the call: copy what you keep.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,6 +33,7 @@ from ...core.buffers import as_bytes
 from ...core.copy import copy_in_slices, copy_to_address
 from ...errors import SyncError
 from ..layout.described import DESCRIBED
+from ..layout.holders import local_start, row_placement
 from ..layout.plan import BucketPlan, Slice, TensorSpec, is_dtensor
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
@@ -43,6 +48,50 @@ def map_name(name_map: NameMap, name: str) -> str | None:
     return name_map.get(name, name)
 
 
+@dataclass(frozen=True)
+class Dest:
+    """Where bytes ``[start, start + len(data))`` of a sent tensor land: a target tensor's
+    own bytes (``start`` 0, every byte), or the local shard of a DTensor placed by rows (its
+    rows' bytes, from the shard's first row)."""
+
+    data: torch.Tensor
+    start: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0
+
+    def overlap(self, s: Slice) -> tuple[int, int] | None:
+        """The bytes of slice ``s`` (offsets in the tensor) this destination holds, if any."""
+        lo = max(s.tensor_offset, self.start)
+        hi = min(s.tensor_offset + s.nbytes, self.start + self.data.numel())
+        return (lo, hi) if hi > lo or (s.nbytes == 0 and lo == hi) else None
+
+    def view(self, s: Slice) -> torch.Tensor | None:
+        """The bytes slice ``s`` lands in, when this destination holds all of them."""
+        lo, hi = s.tensor_offset - self.start, s.tensor_offset - self.start + s.nbytes
+        return self.data[lo:hi] if lo >= 0 and hi <= self.data.numel() else None
+
+    def copy(self, s: Slice, data: torch.Tensor) -> None:
+        """Write the part of slice ``s`` (its bytes ``data``) this destination holds."""
+        found = self.overlap(s)
+        if found is None:
+            return
+        lo, hi = found
+        src = data[lo - s.tensor_offset : hi - s.tensor_offset]
+        at = lo - self.start
+        dest = self.data
+        if dest.device.type == "cpu" and copy_to_address(dest.data_ptr() + at, src):
+            return
+        copy_in_slices(dest[at : at + hi - lo], src)
+
+
+def row_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor whose local shard is a run of its rows (placed ``Shard(0)``
+    or ``Replicate()`` on every mesh dimension)."""
+    return is_dtensor(t) and all(row_placement(p) for p in cast(Any, t).placements)
+
+
 def unwritable(t: torch.Tensor) -> str | None:
     """Why slipstream cannot write received bytes into ``t`` through its own pointer, or
     ``None`` when it can.
@@ -54,10 +103,12 @@ def unwritable(t: torch.Tensor) -> str | None:
     that keeps its values in its own storage (an inference engine's) is written like any
     tensor. Its contiguity is checked apart (:meth:`ModuleTarget.check`).
     """
+    if row_sharded(t):
+        return unwritable(cast(Any, t).to_local())
     if is_dtensor(t):
         return (
-            "DTensor (a sharded or replicated tensor of a device mesh): slipstream cannot "
-            "write through it; receive into a module of plain tensors"
+            f"DTensor placed {list(cast(Any, t).placements)}: slipstream writes a DTensor's "
+            "local shard only when it is a run of whole rows (Shard(0) or Replicate())"
         )
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         return f"a tensor subclass ({type(t).__name__}): slipstream writes plain tensors only"
@@ -78,7 +129,7 @@ class ModuleTarget:
     def __init__(self, module: nn.Module, name_map: NameMap = None) -> None:
         self.module = module
         self.name_map = name_map
-        self._dest: dict[int, list[torch.Tensor]] = {}
+        self._dest: dict[int, list[Dest]] = {}
         self._own: dict[str, torch.Tensor] | None = None
         self._whole_dict = False
 
@@ -98,7 +149,7 @@ class ModuleTarget:
         own = self._named_tensors(n for spec in specs for n in spec.names)
         missing, unwritables, shapes, dtypes, layout = [], [], [], [], []
         for i, spec in enumerate(specs, first):
-            dests: dict[tuple, torch.Tensor] = {}
+            dests: dict[tuple, Dest] = {}
             for sent in spec.names:
                 name = map_name(self.name_map, sent)
                 if name is None:
@@ -114,11 +165,13 @@ class ModuleTarget:
                     dtypes.append(
                         f"{name}: sent {spec.dtype}, target {str(t.dtype).removeprefix('torch.')}"
                     )
-                elif not t.is_contiguous():
+                elif not (local := _local(t)).is_contiguous():
                     layout.append(name)
                 else:
-                    dest = as_bytes(t.data)
-                    dests.setdefault((dest.device, dest.data_ptr(), dest.numel()), dest)
+                    start = local_start(t, spec) if is_dtensor(t) else 0
+                    dest = Dest(as_bytes(local.detach()), start)
+                    key = (dest.data.device, dest.data.data_ptr(), dest.data.numel())
+                    dests.setdefault(key, dest)
             if dests:
                 self._dest[i] = list(dests.values())
         problems = []
@@ -152,36 +205,41 @@ class ModuleTarget:
                     own.setdefault(name, t)
         return own
 
+    @property
+    def whole(self) -> bool:
+        """Whether every destination holds its tensor whole (no DTensor shard): only then may
+        deltas be applied in place (a delta's words are placed by slice)."""
+        return all(d.whole for dests in self._dest.values() for d in dests)
+
     def direct_view(self, s: Slice) -> torch.Tensor | None:
-        """The bytes slice ``s`` goes to, for receiving it in place (``None``: not applied).
-        A tensor with several destinations (aliases untied in the target) lands in the
-        first; :meth:`landed` copies it to the others."""
+        """The bytes slice ``s`` goes to, for receiving it in place (``None``: into the
+        payload, then :meth:`write`). A tensor with several destinations (aliases untied in
+        the target) lands in the first, when it holds every byte of ``s``; :meth:`landed`
+        copies it to the others."""
         dests = self._dest.get(s.tensor)
-        return None if not dests else dests[0][s.tensor_offset : s.tensor_offset + s.nbytes]
+        return None if not dests else dests[0].view(s)
 
     def write(self, s: Slice, data: torch.Tensor) -> None:
+        """Write slice ``s``'s bytes ``data`` into what each destination holds of them."""
         for dest in self._dest.get(s.tensor, ()):
-            self._copy(dest, s, data)
+            dest.copy(s, data)
 
     def views(self, s: Slice) -> list[torch.Tensor]:
         """Every destination of slice ``s``'s bytes (none: not applied), for writing in
-        place."""
-        return [
-            d[s.tensor_offset : s.tensor_offset + s.nbytes] for d in self._dest.get(s.tensor, ())
-        ]
+        place: deltas, which only a target holding its tensors whole asks for (:attr:`whole`)."""
+        views = [d.view(s) for d in self._dest.get(s.tensor, ())]
+        if any(v is None for v in views):
+            raise SyncError(f"a delta reached tensor {s.tensor}, which this target holds in part")
+        return cast(list[torch.Tensor], views)
 
     def landed(self, s: Slice) -> None:
         """Slice ``s`` was received into :meth:`direct_view`: copy it to the other
         destinations of its tensor, if any."""
         dests = self._dest.get(s.tensor, [])
+        landed = dests[0].view(s) if dests else None
         for dest in dests[1:]:
-            self._copy(dest, s, dests[0][s.tensor_offset : s.tensor_offset + s.nbytes])
-
-    @staticmethod
-    def _copy(dest: torch.Tensor, s: Slice, data: torch.Tensor) -> None:
-        if dest.device.type == "cpu" and copy_to_address(dest.data_ptr() + s.tensor_offset, data):
-            return
-        copy_in_slices(dest[s.tensor_offset : s.tensor_offset + s.nbytes], data)
+            assert landed is not None
+            dest.copy(s, landed)
 
     def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
         return None
@@ -257,6 +315,11 @@ class CallableTarget:
         if self._batch:
             batch, self._batch = self._batch, []
             self.load_weights(batch)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes receive ``t``'s: its local shard for a DTensor."""
+    return cast(Any, t).to_local() if is_dtensor(t) else t.data
 
 
 def make_target(

@@ -1,0 +1,80 @@
+"""A tensor-parallel rollout receives into its own shards: two rollout ranks with a model
+parallelized over their own mesh (``ColwiseParallel``: weight and bias ``Shard(0)``, rows
+split unevenly; a ``Replicate()`` DTensor; plain tensors) each hold, after every version,
+exactly their rows of the trainer's tensors, in place and with ``atomic=True``, over shared
+memory and over the network. The reference is the trainer's own tensors, cut into each rank's
+rows with ``torch.chunk`` (how ``Shard(0)`` places them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import free_port
+from sync_procs import spawn
+from torch import nn
+
+import slipstream as ss
+
+BUCKET = 4096
+VERSIONS = (1, 2, 3)
+
+
+def _model() -> nn.Module:
+    m = nn.Sequential(nn.Linear(16, 33), nn.LayerNorm(33), nn.Linear(33, 7))
+    m.register_buffer("scale", torch.ones(5))
+    return m
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {n: torch.randn(t.shape, generator=g) for n, t in _model().state_dict().items()}
+
+
+def _tp_model(mesh) -> nn.Module:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = parallelize_module(_model(), mesh, {"0": ColwiseParallel()})
+    model[2].weight = nn.Parameter(distribute_tensor(model[2].weight.data, mesh, [Replicate()]))
+    return model
+
+
+def _run(rank, port, mesh_port, transport):
+    group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=60)
+    if rank == 0:
+        with ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport) as p:
+            for version in VERSIONS:
+                p.publish(_weights(version), version=version).delivered.result(timeout=60)
+        group.close()
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank - 1, world_size=2
+    )
+    model = _tp_model(init_device_mesh("cpu", (2,)))
+    held = {}
+    with ss.WeightSubscriber(group, [0], [1, 2]) as sub:
+        for version in VERSIONS:
+            assert sub.receive(model, atomic=version == 2) == version
+            held[version] = {
+                n: (t.to_local() if hasattr(t, "to_local") else t).detach().numpy().copy()
+                for n, t in model.state_dict().items()
+            }
+    dist.destroy_process_group()
+    group.close()
+    return held
+
+
+@pytest.mark.parametrize("transport", ["shm", "relay"])
+def test_tensor_parallel_rollouts_hold_exactly_their_rows_of_every_version(transport):
+    out = spawn(_run, 3, free_port(), transport, timeout=120)
+    sharded = {"0.weight", "0.bias"}
+    for version in VERSIONS:
+        for name, full in _weights(version).items():
+            for tp_rank, rollout in enumerate((1, 2)):
+                got = out[rollout][version][name]
+                want = full.chunk(2)[tp_rank] if name in sharded else full
+                assert np.array_equal(got, want.numpy()), (transport, version, name, tp_rank)
