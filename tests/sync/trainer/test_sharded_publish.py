@@ -1,6 +1,7 @@
 """FSDP2 trainers publish each rank's own shards: no collective on the trainers' mesh during
 a publish, no full tensor on a trainer, and every rollout (a module, a ``load_weights``
-callable) holds exactly the trainers' weights after each version, in ``direct`` and
+callable, or two tensor-parallel ranks holding their rows) holds exactly the trainers'
+weights after each version, in ``direct`` and
 ``cached`` mode, over 2 and 4 trainer ranks, FSDP and HSDP (a replicated mesh dimension:
 the replicas of a shard split it).
 
@@ -128,30 +129,71 @@ def _rollout(rank, port, world):
     return held
 
 
-def _run(rank, port, mesh_port, mesh_shape, mode):
+#: The rollouts' tensor-parallel layers (column-parallel: weight and bias ``Shard(0)``).
+TP_LAYERS = ("1", "4")
+
+
+def _tp_rollout(rank, port, world, tp_port):
+    """Rollout ranks ``world`` and ``world + 1`` as one tensor-parallel model over a mesh of
+    their own; each returns its local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=rank - world, world_size=2
+    )
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_module(_model(), mesh, {n: ColwiseParallel() for n in TP_LAYERS})
+    held = {}
+    with ss.WeightSubscriber(group, list(range(world)), [world, world + 1]) as sub:
+        for version in VERSIONS:
+            assert sub.receive(model) == version
+            held[version] = {
+                n: (t.to_local() if hasattr(t, "to_local") else t).detach().numpy().copy()
+                for n, t in model.state_dict().items()
+            }
+        sub.receive(lambda batch: held.update({"strided": dict(batch)["strided"].numpy().copy()}))
+    torch.distributed.destroy_process_group()
+    group.close()
+    return held
+
+
+def _run(rank, port, mesh_port, mesh_shape, mode, rollouts, tp_port):
     world = prod(mesh_shape)
     if rank < world:
         return _trainer(rank, port, mesh_port, mesh_shape, mode)
+    if rollouts == "tp":
+        return _tp_rollout(rank, port, world, tp_port)
     return _rollout(rank, port, world)
 
 
 @pytest.mark.parametrize(
-    ("mesh_shape", "mode"),
-    [((2,), "direct"), ((2,), "cached"), ((4,), "direct"), ((2, 2), "cached")],
+    ("mesh_shape", "mode", "rollouts"),
+    [
+        ((2,), "direct", "plain"),
+        ((2,), "cached", "plain"),
+        ((4,), "direct", "plain"),
+        ((2, 2), "cached", "plain"),
+        ((2,), "direct", "tp"),
+        ((4,), "cached", "tp"),
+    ],
 )
 def test_fsdp2_trainers_send_their_own_shards_without_a_collective_and_rollouts_are_exact(
-    mesh_shape, mode
+    mesh_shape, mode, rollouts
 ):
     world = prod(mesh_shape)
-    out = spawn(_run, world + 2, free_port(), mesh_shape, mode, timeout=300)
+    out = spawn(_run, world + 2, free_port(), mesh_shape, mode, rollouts, free_port(), timeout=300)
     for trainer in range(world):
         assert out[trainer]["counts"] == [0] * len(VERSIONS), (trainer, out[trainer])
         assert out[trainer]["gathered"] > 0, trainer  # the count sees a gather
     full = out[0]["full"]
-    for rollout in (world, world + 1):
+    sharded = {f"{layer}.{p}" for layer in TP_LAYERS for p in ("weight", "bias")}
+    for tp_rank, rollout in enumerate((world, world + 1)):
         for version in VERSIONS:
             got = out[rollout][version]
             assert set(got) == set(full[version]), (rollout, version)
             for name, t in full[version].items():
-                assert np.array_equal(got[name], t), (rollout, version, name)
+                want = np.array_split(t, 2)[tp_rank] if rollouts == "tp" and name in sharded else t
+                assert np.array_equal(got[name], want), (rollout, version, name)
         assert np.array_equal(out[rollout]["strided"], np.arange(64.0).reshape(8, 8)), rollout
