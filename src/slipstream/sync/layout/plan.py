@@ -22,8 +22,8 @@ A tensor published under several names (aliases: the same storage, offset, shape
 is laid out once, under its first name; its spec lists the others (``TensorSpec.aliases``),
 and they are part of the layout, so of the plan id.
 
-Invariant: every rank that builds a plan from the same specs, bucket size and trainer ranks
-gets the same plan, with the same ``plan_id``; nothing else is exchanged per publish.
+Invariant: every rank that builds a plan from the same specs, bucket size, trainer ranks and
+holders gets the same plan, with the same ``plan_id``; nothing else is exchanged per publish.
 """
 
 from __future__ import annotations
