@@ -56,16 +56,18 @@ class Dest:
 
     data: torch.Tensor
     start: int
+    total: int
+    """The sent tensor's size in bytes."""
 
     @property
     def whole(self) -> bool:
-        return self.start == 0
+        return self.start == 0 and self.data.numel() == self.total
 
     def overlap(self, s: Slice) -> tuple[int, int] | None:
         """The bytes of slice ``s`` (offsets in the tensor) this destination holds, if any."""
         lo = max(s.tensor_offset, self.start)
         hi = min(s.tensor_offset + s.nbytes, self.start + self.data.numel())
-        return (lo, hi) if hi > lo or (s.nbytes == 0 and lo == hi) else None
+        return (lo, hi) if hi > lo else None
 
     def view(self, s: Slice) -> torch.Tensor | None:
         """The bytes slice ``s`` lands in, when this destination holds all of them."""
@@ -169,7 +171,7 @@ class ModuleTarget:
                     layout.append(name)
                 else:
                     start = local_start(t, spec) if is_dtensor(t) else 0
-                    dest = Dest(as_bytes(local.detach()), start)
+                    dest = Dest(as_bytes(local.detach()), start, spec.nbytes)
                     key = (dest.data.device, dest.data.data_ptr(), dest.data.numel())
                     dests.setdefault(key, dest)
             if dests:
