@@ -90,6 +90,9 @@ class WeightSubscriber:
         self.rollout_ranks = list(rollout_ranks)
         self.leader = self.trainer_ranks[0]
         self.timeout = group.timeout if timeout is None else timeout
+        #: payload bytes taken so far: over a transport read where it lies (``ipc``, ``shm``)
+        #: only those this rank copied out (a tensor-parallel target's own box), else every
+        #: byte that arrived
         self.bytes_received = 0
         self._version: int | None = None
         self._complete = False
@@ -520,11 +523,15 @@ class WeightSubscriber:
                 f"bucket {g} from trainer rank {plan.buckets[g].owner} holds "
                 f"{payload.numel()} bytes, the plan expects {size}"
             )
-        self.bytes_received += size
         sink = rnd.sink
+        in_place = rnd.receivers[rnd.owner(g)].reads_in_place
         for k, (s, keep, off) in enumerate(zip(slices, mask, offsets, strict=True)):
             data = payload[off : off + s.nbytes] if keep else None
+            if in_place and keep:
+                self.bytes_received += sink.kept(g, s)
             sink.take(g, s, data, (g, k) in rnd.landed)
+        if not in_place:
+            self.bytes_received += size
         sink.bucket_done(g)
 
     @tracing.spanned("slipstream.sync.receive.apply_delta")

@@ -1,9 +1,11 @@
 """A tensor-parallel rollout receives into its own shards: two rollout ranks with a model
 parallelized over their own mesh (``ColwiseParallel``: weight and bias ``Shard(0)``, rows
-split unevenly; a ``Replicate()`` DTensor; plain tensors) each hold, after every version,
-exactly their rows of the trainer's tensors, in place and with ``atomic=True``, over shared
+split unevenly; ``RowwiseParallel``: weight ``Shard(1)``, columns split unevenly, bias
+replicated; a ``Replicate()`` DTensor; plain tensors) each hold, after every version,
+exactly their box of the trainer's tensors, in place and with ``atomic=True``, over shared
 memory and over the network. The reference is the trainer's own tensors, cut into each rank's
-rows with ``torch.chunk`` (how ``Shard(0)`` places them)."""
+rows or columns with ``torch.chunk`` (how ``Shard`` places them). Small buckets cut the
+tensors mid-row, so slices start and end inside a row."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import nn
 
 import slipstream as ss
 
-BUCKET = 4096
+BUCKET = 1024
 VERSIONS = (1, 2, 3)
 
 
@@ -34,10 +36,14 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 
 def _tp_model(mesh) -> nn.Module:
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    model = parallelize_module(_model(), mesh, {"0": ColwiseParallel()})
-    model[2].weight = nn.Parameter(distribute_tensor(model[2].weight.data, mesh, [Replicate()]))
+    model = parallelize_module(_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model[1].weight = nn.Parameter(distribute_tensor(model[1].weight.data, mesh, [Replicate()]))
     return model
 
 
@@ -71,10 +77,11 @@ def _run(rank, port, mesh_port, transport):
 @pytest.mark.parametrize("transport", ["shm", "relay"])
 def test_tensor_parallel_rollouts_hold_exactly_their_rows_of_every_version(transport):
     out = spawn(_run, 3, free_port(), transport, timeout=120)
-    sharded = {"0.weight", "0.bias"}
+    by_dim = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # the rest: replicated or plain
     for version in VERSIONS:
         for name, full in _weights(version).items():
             for tp_rank, rollout in enumerate((1, 2)):
                 got = out[rollout][version][name]
-                want = full.chunk(2)[tp_rank] if name in sharded else full
+                dim = by_dim.get(name)
+                want = full if dim is None else full.chunk(2, dim=dim)[tp_rank].contiguous()
                 assert np.array_equal(got, want.numpy()), (transport, version, name, tp_rank)

@@ -59,15 +59,16 @@ def _plain() -> nn.Module:
 
 
 def _dtensor(mesh_port: int) -> nn.Module:
-    """Every parameter a DTensor of a one-rank CPU mesh (its own gloo group on
-    ``mesh_port``), row-parallel: the weight sharded by columns (not a run of rows), the bias
-    replicated."""
+    """The weight a DTensor of a one-rank CPU mesh (its own gloo group on ``mesh_port``)
+    holding a partial sum: no box of the tensor's bytes at all."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import DTensor, Partial
 
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{mesh_port}", world_size=1, rank=0)
     mesh = init_device_mesh("cpu", (1,))
-    return parallelize_module(_plain(), mesh, {"fc": RowwiseParallel()})
+    m = _plain()
+    m.fc.weight = nn.Parameter(DTensor.from_local(torch.zeros(8, 4), mesh, [Partial()]))
+    return m
 
 
 def _meta(mesh_port: int) -> nn.Module:
@@ -153,7 +154,7 @@ def _assert_refused(transport: str, kind: str, why: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "relay"])
 def test_a_dtensor_target_is_refused_by_name_and_left_as_it_was(transport):
-    _assert_refused(transport, "dtensor", {"fc.weight": "DTensor placed [Shard(dim=1)]"})
+    _assert_refused(transport, "dtensor", {"fc.weight": "DTensor placed [Partial(sum)]"})
 
 
 @pytest.mark.parametrize("transport", ["shm", "relay"])

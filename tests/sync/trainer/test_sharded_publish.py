@@ -1,9 +1,11 @@
 """FSDP2 trainers publish each rank's own shards: no collective on the trainers' mesh during
 a publish, no full tensor on a trainer, and every rollout (a module, a ``load_weights``
-callable, or two tensor-parallel ranks holding their rows) holds exactly the trainers'
-weights after each version, in ``direct`` and
-``cached`` mode, over 2 and 4 trainer ranks, FSDP and HSDP (a replicated mesh dimension:
-the replicas of a shard split it).
+callable, two tensor-parallel ranks holding their rows and columns, or two such ranks and a
+plain module at once) holds exactly the trainers' weights after each version, in ``direct``
+and ``cached`` mode, over 2 and 4 trainer ranks, FSDP and HSDP (a replicated mesh dimension:
+the replicas of a shard split it). Each tensor-parallel rank copies out of the shared slots
+(``ipc``, the transport on one host) only the bytes of its own shards and of the replicated
+tensors (``bytes_received``, against the bytes of its ``state_dict()``'s local tensors).
 
 The reference is each version's full tensors, gathered by the trainers with
 ``full_tensor()`` after the publish (outside the counted window). The count: the default
@@ -69,13 +71,18 @@ class Collectives:
         return seq + self.calls
 
 
-def _trainer(rank, port, mesh_port, mesh_shape, mode):
+def _rollout_ranks(world: int, rollouts: str) -> list[int]:
+    return list(range(world, world + (3 if rollouts == "mixed" else 2)))
+
+
+def _trainer(rank, port, mesh_port, mesh_shape, mode, rollouts):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     world = prod(mesh_shape)
-    group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
+    members = _rollout_ranks(world, rollouts)
+    group = ss.sync.init_group("127.0.0.1", port, world + len(members), rank, timeout=60)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank, world_size=world
     )
@@ -87,10 +94,9 @@ def _trainer(rank, port, mesh_port, mesh_shape, mode):
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = Collectives()
-    rollouts = [world, world + 1]
     out: dict = {"counts": [], "full": {}}
     with ss.WeightPublisher(
-        group, list(range(world)), rollouts, bucket_bytes=BUCKET, mode=mode
+        group, list(range(world)), members, bucket_bytes=BUCKET, mode=mode
     ) as pub:
         for version in VERSIONS:
             _step(model, opt, version)
@@ -111,12 +117,13 @@ def _trainer(rank, port, mesh_port, mesh_shape, mode):
     return out if rank == 0 else {"counts": out["counts"], "gathered": out["gathered"]}
 
 
-def _rollout(rank, port, world):
-    group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
-    into_module = rank == world
+def _rollout(rank, port, world, rollouts):
+    members = _rollout_ranks(world, rollouts)
+    group = ss.sync.init_group("127.0.0.1", port, world + len(members), rank, timeout=60)
+    into_module = rank != world + 1
     target: nn.Module | dict = _model() if into_module else {}
     held = {}
-    with ss.WeightSubscriber(group, list(range(world)), [world, world + 1]) as sub:
+    with ss.WeightSubscriber(group, list(range(world)), members) as sub:
         for version in VERSIONS:
             if into_module:
                 assert sub.receive(target) == version
@@ -129,26 +136,35 @@ def _rollout(rank, port, world):
     return held
 
 
-#: The rollouts' tensor-parallel layers (column-parallel: weight and bias ``Shard(0)``).
-TP_LAYERS = ("1", "4")
+#: The rollouts' tensor-parallel layers and the dimension each of their tensors is split on:
+#: column-parallel (weight and bias ``Shard(0)``), row-parallel (weight ``Shard(1)``).
+TP_SPLIT = {"1.weight": 0, "1.bias": 0, "3.weight": 1, "4.weight": 0, "4.bias": 0}
 
 
-def _tp_rollout(rank, port, world, tp_port):
+def _tp_rollout(rank, port, world, tp_port, rollouts):
     """Rollout ranks ``world`` and ``world + 1`` as one tensor-parallel model over a mesh of
-    their own; each returns its local shards."""
+    their own; each returns its local shards and the bytes it received of each version."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    group = ss.sync.init_group("127.0.0.1", port, world + 2, rank, timeout=60)
+    members = _rollout_ranks(world, rollouts)
+    group = ss.sync.init_group("127.0.0.1", port, world + len(members), rank, timeout=60)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{tp_port}", rank=rank - world, world_size=2
     )
     mesh = init_device_mesh("cpu", (2,))
-    model = parallelize_module(_model(), mesh, {n: ColwiseParallel() for n in TP_LAYERS})
-    held = {}
-    with ss.WeightSubscriber(group, list(range(world)), [world, world + 1]) as sub:
+    plan = {"1": ColwiseParallel(), "3": RowwiseParallel(), "4": ColwiseParallel()}
+    model = parallelize_module(_model(), mesh, plan)
+    held: dict = {"received": []}
+    with ss.WeightSubscriber(group, list(range(world)), members) as sub:
         for version in VERSIONS:
+            before = sub.bytes_received
             assert sub.receive(model) == version
+            held["received"].append(sub.bytes_received - before)
             held[version] = {
                 n: (t.to_local() if hasattr(t, "to_local") else t).detach().numpy().copy()
                 for n, t in model.state_dict().items()
@@ -162,10 +178,10 @@ def _tp_rollout(rank, port, world, tp_port):
 def _run(rank, port, mesh_port, mesh_shape, mode, rollouts, tp_port):
     world = prod(mesh_shape)
     if rank < world:
-        return _trainer(rank, port, mesh_port, mesh_shape, mode)
-    if rollouts == "tp":
-        return _tp_rollout(rank, port, world, tp_port)
-    return _rollout(rank, port, world)
+        return _trainer(rank, port, mesh_port, mesh_shape, mode, rollouts)
+    if rollouts != "plain" and rank < world + 2:
+        return _tp_rollout(rank, port, world, tp_port, rollouts)
+    return _rollout(rank, port, world, rollouts)
 
 
 @pytest.mark.parametrize(
@@ -177,23 +193,41 @@ def _run(rank, port, mesh_port, mesh_shape, mode, rollouts, tp_port):
         ((2, 2), "cached", "plain"),
         ((2,), "direct", "tp"),
         ((4,), "cached", "tp"),
+        ((2,), "cached", "mixed"),
+        ((4,), "direct", "mixed"),
     ],
 )
 def test_fsdp2_trainers_send_their_own_shards_without_a_collective_and_rollouts_are_exact(
     mesh_shape, mode, rollouts
 ):
     world = prod(mesh_shape)
-    out = spawn(_run, world + 2, free_port(), mesh_shape, mode, rollouts, free_port(), timeout=300)
+    members = _rollout_ranks(world, rollouts)
+    out = spawn(
+        _run,
+        world + len(members),
+        free_port(),
+        mesh_shape,
+        mode,
+        rollouts,
+        free_port(),
+        timeout=300,
+    )
     for trainer in range(world):
         assert out[trainer]["counts"] == [0] * len(VERSIONS), (trainer, out[trainer])
         assert out[trainer]["gathered"] > 0, trainer  # the count sees a gather
     full = out[0]["full"]
-    sharded = {f"{layer}.{p}" for layer in TP_LAYERS for p in ("weight", "bias")}
-    for tp_rank, rollout in enumerate((world, world + 1)):
+    for tp_rank, rollout in enumerate(members):
+        tp = rollouts != "plain" and tp_rank < 2
         for version in VERSIONS:
             got = out[rollout][version]
             assert set(got) == set(full[version]), (rollout, version)
             for name, t in full[version].items():
-                want = np.array_split(t, 2)[tp_rank] if rollouts == "tp" and name in sharded else t
+                dim = TP_SPLIT.get(name) if tp else None
+                want = t if dim is None else np.array_split(t, 2, axis=dim)[tp_rank]
                 assert np.array_equal(got[name], want), (rollout, version, name)
+        if tp:  # its own shards and the replicated tensors, nothing more
+            kept = sum(a.nbytes for a in out[rollout][VERSIONS[-1]].values())
+            dense = sum(a.nbytes for a in full[VERSIONS[-1]].values())
+            assert all(0 < n <= 1.1 * kept for n in out[rollout]["received"]), (kept, out[rollout])
+            assert kept < 0.7 * dense, (kept, dense)
         assert np.array_equal(out[rollout]["strided"], np.arange(64.0).reshape(8, 8)), rollout

@@ -41,16 +41,23 @@ def holders_of(
     return found if any(parts is not None for parts in found) else None
 
 
-def local_start(t: torch.Tensor, spec: TensorSpec) -> int:
-    """Where this rank's local shard of the DTensor ``t`` (one :func:`holders_of` gave
-    parts) starts in the tensor's bytes."""
+def local_offset(t: torch.Tensor, spec: TensorSpec) -> tuple[int, ...]:
+    """Where this rank's local shard of the DTensor ``t`` starts in the tensor, per
+    dimension (elements)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     d: Any = t
     if not spec.shape:
-        return 0
+        return ()
     _, offset = compute_local_shape_and_global_offset(spec.shape, d.device_mesh, d.placements)
-    return int(offset[0]) * _row_bytes(spec)
+    return tuple(int(o) for o in offset)
+
+
+def local_start(t: torch.Tensor, spec: TensorSpec) -> int:
+    """Where this rank's local shard of the DTensor ``t`` (one placed by rows, as those
+    :func:`holders_of` gives parts) starts in the tensor's bytes."""
+    offset = local_offset(t, spec)
+    return offset[0] * _row_bytes(spec) if offset else 0
 
 
 def _row_bytes(spec: TensorSpec) -> int:
@@ -81,9 +88,14 @@ def _parts(
 
 def row_placement(p: object) -> bool:
     """Whether ``p`` keeps each coordinate's box a run of whole rows."""
+    return shard_placement(p, 0)
+
+
+def shard_placement(p: object, dim: int) -> bool:
+    """Whether ``p`` replicates, or shards (plainly: not strided) dimension ``dim``."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return isinstance(p, Replicate) or (type(p) is Shard and p.dim == 0)
+    return isinstance(p, Replicate) or (type(p) is Shard and p.dim == dim)
 
 
 @functools.lru_cache(maxsize=4096)

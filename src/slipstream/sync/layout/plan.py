@@ -233,24 +233,6 @@ class BucketPlan:
                 first[s.tensor] = s.bucket
         return tuple(first)
 
-    @cached_property
-    def tensor_offsets(self) -> tuple[int, ...]:
-        """Each tensor's start when the tensors are laid out whole, one after another, each
-        on an ``ALIGN`` boundary (a receive buffer that holds them all: :attr:`tensor_bytes`)."""
-        out, cursor = [], 0
-        for spec in self.specs:
-            cursor = align(cursor)
-            out.append(cursor)
-            cursor += spec.nbytes
-        return tuple(out)
-
-    @property
-    def tensor_bytes(self) -> int:
-        """The size of the tensors laid out whole (:attr:`tensor_offsets`)."""
-        if not self.specs:
-            return 0
-        return self.tensor_offsets[-1] + self.specs[-1].nbytes
-
     def parts_of(self, i: int, rank: int) -> tuple[Part, ...]:
         """The parts of tensor ``i`` trainer ``rank`` sends (every trainer holds a tensor
         with no holders whole, and may send any of its bytes)."""

@@ -9,9 +9,9 @@ once); names are looked up among the module's parameters and buffers under all t
 they go by (``remove_duplicate=False``, the names ``state_dict()`` uses), then, for what is
 still missing, in ``state_dict(keep_vars=True)``.
 A target tensor reached by several names of one sent tensor (a tie kept in the target) is
-written once. A DTensor placed by rows (a tensor-parallel rollout's column-parallel weight, a
-replicated one) is written in its local shard, which holds a run of the tensor's rows
-(:class:`Dest`): of each slice, only the bytes of those rows.
+written once. A DTensor target (a tensor-parallel rollout's) is written in its local shard:
+of each slice only the bytes of its box, a run of rows or a band of columns
+(:mod:`.destinations`).
 
 :class:`CallableTarget` hands ``load_weights`` whole tensors only: a tensor that fits in one
 slice is passed as a view of the receive buffer; a tensor split over several buckets is
@@ -23,18 +23,16 @@ passed are valid only during the call: copy what you keep.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ...core.buffers import as_bytes
-from ...core.copy import copy_in_slices, copy_to_address
+from ...core.copy import copy_in_slices
 from ...errors import SyncError
 from ..layout.described import DESCRIBED
-from ..layout.holders import local_start, row_placement
 from ..layout.plan import BucketPlan, Slice, TensorSpec, is_dtensor
+from .destinations import Dest, destination, placed
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -48,52 +46,6 @@ def map_name(name_map: NameMap, name: str) -> str | None:
     return name_map.get(name, name)
 
 
-@dataclass(frozen=True)
-class Dest:
-    """Where bytes ``[start, start + len(data))`` of a sent tensor land: a target tensor's
-    own bytes (``start`` 0, every byte), or the local shard of a DTensor placed by rows (its
-    rows' bytes, from the shard's first row)."""
-
-    data: torch.Tensor
-    start: int
-    total: int
-    """The sent tensor's size in bytes."""
-
-    @property
-    def whole(self) -> bool:
-        return self.start == 0 and self.data.numel() == self.total
-
-    def overlap(self, s: Slice) -> tuple[int, int] | None:
-        """The bytes of slice ``s`` (offsets in the tensor) this destination holds, if any."""
-        lo = max(s.tensor_offset, self.start)
-        hi = min(s.tensor_offset + s.nbytes, self.start + self.data.numel())
-        return (lo, hi) if hi > lo else None
-
-    def view(self, s: Slice) -> torch.Tensor | None:
-        """The bytes slice ``s`` lands in, when this destination holds all of them."""
-        lo, hi = s.tensor_offset - self.start, s.tensor_offset - self.start + s.nbytes
-        return self.data[lo:hi] if lo >= 0 and hi <= self.data.numel() else None
-
-    def copy(self, s: Slice, data: torch.Tensor) -> None:
-        """Write the part of slice ``s`` (its bytes ``data``) this destination holds."""
-        found = self.overlap(s)
-        if found is None:
-            return
-        lo, hi = found
-        src = data[lo - s.tensor_offset : hi - s.tensor_offset]
-        at = lo - self.start
-        dest = self.data
-        if dest.device.type == "cpu" and copy_to_address(dest.data_ptr() + at, src):
-            return
-        copy_in_slices(dest[at : at + hi - lo], src)
-
-
-def row_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor whose local shard is a run of its rows (placed ``Shard(0)``
-    or ``Replicate()`` on every mesh dimension)."""
-    return is_dtensor(t) and all(row_placement(p) for p in cast(Any, t).placements)
-
-
 def unwritable(t: torch.Tensor) -> str | None:
     """Why slipstream cannot write received bytes into ``t`` through its own pointer, or
     ``None`` when it can.
@@ -105,12 +57,13 @@ def unwritable(t: torch.Tensor) -> str | None:
     that keeps its values in its own storage (an inference engine's) is written like any
     tensor. Its contiguity is checked apart (:meth:`ModuleTarget.check`).
     """
-    if row_sharded(t):
+    if placed(t):
         return unwritable(cast(Any, t).to_local())
     if is_dtensor(t):
         return (
             f"DTensor placed {list(cast(Any, t).placements)}: slipstream writes a DTensor's "
-            "local shard only when it is a run of whole rows (Shard(0) or Replicate())"
+            "local shard when it is a run of whole rows (Shard(0) or Replicate()) or, of a "
+            "2-D tensor, a band of columns (Shard(1))"
         )
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         return f"a tensor subclass ({type(t).__name__}): slipstream writes plain tensors only"
@@ -170,8 +123,7 @@ class ModuleTarget:
                 elif not (local := _local(t)).is_contiguous():
                     layout.append(name)
                 else:
-                    start = local_start(t, spec) if is_dtensor(t) else 0
-                    dest = Dest(as_bytes(local.detach()), start, spec.nbytes)
+                    dest = destination(t, local, spec)
                     key = (dest.data.device, dest.data.data_ptr(), dest.data.numel())
                     dests.setdefault(key, dest)
             if dests:
@@ -212,6 +164,35 @@ class ModuleTarget:
         """Whether every destination holds its tensor whole (no DTensor shard): only then may
         deltas be applied in place (a delta's words are placed by slice)."""
         return all(d.whole for dests in self._dest.values() for d in dests)
+
+    def kept(self, s: Slice) -> int:
+        """How many bytes of slice ``s`` this target takes (the most any of its
+        destinations keeps)."""
+        return max((d.kept(s) for d in self._dest.get(s.tensor, ())), default=0)
+
+    def stages(self, plan: BucketPlan) -> dict[int, Dest]:
+        """For each tensor of ``plan`` it takes, the runs a buffer staging them holds: its
+        destinations' when they all keep the same runs (a DTensor's shard), else every byte
+        (the ``data`` of each is the destination's, to be put :meth:`Dest.on` a buffer)."""
+        found = {}
+        for i, dests in self._dest.items():
+            first = dests[0]
+            if all(_same_runs(d, first) for d in dests):
+                found[i] = first
+            else:
+                n = plan.specs[i].nbytes
+                found[i] = Dest.run(first.data, 0, n, n)
+        return found
+
+    def replay(self, s: Slice, stage: Dest) -> None:
+        """Write slice ``s`` from ``stage`` (a buffer with the runs :meth:`stages` gave
+        its tensor, holding the slice's kept bytes) into every destination."""
+        for dest in self._dest.get(s.tensor, ()):
+            if _same_runs(dest, stage):
+                lo, hi = dest.local_range(s)
+                copy_in_slices(dest.data[lo:hi], stage.data[lo:hi])
+            else:
+                dest.copy(s, stage.data[s.tensor_offset : s.tensor_offset + s.nbytes])
 
     def direct_view(self, s: Slice) -> torch.Tensor | None:
         """The bytes slice ``s`` goes to, for receiving it in place (``None``: into the
@@ -293,6 +274,19 @@ class CallableTarget:
             self._assembly[(self._plan_id, i)] = buf
         return buf
 
+    def kept(self, s: Slice) -> int:
+        """Every byte: ``load_weights`` takes whole tensors."""
+        return s.nbytes
+
+    def stages(self, plan: BucketPlan) -> dict[int, Dest]:
+        """Every tensor, every byte (its ``data`` a placeholder, to be put :meth:`Dest.on` a
+        buffer)."""
+        empty = torch.empty(0, dtype=torch.uint8)
+        return {i: Dest.run(empty, 0, s.nbytes, s.nbytes) for i, s in enumerate(plan.specs)}
+
+    def replay(self, s: Slice, stage: Dest) -> None:
+        return None
+
     def direct_view(self, s: Slice) -> torch.Tensor | None:
         """Always ``None``: ``load_weights`` is handed whole tensors, never fed in place."""
         return None
@@ -317,6 +311,10 @@ class CallableTarget:
         if self._batch:
             batch, self._batch = self._batch, []
             self.load_weights(batch)
+
+
+def _same_runs(a: Dest, b: Dest) -> bool:
+    return (a.start, a.length, a.stride, a.count) == (b.start, b.length, b.stride, b.count)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,19 @@ import torch
 
 from ...core.buffers import StagingPool
 from ...core.copy import copy_in_slices
-from ..layout.plan import BucketPlan, Slice
+from ..layout.plan import BucketPlan, Slice, align
 from .apply import CallableTarget, ModuleTarget
+from .destinations import Dest
 
 
 class Sink(Protocol):
     buffered: bool
     """Whether the target is written only at :meth:`finish` (every byte in first)."""
+
+    def kept(self, g: int, s: Slice) -> int:
+        """How many bytes of slice ``s`` of bucket ``g`` it takes (reads, where a payload is
+        read where it lies)."""
+        ...
 
     def land(self, g: int, s: Slice) -> torch.Tensor | None:
         """Where slice ``s`` of bucket ``g`` may be received straight away (``None``: into
@@ -62,6 +68,9 @@ class TargetSink:
         self.target = target
         self.dirty: set[int] = set()
         self._whole: dict[int, torch.Tensor] = {}
+
+    def kept(self, g: int, s: Slice) -> int:
+        return self.target.kept(s)
 
     def land(self, g: int, s: Slice) -> torch.Tensor | None:
         return self.target.direct_view(s)
@@ -95,8 +104,9 @@ class TargetSink:
 
 
 class StreamSink:
-    """Gathers the round in a host buffer holding the plan's tensors whole, one after another
-    (:attr:`.BucketPlan.tensor_offsets`); applies it to ``target`` at :meth:`finish`."""
+    """Gathers the round in a host buffer holding, one after another, the bytes the target
+    keeps of each tensor it takes (:meth:`.ModuleTarget.stages`: a DTensor target's shard,
+    else the tensor whole); applies it to ``target`` at :meth:`finish`."""
 
     buffered = True
 
@@ -105,24 +115,34 @@ class StreamSink:
     ) -> None:
         self.plan = plan
         self.target = target
-        self.stream = pool.acquire("sync-atomic", max(plan.tensor_bytes, 1))
+        runs = target.stages(plan)
+        starts, total = {}, 0
+        for i, r in sorted(runs.items()):  # each on an ALIGN boundary: a view as its dtype
+            starts[i] = align(total)
+            total = starts[i] + r.length * r.count
+        stream = pool.acquire("sync-atomic", max(total, 1))
         pool.release("sync-atomic")
+        self.stages: dict[int, Dest] = {
+            i: r.on(stream[starts[i] : starts[i] + r.length * r.count]) for i, r in runs.items()
+        }
         self.dirty: set[int] = set()
         self.slices: list[tuple[int, Slice]] = []
 
-    def _bytes(self, g: int, s: Slice) -> torch.Tensor:
-        start = self.plan.tensor_offsets[s.tensor] + s.tensor_offset
-        return self.stream[start : start + s.nbytes]
+    def kept(self, g: int, s: Slice) -> int:
+        stage = self.stages.get(s.tensor)
+        return 0 if stage is None else stage.kept(s)
 
     def land(self, g: int, s: Slice) -> torch.Tensor | None:
-        return self._bytes(g, s)
+        stage = self.stages.get(s.tensor)
+        return None if stage is None else stage.view(s)
 
     def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
-        if data is None:
+        stage = self.stages.get(s.tensor)
+        if data is None or stage is None:
             return
         self.dirty.add(s.tensor)
         if not landed:
-            copy_in_slices(self._bytes(g, s), data)
+            stage.copy(s, data)
         self.slices.append((g, s))
 
     def bucket_done(self, g: int) -> None:
@@ -130,12 +150,11 @@ class StreamSink:
 
     def finish(self) -> None:
         """Apply what the round gathered: every slice, then every tensor with new bytes."""
-        plan, target, stream = self.plan, self.target, self.stream
-        for g, s in self.slices:
-            target.write(s, self._bytes(g, s))
+        plan, target = self.plan, self.target
+        for _, s in self.slices:
+            target.replay(s, self.stages[s.tensor])
         for i in sorted(self.dirty):
-            start = plan.tensor_offsets[i]
-            target.tensor_done(i, plan.specs[i], stream[start : start + plan.specs[i].nbytes])
+            target.tensor_done(i, plan.specs[i], self.stages[i].data)
         target.flush()
 
 
@@ -156,6 +175,9 @@ class BucketsSink:
         if buf is None:
             buf = self.buckets[g] = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8)
         return buf[s.bucket_offset : s.bucket_offset + s.nbytes]
+
+    def kept(self, g: int, s: Slice) -> int:
+        return s.nbytes
 
     def land(self, g: int, s: Slice) -> torch.Tensor | None:
         return self._bytes(g, s)
@@ -195,6 +217,9 @@ class DrainSink:
     """Receives and discards."""
 
     buffered = False
+
+    def kept(self, g: int, s: Slice) -> int:
+        return 0
 
     def land(self, g: int, s: Slice) -> torch.Tensor | None:
         return None

@@ -144,6 +144,7 @@ class CmaReceiver(ShmReceiver):
 
     separate_min: int | None = 0
     payload_in_ring = False
+    reads_in_place = False
 
     def __init__(self, *args, **kwargs) -> None:
         """As :class:`.shm.ShmReceiver`."""
@@ -178,6 +179,7 @@ class CacheReader:
     """
 
     separate_min: int | None = 0
+    reads_in_place = False
 
     def __init__(
         self, trainer: int, pid: int, plan: BucketPlan, cache: int, offsets: dict[int, int]

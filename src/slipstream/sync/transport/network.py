@@ -95,6 +95,10 @@ class Pending:
 
 
 class Receiver(Protocol):
+    reads_in_place: bool
+    """Whether a payload is read where it lies (shared with the trainer), so a rollout
+    copies out only the bytes it takes; else every byte of it arrives in this process."""
+
     @property
     def buffer_bytes(self) -> int: ...
     @property
@@ -300,6 +304,8 @@ class BroadcastReceiver:
     (``next_header_bytes`` is None) is released only once everything passed on has left,
     so the caller may change its tensors after the round.
     """
+
+    reads_in_place = False
 
     def __init__(
         self,

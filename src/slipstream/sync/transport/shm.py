@@ -293,6 +293,7 @@ class ShmReceiver:
 
     separate_min: int | None = None
     payload_in_ring = True
+    reads_in_place = True
 
     def __init__(
         self,

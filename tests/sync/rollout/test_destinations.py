@@ -1,0 +1,70 @@
+"""A destination keeps exactly its box of a sent tensor, whatever slices the tensor is cut
+into: a run of bytes (a plain tensor, a shard of rows) or a band of columns of every row.
+The reference is the tensor's bytes cut with ``torch`` indexing; the slices are random cuts,
+so they start and end inside rows and bands."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from slipstream.sync.layout.plan import Slice
+from slipstream.sync.rollout.destinations import Dest
+
+
+def _box(rng: random.Random, rows: int, row_bytes: int) -> tuple[Dest, torch.Tensor]:
+    """A random destination over a ``rows`` x ``row_bytes`` tensor, and the bytes it must
+    end up holding (of :func:`_tensor`)."""
+    full = _tensor(rows, row_bytes)
+    if rng.random() < 0.5:
+        lo = rng.randint(0, row_bytes)
+        hi = rng.randint(lo, row_bytes)
+        want = full.view(rows, row_bytes)[:, lo:hi].flatten()
+        count = rows if hi > lo else 0
+        data = torch.zeros(want.numel(), dtype=torch.uint8)
+        return Dest(data, lo, hi - lo, row_bytes, count, full.numel()), want
+    lo = rng.randint(0, full.numel())
+    hi = rng.randint(lo, full.numel())
+    data = torch.zeros(hi - lo, dtype=torch.uint8)
+    return Dest.run(data, lo, hi - lo, full.numel()), full[lo:hi]
+
+
+def _tensor(rows: int, row_bytes: int) -> torch.Tensor:
+    return (torch.arange(rows * row_bytes) * 7 % 251).to(torch.uint8)
+
+
+def _slices(rng: random.Random, total: int) -> list[Slice]:
+    cuts = sorted(rng.sample(range(1, total), min(total - 1, rng.randint(0, 6))))
+    bounds = [0, *cuts, total]
+    return [Slice(0, lo, hi - lo, 0, 0) for lo, hi in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_destination_holds_exactly_its_box_of_every_cut(seed):
+    rng = random.Random(seed)
+    for _ in range(500):
+        rows, row_bytes = rng.randint(1, 6), rng.randint(1, 9)
+        full = _tensor(rows, row_bytes)
+        dest, want = _box(rng, rows, row_bytes)
+        kept = 0
+        for s in _slices(rng, full.numel()):
+            lo, hi = dest.local_range(s)
+            assert hi - lo == dest.kept(s)
+            kept += dest.kept(s)
+            dest.copy(s, full[s.tensor_offset : s.tensor_offset + s.nbytes])
+            view = dest.view(s)
+            if view is not None:  # a slice it keeps whole, in one run: received in place
+                assert torch.equal(view, full[s.tensor_offset : s.tensor_offset + s.nbytes])
+        assert kept == want.numel()
+        assert torch.equal(dest.data, want)
+
+
+def test_a_destination_is_whole_only_when_it_holds_every_byte_in_order():
+    data = torch.zeros(12, dtype=torch.uint8)
+    assert Dest.run(data, 0, 12, 12).whole
+    assert not Dest.run(data[:6], 0, 6, 12).whole  # the first shard of rows
+    assert Dest(data, 0, 4, 4, 3, 12).whole  # every column of 3 rows
+    assert not Dest(data[:6], 0, 2, 4, 3, 12).whole  # a band of columns
