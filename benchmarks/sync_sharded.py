@@ -1,5 +1,5 @@
 """Shard-aware publishes, side by side with today's gather path: 2 FSDP trainer ranks, 2
-rollout ranks.
+tensor-parallel rollout ranks.
 
 ``--mib`` MiB of transformer-shaped bf16 weights (``--hidden``, ``--ffn``; layers of q, k, v,
 o, gate, up, down and two norms, as many as fit, plus an embedding), each a DTensor placed
@@ -13,9 +13,13 @@ A B A B, median of ``--repeats`` after one warm-up, in ``direct`` and ``cached``
 - ``sharded``: each trainer sends its own shards (:mod:`slipstream.sync.layout.holders`).
 
 Per publish, on each trainer: ``blocked`` (until ``publish`` returned: the caller's loop stalls
-this long) and ``delivered`` (until every rollout acknowledged). The rollouts receive into
-plain modules (full tensors, ``auto`` transport: ``ipc`` on one host); the last version of
-each peer is checked on the rollouts, every row against the value its trainer wrote.
+this long) and ``delivered`` (until every rollout acknowledged). The two rollouts are one
+tensor-parallel model over a gloo mesh of their own: q, k, v, gate, up and the embedding
+column-parallel (``Shard(0)``: each rank its rows), o and down row-parallel (``Shard(1)``:
+its band of columns), the norms replicated; ``auto`` transport: ``ipc`` on one host. The
+last version of each peer is checked on the rollouts, every byte of each rank's shards
+against the value its trainer wrote, and each rank's bytes received per version are
+reported against its shards' bytes.
 
 python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
 """
@@ -125,9 +129,62 @@ def measure(
     return kept
 
 
+#: The rollouts' row-parallel tensors (``Shard(1)``); the other matrices are ``Shard(0)``.
+ROW_PARALLEL = (".o", ".down")
+
+
+def split_dim(name: str, shape: tuple[int, ...]) -> int | None:
+    """The dimension the rollouts split tensor ``name`` on (``None``: replicated)."""
+    if len(shape) == 1:
+        return None
+    return 1 if name.endswith(ROW_PARALLEL) else 0
+
+
+def tp_target(mesh, sizes: dict[str, tuple[int, ...]]) -> nn.Module:
+    """A module of buffers over the rollouts' ``mesh``: DTensors placed as :func:`split_dim`
+    says (each rank's local shard zeroed), the rest plain (replicated)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    target = nn.Module()
+    tp = mesh.get_local_rank()
+    for i, (n, s) in enumerate(sizes.items()):
+        dim = split_dim(n, s)
+        if dim is None:
+            target.register_buffer(f"t{i}", torch.zeros(s, dtype=torch.bfloat16))
+            continue
+        local = torch.zeros(s, dtype=torch.bfloat16).chunk(2, dim)[tp].contiguous()
+        target.register_buffer(f"t{i}", DTensor.from_local(local, mesh, [Shard(dim)]))
+    return target
+
+
+def exact(target: nn.Module, sizes: dict, names: dict, version: int, tp: int) -> bool:
+    """Whether every byte of this rank's shards holds what its trainer wrote: trainer t's
+    rows are ``[t * half, (t + 1) * half)`` of every tensor."""
+    ok = True
+    for n, s in sizes.items():
+        t = target.get_buffer(names[n])
+        local = t.to_local() if hasattr(t, "to_local") else t
+        rows = torch.arange(s[0]).chunk(2)[tp] if split_dim(n, s) == 0 else torch.arange(s[0])
+        want = (rows >= s[0] // TRAINERS).to(torch.bfloat16) + value(version, 0)
+        ok &= bool((local == want.view(-1, *([1] * (len(s) - 1)))).all())
+    return ok
+
+
 def rollout(rank: int, group, args: argparse.Namespace) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.tp_port}",
+        rank=rank - TRAINERS,
+        world_size=2,
+        timeout=timedelta(seconds=600),
+    )
+    mesh = init_device_mesh("cpu", (2,))
+    tp = mesh.get_local_rank()
     sizes = shapes(args)
-    checked = {}
+    names = {n: f"t{i}" for i, n in enumerate(sizes)}
+    out: dict = {"checked": {}, "received": {}}
     for mode in ("direct", "cached"):
         subs = {
             peer: ss.WeightSubscriber(
@@ -135,26 +192,23 @@ def rollout(rank: int, group, args: argparse.Namespace) -> dict:
             )
             for peer in PEERS
         }
-        targets = {peer: nn.Module() for peer in PEERS}
-        for target in targets.values():
-            for i, shape in enumerate(sizes.values()):
-                target.register_buffer(f"t{i}", torch.zeros(shape, dtype=torch.bfloat16))
-        names = {n: f"t{i}" for i, n in enumerate(sizes)}
+        targets = {peer: tp_target(mesh, sizes) for peer in PEERS}
+        received = {peer: [] for peer in PEERS}
         version = 0
         for _ in range(1 + args.repeats):
             version += 1
             for peer in PEERS:
+                before = subs[peer].bytes_received
                 assert subs[peer].receive(targets[peer], name_map=names) == version
+                received[peer].append(subs[peer].bytes_received - before)
         for peer in PEERS:
-            ok = True
-            for n, s in sizes.items():
-                t = targets[peer].get_buffer(names[n])
-                half = s[0] // TRAINERS
-                ok &= bool((t[:half] == value(version, 0)).all())
-                ok &= bool((t[half:] == value(version, 1)).all())
-            checked[f"{mode} {peer}"] = ok
+            out["checked"][f"{mode} {peer}"] = exact(targets[peer], sizes, names, version, tp)
+            out["received"][f"{mode} {peer}"] = median(received[peer])
             subs[peer].close()
-    return checked
+    box = targets["sharded"]
+    out["kept"] = sum((b.to_local() if hasattr(b, "to_local") else b).nbytes for b in box.buffers())
+    torch.distributed.destroy_process_group()
+    return out
 
 
 def worker(rank: int, args: argparse.Namespace, queue) -> None:
@@ -177,7 +231,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/sync_sharded.json")
     args = parser.parse_args()
-    args.port, args.mesh_port = free_port(), free_port()
+    args.port, args.mesh_port, args.tp_port = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=worker, args=(r, args, queue)) for r in range(TRAINERS + 2)]
@@ -194,7 +248,7 @@ def main() -> None:
     total = sum(torch.Size(s).numel() for s in shapes(args).values()) * 2
     result = Result(
         "sync_sharded",
-        "Shard-aware publish vs today's gather path: 2 FSDP trainers, 2 rollouts",
+        "Shard-aware publish vs today's gather path: 2 FSDP trainers, 2 TP rollouts",
         setup={
             "weights": f"{total / MiB:.0f} MiB bf16 in {len(shapes(args))} DTensors, Shard(0)",
             "bucket": f"{args.bucket_mib} MiB",
@@ -222,18 +276,26 @@ def main() -> None:
             ratio = max(med["sharded"][metric]) / max(med["gather"][metric])
             result.floor(f"{mode}: sharded {metric} / gather", ratio, f"<= {floor}", ratio <= floor)
     result.notes.append(
-        "Both peers send every byte to plain rollouts (full tensors); rollouts that receive "
-        "only their own tensor-parallel shards are not built yet. The gather peer is the "
-        "publisher with its holders turned off: the path every DTensor took before."
+        "The gather peer is the publisher with its holders turned off: the path every DTensor "
+        "took before. Both peers' rollouts are tensor-parallel and copy out of the shared "
+        "slots only their own shards."
     )
-    result.notes.append(f"rollouts' last versions exact: {out[TRAINERS] | out[TRAINERS + 1]}")
+    for r in (TRAINERS, TRAINERS + 1):
+        received = ", ".join(f"{k} {v / MiB:.0f}" for k, v in out[r]["received"].items())
+        result.notes.append(
+            f"rollout rank {r}: shards {out[r]['kept'] / MiB:.0f} MiB of {total / MiB:.0f} MiB; "
+            f"MiB received per version (median): {received}"
+        )
+    checked = out[TRAINERS]["checked"] | out[TRAINERS + 1]["checked"]
+    checked = {k: out[TRAINERS]["checked"][k] and out[TRAINERS + 1]["checked"][k] for k in checked}
+    result.notes.append(f"rollouts' last versions exact: {checked}")
     for table in result.tables:
         print(table.title)
         for row in table.rows:
             print("  ", *row)
     for f in result.floors:
         print(f"{f.claim}: {f.measured} ({f.floor}: {'met' if f.passed else 'NOT met'})")
-    print(result.notes[-1])
+    print(*result.notes[1:], sep="\n")
     result.write(args.out)
 
 
