@@ -577,7 +577,7 @@ class WeightPublisher:
         if self.delta:  # deltas did not pay lately: the kept copy is not brought along
             self._plain_publishes -= 1
             self._cache.version = None
-        sender = self._rounds.sender
+        sender, routes = self._rounds.sender, self._rounds.routes
         unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
         separate_min = sender.separate_min if sender is not None else None
         sums: dict[int, int] = {}
@@ -593,7 +593,7 @@ class WeightPublisher:
                 )
                 sums.update(bucket_sums)
                 sent_from_tensors |= bool(separate)
-                send_bucket(sender, plan, g, mask, nbytes, out, separate)
+                send_bucket(sender, plan, g, mask, nbytes, out, separate, routes=routes)
             sources.leave(g)
         sources.finish()
         if sent_from_tensors and sender is not None:  # they read the caller's tensors
@@ -649,7 +649,7 @@ class WeightPublisher:
         to the new version, diffing it when every member holds the base, and send it (as
         a delta where that is smaller) before reading the next: diffing bucket g+1 overlaps
         bucket g on the wire. Nothing is sent from the caller's tensors."""
-        sender = self._rounds.sender
+        sender, routes = self._rounds.sender, self._rounds.routes
         cache = self._cache
         stats = DeltaStats()
         sums: dict[int, int] = {}
@@ -670,7 +670,9 @@ class WeightPublisher:
                     elif sender is not None:
                         device = self.group.device
                         sums.update(
-                            send_cached_bucket(cache, sender, plan, g, device, unchanged, version)
+                            send_cached_bucket(
+                                cache, sender, plan, g, device, unchanged, version, routes
+                            )
                         )
                 sources.leave(g)
             sources.finish()
@@ -716,7 +718,14 @@ class WeightPublisher:
                         device = self.group.device
                         sums.update(
                             send_cached_bucket(
-                                self._cache, sender, plan, g, device, unchanged, version
+                                self._cache,
+                                sender,
+                                plan,
+                                g,
+                                device,
+                                unchanged,
+                                version,
+                                self._rounds.routes,
                             )
                         )
             self._remember(version, sums)

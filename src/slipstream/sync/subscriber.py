@@ -34,12 +34,14 @@ from torch import nn
 
 from ..core import tracing
 from ..core.buffers import StagingPool
+from ..core.checksum import checksum
 from ..errors import SyncError
 from .group import SyncGroup
 from .layout.delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .layout.described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
 from .layout.plan import BucketPlan, decode_header, payload_offsets, plan_from_json
-from .layout.segments import payload_segments
+from .layout.runs import Runs
+from .layout.segments import payload_segments, routed_segments
 from .rollout.apply import (
     CallableTarget,
     LoadWeights,
@@ -49,12 +51,22 @@ from .rollout.apply import (
     raise_problems,
 )
 from .rollout.sinks import BucketsSink, DrainSink, Sink, StreamSink, TargetSink
-from .round.negotiation import network_receiver, read_offer, unwatched
-from .round.protocol import Ack, AgainGo, AgainOffer, AgainRequest, Keys, encode
+from .round.negotiation import NETWORK_TRANSPORTS, network_receiver, read_offer, unwatched
+from .round.protocol import (
+    Ack,
+    AgainGo,
+    AgainOffer,
+    AgainRequest,
+    Keys,
+    RoundStart,
+    Wants,
+    encode,
+    wants_of_plan,
+)
 from .round.rollout_round import RolloutRound
 from .round.state import EpochState
 from .transport.cma import CacheReader
-from .transport.network import Pending, Receiver
+from .transport.network import BroadcastReceiver, Pending, Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +111,8 @@ class WeightSubscriber:
         self._held_by: tuple[str, bool] | None = None
         self._plans: dict[str, BucketPlan] = {}
         self._pool = StagingPool()
+        #: the wants this rank posted, by name (:meth:`_post_wants`)
+        self._wants: dict[str, dict[int, Runs]] = {}
         self._assembly: dict[tuple[str, int], torch.Tensor] = {}
         self._offers = {t: read_offer(self.group, t, self.timeout) for t in self.trainer_ranks}
         self.transports: dict[int, str] = {t: o.kind for t, o in self._offers.items()}
@@ -208,7 +222,8 @@ class WeightSubscriber:
         held = self.version if (not full and self._held_by == held_key) else None
         in_place = isinstance(sink, ModuleTarget) and not atomic
         delta_base = self._delta_version if (in_place and held is not None) else None
-        k, start = self._rounds.join(held, delta_base)
+        wants = self._post_wants(sink)
+        k, start = self._rounds.join(held, delta_base, wants)
         version = start.version
         ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
@@ -219,9 +234,13 @@ class WeightSubscriber:
         try:
             layout = self._layout() if start.plan == DESCRIBED else None
             plan = self._plan(start.plan) if layout is None else layout.as_plan()
+            runs = self._round_runs(start, wants)
             problems = self._problems(plan, sink, version)
+            if runs and not problems and self._partial_runs(sink, plan) != runs:
+                problems.append("its tensors' shards changed since it asked for this version")
             if problems:  # drain the round so the group stays usable, apply nothing
-                self._transfer(k, _Round(plan, DrainSink(), self._rounds.receivers, layout=layout))
+                drain = _Round(plan, DrainSink(), self._rounds.receivers, layout=layout, runs=runs)
+                self._transfer(k, drain)
                 raise_problems(problems, version, self.rank)
             rnd = _Round(
                 plan,
@@ -230,6 +249,7 @@ class WeightSubscriber:
                 version=version,
                 layout=layout,
                 target=sink,
+                runs=runs,
             )
             if in_place:
                 rnd.base_tokens, rnd.tokens = base_tokens, {}
@@ -275,6 +295,38 @@ class WeightSubscriber:
         self._rounds.ack(ack_key, Ack(version))
         self._log("received", version, received_before, started)
         return version
+
+    def _post_wants(self, sink: ModuleTarget | CallableTarget) -> str | None:
+        """Over the network, when ``sink`` keeps only part of the last plan's tensors (a
+        tensor-parallel target): post which bytes it keeps (once per layout) and return the
+        name its request gives them; else ``None`` (every byte)."""
+        plan = next(iter(self._plans.values()), None)
+        kind = self._offers[self.leader].kind
+        if plan is None or kind not in NETWORK_TRANSPORTS or sink.check(plan):
+            return None
+        runs = self._partial_runs(sink, plan)
+        if not runs:
+            return None
+        text = encode(Wants(plan.plan_id, {str(i): r.to_list() for i, r in runs.items()}))
+        token = f"{plan.plan_id}-{checksum(text.encode()):016x}"
+        if token not in self._wants:
+            self.group.post(Keys.wants(self.rank, token), text)
+            self._wants[token] = runs
+        return token
+
+    @staticmethod
+    def _partial_runs(sink: ModuleTarget | CallableTarget, plan: BucketPlan) -> dict[int, Runs]:
+        """The runs of each tensor of ``plan`` (checked against ``sink``) it keeps in part."""
+        stages = sink.stages(plan).items()
+        return {i: d.runs for i, d in sorted(stages) if not d.runs.whole}
+
+    def _round_runs(self, start: RoundStart, wants: str | None) -> dict[int, Runs] | None:
+        """The runs this rank is sent in round ``start``: ``None`` when it is not routed, the
+        ones it asked for when they are of its plan, else none (every byte)."""
+        if not start.routed:
+            return None
+        token = wants_of_plan(wants, start.plan)
+        return {} if token is None else self._wants[token]
 
     def _forget_tokens(self) -> None:
         self._tokens, self._token_plan, self._delta_version = {}, None, None
@@ -505,10 +557,63 @@ class WeightSubscriber:
                 buffers.append(payload[seg.start : seg.start + seg.nbytes])
         return buffers
 
+    def _place_routed(
+        self, rnd: _Round, g: int, header: torch.Tensor, payload: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Where this rank's segments of bucket ``g`` land in a routed round: each slice's
+        kept bytes straight into their final place where the sink has one here."""
+        assert rnd.runs is not None
+        slices = rnd.plan.bucket_slices(g)
+        segments, _ = routed_segments(slices, self._mask(rnd, g, header), rnd.runs)
+        buffers = []
+        for seg in segments:
+            assert seg.slice is not None
+            s = slices[seg.slice]
+            partial = s.tensor in rnd.runs
+            dest = rnd.sink.land_kept(g, s) if partial else rnd.sink.land(g, s)
+            if dest is not None and dest.device == payload.device:
+                rnd.landed.add((g, seg.slice))
+                buffers.append(dest)
+            else:
+                buffers.append(payload[seg.start : seg.start + seg.nbytes])
+        return buffers
+
+    def _unpack_routed(self, rnd: _Round, g: int, header: torch.Tensor, payload: torch.Tensor):
+        """Apply bucket ``g`` of a routed round: of each slice, the bytes this rank keeps."""
+        assert rnd.runs is not None
+        slices = rnd.plan.bucket_slices(g)
+        mask = self._mask(rnd, g, header)
+        segments, size = routed_segments(slices, mask, rnd.runs)
+        if size != payload.numel():
+            raise SyncError(
+                f"bucket {g} from trainer rank {rnd.plan.buckets[g].owner} holds "
+                f"{payload.numel()} bytes for rollout rank {self.rank}, its share is {size}"
+            )
+        self.bytes_received += sum(seg.nbytes for seg in segments)  # each its own message
+        if rnd.tokens is not None:
+            rnd.tokens[g] = root_token(rnd.plan.plan_id, g, rnd.version)
+        at = {seg.slice: seg for seg in segments}
+        sink = rnd.sink
+        for k, s in enumerate(slices):
+            seg = at.get(k)
+            if seg is None:  # left out as unchanged, or nothing of it is kept here
+                sink.take(g, s, None, False)
+                continue
+            data = payload[seg.start : seg.start + seg.nbytes]
+            landed = (g, k) in rnd.landed
+            if s.tensor in rnd.runs:
+                sink.take_kept(g, s, data, landed)
+            else:
+                sink.take(g, s, data, landed)
+        sink.bucket_done(g)
+
     @tracing.spanned("slipstream.sync.receive.bucket")
     def _unpack(self, rnd: _Round, g: int, pending: Pending) -> None:
         plan = rnd.plan
         header, payload = pending.finish()
+        if rnd.runs is not None:
+            self._unpack_routed(rnd, g, header, payload)
+            return
         self._learn(rnd, g, header)
         slices = plan.bucket_slices(g)
         mask = self._mask(rnd, g, header)
@@ -602,8 +707,13 @@ class _Pipeline:
             receiver = rnd.receivers[rnd.owner(g)]
             after = g + len(self.subscriber.trainer_ranks)  # the same owner's next bucket
             following = rnd.header_bytes(after) if rnd.exists(after) else None
-            place = functools.partial(self.subscriber._place, rnd, g, receiver.separate_min)
-            current = (g, receiver.start(rnd.header_bytes(g), following, place))
+            if rnd.runs is None:
+                place = functools.partial(self.subscriber._place, rnd, g, receiver.separate_min)
+                current = (g, receiver.start(rnd.header_bytes(g), following, place))
+            else:  # routed: this rank's own bytes, straight from the trainer
+                assert isinstance(receiver, BroadcastReceiver)
+                place = functools.partial(self.subscriber._place_routed, rnd, g)
+                current = (g, receiver.start_routed(rnd.header_bytes(g), following, place))
             self.next += 1
         pending, self.pending = self.pending, current
         if pending is None:
@@ -647,6 +757,9 @@ class _Round:
     layout: GrowingLayout | None = None
     """A described round's layout, grown as its headers arrive (``plan`` reads it)."""
     target: ModuleTarget | CallableTarget | None = None
+    runs: dict[int, Runs] | None = None
+    """A routed round's (:attr:`.round.protocol.RoundStart.routed`): the runs of each tensor
+    this rank is sent in part (the others whole); ``None``: not routed."""
 
     def owner(self, g: int) -> int:
         return self.plan.buckets[g].owner if self.layout is None else self.layout.owner(g)

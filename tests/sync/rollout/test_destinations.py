@@ -1,5 +1,6 @@
 """A destination keeps exactly its box of a sent tensor, whatever slices the tensor is cut
-into: a run of bytes (a plain tensor, a shard of rows) or a band of columns of every row.
+into: a run of bytes (a plain tensor, a shard of rows) or a band of columns of every row;
+and what a trainer gathers of each slice for that rank is those bytes, in its order.
 The reference is the tensor's bytes cut with ``torch`` indexing; the slices are random cuts,
 so they start and end inside rows and bands."""
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from slipstream.sync.layout.plan import Slice
+from slipstream.sync.layout.runs import Runs, gather
 from slipstream.sync.rollout.destinations import Dest
 
 
@@ -25,11 +27,11 @@ def _box(rng: random.Random, rows: int, row_bytes: int) -> tuple[Dest, torch.Ten
         want = full.view(rows, row_bytes)[:, lo:hi].flatten()
         count = rows if hi > lo else 0
         data = torch.zeros(want.numel(), dtype=torch.uint8)
-        return Dest(data, lo, hi - lo, row_bytes, count, full.numel()), want
+        return Dest(data, Runs(lo, hi - lo, row_bytes, count, full.numel())), want
     lo = rng.randint(0, full.numel())
     hi = rng.randint(lo, full.numel())
     data = torch.zeros(hi - lo, dtype=torch.uint8)
-    return Dest.run(data, lo, hi - lo, full.numel()), full[lo:hi]
+    return Dest(data, Runs.one(lo, hi - lo, full.numel())), full[lo:hi]
 
 
 def _tensor(rows: int, row_bytes: int) -> torch.Tensor:
@@ -55,6 +57,8 @@ def test_a_destination_holds_exactly_its_box_of_every_cut(seed):
             assert hi - lo == dest.kept(s)
             kept += dest.kept(s)
             dest.copy(s, full[s.tensor_offset : s.tensor_offset + s.nbytes])
+            sent = gather(dest.runs, s, full[s.tensor_offset : s.tensor_offset + s.nbytes])
+            assert torch.equal(sent, want[lo:hi])  # what a trainer sends this rank of s
             view = dest.view(s)
             if view is not None:  # a slice it keeps whole, in one run: received in place
                 assert torch.equal(view, full[s.tensor_offset : s.tensor_offset + s.nbytes])
@@ -63,8 +67,7 @@ def test_a_destination_holds_exactly_its_box_of_every_cut(seed):
 
 
 def test_a_destination_is_whole_only_when_it_holds_every_byte_in_order():
-    data = torch.zeros(12, dtype=torch.uint8)
-    assert Dest.run(data, 0, 12, 12).whole
-    assert not Dest.run(data[:6], 0, 6, 12).whole  # the first shard of rows
-    assert Dest(data, 0, 4, 4, 3, 12).whole  # every column of 3 rows
-    assert not Dest(data[:6], 0, 2, 4, 3, 12).whole  # a band of columns
+    assert Runs.one(0, 12, 12).whole
+    assert not Runs.one(0, 6, 12).whole  # the first shard of rows
+    assert Runs(0, 4, 4, 3, 12).whole  # every column of 3 rows
+    assert not Runs(0, 2, 4, 3, 12).whole  # a band of columns

@@ -3,7 +3,10 @@ parallelized over their own mesh (``ColwiseParallel``: weight and bias ``Shard(0
 split unevenly; ``RowwiseParallel``: weight ``Shard(1)``, columns split unevenly, bias
 replicated; a ``Replicate()`` DTensor; plain tensors) each hold, after every version,
 exactly their box of the trainer's tensors, in place and with ``atomic=True``, over shared
-memory and over the network. The reference is the trainer's own tensors, cut into each rank's
+memory and over the network (relayed and broadcast). Each rank receives only its own bytes
+(its shards and the replicated tensors): over shared memory it copies out only those; over
+the network, from the second version on (when the layout is known as a rollout asks), the
+trainer sends each rank its own. The reference is the trainer's own tensors, cut into each rank's
 rows or columns with ``torch.chunk`` (how ``Shard`` places them). Small buckets cut the
 tensors mid-row, so slices start and end inside a row."""
 
@@ -61,10 +64,12 @@ def _run(rank, port, mesh_port, transport):
         "gloo", init_method=f"tcp://127.0.0.1:{mesh_port}", rank=rank - 1, world_size=2
     )
     model = _tp_model(init_device_mesh("cpu", (2,)))
-    held = {}
+    held: dict = {"received": []}
     with ss.WeightSubscriber(group, [0], [1, 2]) as sub:
         for version in VERSIONS:
+            before = sub.bytes_received
             assert sub.receive(model, atomic=version == 2) == version
+            held["received"].append(sub.bytes_received - before)
             held[version] = {
                 n: (t.to_local() if hasattr(t, "to_local") else t).detach().numpy().copy()
                 for n, t in model.state_dict().items()
@@ -74,7 +79,7 @@ def _run(rank, port, mesh_port, transport):
     return held
 
 
-@pytest.mark.parametrize("transport", ["shm", "relay"])
+@pytest.mark.parametrize("transport", ["shm", "relay", "broadcast"])
 def test_tensor_parallel_rollouts_hold_exactly_their_rows_of_every_version(transport):
     out = spawn(_run, 3, free_port(), transport, timeout=120)
     by_dim = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # the rest: replicated or plain
@@ -85,3 +90,13 @@ def test_tensor_parallel_rollouts_hold_exactly_their_rows_of_every_version(trans
                 dim = by_dim.get(name)
                 want = full if dim is None else full.chunk(2, dim=dim)[tp_rank].contiguous()
                 assert np.array_equal(got, want.numpy()), (transport, version, name, tp_rank)
+    dense = sum(t.nbytes for t in _weights(1).values())
+    for rollout in (1, 2):
+        kept = sum(a.nbytes for a in out[rollout][VERSIONS[-1]].values())
+        received = out[rollout]["received"]
+        # over the network the first version goes whole (its layout is not known yet when
+        # the rollouts ask); from then on each rank is sent only its own bytes
+        first = received[0] == kept if transport == "shm" else received[0] >= dense
+        assert first, (transport, kept, received)
+        assert all(n <= 1.1 * kept for n in received[1:]), (transport, kept, received)
+        assert kept < 0.8 * dense, (kept, dense)

@@ -1,16 +1,18 @@
 """How a bucket's payload crosses a transport: runs of packed slices, and the slices large
-enough to be sent on their own (``separate_min``), in payload order.
+enough to be sent on their own (``separate_min``), in payload order; or, in a routed round,
+one member's own bytes of each slice (:func:`routed_segments`).
 
 Invariant: a sender and its receivers derive the same segments from the same slices,
-include mask and ``separate_min``; no segment list is ever sent.
+include mask and ``separate_min`` (or the member's runs); no segment list is ever sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .plan import Slice, payload_offsets
+from .plan import Slice, align, payload_offsets
+from .runs import Runs
 
 
 def sent_separately(s: Slice, separate_min: int | None) -> bool:
@@ -51,3 +53,21 @@ def payload_segments(
     if run is not None:
         segments.append(Segment(run[0], run[1] - run[0]))
     return segments
+
+
+def routed_segments(
+    slices: Sequence[Slice], mask: Sequence[int], runs: Mapping[int, Runs]
+) -> tuple[list[Segment], int]:
+    """The payload one member gets of a bucket with include ``mask`` in a routed round: of
+    each included slice the bytes it keeps (``runs`` by tensor; a tensor not named, every
+    byte) as a segment of its own, each on an ``ALIGN`` boundary; and the payload's size.
+    A slice it keeps nothing of has no segment."""
+    segments: list[Segment] = []
+    cursor = 0
+    for k, (s, keep) in enumerate(zip(slices, mask, strict=True)):
+        kept = runs[s.tensor].kept(s) if s.tensor in runs else s.nbytes
+        if keep and kept:
+            cursor = align(cursor)
+            segments.append(Segment(cursor, kept, k))
+            cursor += kept
+    return segments, cursor

@@ -32,6 +32,7 @@ from ...core.copy import copy_in_slices
 from ...errors import SyncError
 from ..layout.described import DESCRIBED
 from ..layout.plan import BucketPlan, Slice, TensorSpec, is_dtensor
+from ..layout.runs import Runs
 from .destinations import Dest, destination, placed
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
@@ -177,22 +178,38 @@ class ModuleTarget:
         found = {}
         for i, dests in self._dest.items():
             first = dests[0]
-            if all(_same_runs(d, first) for d in dests):
+            if all(d.runs == first.runs for d in dests):
                 found[i] = first
             else:
                 n = plan.specs[i].nbytes
-                found[i] = Dest.run(first.data, 0, n, n)
+                found[i] = Dest(first.data, Runs.one(0, n, n))
         return found
 
     def replay(self, s: Slice, stage: Dest) -> None:
         """Write slice ``s`` from ``stage`` (a buffer with the runs :meth:`stages` gave
         its tensor, holding the slice's kept bytes) into every destination."""
-        for dest in self._dest.get(s.tensor, ()):
-            if _same_runs(dest, stage):
+        lo, hi = stage.local_range(s)
+        self.write_kept(s, stage.runs, stage.data[lo:hi])
+
+    def kept_view(self, s: Slice) -> torch.Tensor | None:
+        """Where the kept bytes of slice ``s`` (of a tensor it keeps in part) land, for
+        receiving them in place: its first destination's."""
+        dests = self._dest.get(s.tensor)
+        if not dests:
+            return None
+        lo, hi = dests[0].local_range(s)
+        return dests[0].data[lo:hi]
+
+    def write_kept(self, s: Slice, runs: Runs, data: torch.Tensor, landed: bool = False) -> None:
+        """Write the bytes of slice ``s`` that ``runs`` keep (``data``, in their order: of
+        runs :meth:`stages` gave, so every byte where they are whole) into every
+        destination; ``landed``: they were received into :meth:`kept_view` already."""
+        for k, dest in enumerate(self._dest.get(s.tensor, ())):
+            if dest.runs != runs:  # runs that are every byte, of a tensor held twice
+                dest.copy(s, data)
+            elif not (landed and k == 0):
                 lo, hi = dest.local_range(s)
-                copy_in_slices(dest.data[lo:hi], stage.data[lo:hi])
-            else:
-                dest.copy(s, stage.data[s.tensor_offset : s.tensor_offset + s.nbytes])
+                copy_in_slices(dest.data[lo:hi], data)
 
     def direct_view(self, s: Slice) -> torch.Tensor | None:
         """The bytes slice ``s`` goes to, for receiving it in place (``None``: into the
@@ -282,10 +299,17 @@ class CallableTarget:
         """Every tensor, every byte (its ``data`` a placeholder, to be put :meth:`Dest.on` a
         buffer)."""
         empty = torch.empty(0, dtype=torch.uint8)
-        return {i: Dest.run(empty, 0, s.nbytes, s.nbytes) for i, s in enumerate(plan.specs)}
+        return {i: Dest(empty, Runs.one(0, s.nbytes, s.nbytes)) for i, s in enumerate(plan.specs)}
 
     def replay(self, s: Slice, stage: Dest) -> None:
         return None
+
+    def kept_view(self, s: Slice) -> torch.Tensor | None:
+        return None
+
+    def write_kept(self, s: Slice, runs: Runs, data: torch.Tensor, landed: bool = False) -> None:
+        """Never called: a callable keeps every byte, so it is sent whole slices."""
+        raise AssertionError("a load_weights target keeps every byte of every tensor")
 
     def direct_view(self, s: Slice) -> torch.Tensor | None:
         """Always ``None``: ``load_weights`` is handed whole tensors, never fed in place."""
@@ -311,10 +335,6 @@ class CallableTarget:
         if self._batch:
             batch, self._batch = self._batch, []
             self.load_weights(batch)
-
-
-def _same_runs(a: Dest, b: Dest) -> bool:
-    return (a.start, a.length, a.stride, a.count) == (b.start, b.length, b.stride, b.count)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,16 @@ class Sink(Protocol):
         left out as unchanged), or ``landed`` where :meth:`land` put it."""
         ...
 
+    def land_kept(self, g: int, s: Slice) -> torch.Tensor | None:
+        """Where the bytes this rank keeps of slice ``s`` (of a tensor it keeps in part) may
+        be received straight away, in a routed round (``None``: into the payload)."""
+        ...
+
+    def take_kept(self, g: int, s: Slice, data: torch.Tensor, landed: bool) -> None:
+        """The bytes this rank keeps of slice ``s`` arrived (a routed round): ``data``, in
+        their order, or ``landed`` where :meth:`land_kept` put them."""
+        ...
+
     def bucket_done(self, g: int) -> None:
         """Every slice of bucket ``g`` was taken."""
         ...
@@ -68,6 +78,7 @@ class TargetSink:
         self.target = target
         self.dirty: set[int] = set()
         self._whole: dict[int, torch.Tensor] = {}
+        self._runs = {i: d.runs for i, d in target.stages(plan).items()}
 
     def kept(self, g: int, s: Slice) -> int:
         return self.target.kept(s)
@@ -95,6 +106,13 @@ class TargetSink:
                 target.assembly(s.tensor, spec)
             target.tensor_done(s.tensor, spec, self._whole.get(s.tensor))
 
+    def land_kept(self, g: int, s: Slice) -> torch.Tensor | None:
+        return self.target.kept_view(s)
+
+    def take_kept(self, g: int, s: Slice, data: torch.Tensor, landed: bool) -> None:
+        self.dirty.add(s.tensor)
+        self.target.write_kept(s, self._runs[s.tensor], data, landed)
+
     def bucket_done(self, g: int) -> None:
         self.target.flush()
         self._whole = {}
@@ -119,11 +137,11 @@ class StreamSink:
         starts, total = {}, 0
         for i, r in sorted(runs.items()):  # each on an ALIGN boundary: a view as its dtype
             starts[i] = align(total)
-            total = starts[i] + r.length * r.count
+            total = starts[i] + r.runs.nbytes
         stream = pool.acquire("sync-atomic", max(total, 1))
         pool.release("sync-atomic")
         self.stages: dict[int, Dest] = {
-            i: r.on(stream[starts[i] : starts[i] + r.length * r.count]) for i, r in runs.items()
+            i: r.on(stream[starts[i] : starts[i] + r.runs.nbytes]) for i, r in runs.items()
         }
         self.dirty: set[int] = set()
         self.slices: list[tuple[int, Slice]] = []
@@ -143,6 +161,19 @@ class StreamSink:
         self.dirty.add(s.tensor)
         if not landed:
             stage.copy(s, data)
+        self.slices.append((g, s))
+
+    def land_kept(self, g: int, s: Slice) -> torch.Tensor | None:
+        stage = self.stages[s.tensor]
+        lo, hi = stage.local_range(s)
+        return stage.data[lo:hi]
+
+    def take_kept(self, g: int, s: Slice, data: torch.Tensor, landed: bool) -> None:
+        stage = self.stages[s.tensor]
+        self.dirty.add(s.tensor)
+        if not landed:
+            lo, hi = stage.local_range(s)
+            copy_in_slices(stage.data[lo:hi], data)
         self.slices.append((g, s))
 
     def bucket_done(self, g: int) -> None:
@@ -189,6 +220,14 @@ class BucketsSink:
             copy_in_slices(self._bytes(g, s), data)
         self.slices.append((g, s))
 
+    def land_kept(self, g: int, s: Slice) -> torch.Tensor | None:
+        return None
+
+    def take_kept(self, g: int, s: Slice, data: torch.Tensor, landed: bool) -> None:
+        """Never called: a described round is never routed (its layout is unknown when the
+        rollouts ask)."""
+        raise AssertionError("a described round is never routed")
+
     def bucket_done(self, g: int) -> None:
         return None
 
@@ -225,6 +264,12 @@ class DrainSink:
         return None
 
     def take(self, g: int, s: Slice, data: torch.Tensor | None, landed: bool) -> None:
+        return None
+
+    def land_kept(self, g: int, s: Slice) -> torch.Tensor | None:
+        return None
+
+    def take_kept(self, g: int, s: Slice, data: torch.Tensor, landed: bool) -> None:
         return None
 
     def bucket_done(self, g: int) -> None:

@@ -73,6 +73,28 @@ class Request:
     delta_base: int | None = None
     """The version whose every bucket token this rollout recorded while applying it in
     place (:mod:`..layout.delta`): deltas from that version may be sent to it. ``None``: dense."""
+    wants: str | None = None
+    """``<plan>-<digest>``, naming the :class:`Wants` it posted (:meth:`Keys.wants`): over
+    the network it is sent only those bytes of a round of that plan. ``None``: every byte."""
+
+    def wants_for(self, plan_id: str) -> str | None:
+        """Its wants, when they are of plan ``plan_id``."""
+        return wants_of_plan(self.wants, plan_id)
+
+
+def wants_of_plan(token: str | None, plan_id: str) -> str | None:
+    """``token`` (a :attr:`Request.wants`) when it names wants of plan ``plan_id``."""
+    return token if token is not None and token.split("-", 1)[0] == plan_id else None
+
+
+@dataclass
+class Wants:
+    """The bytes a rollout keeps of plan ``plan``'s tensors: for each tensor index (as a
+    string) it keeps in part, its :class:`..layout.runs.Runs` as a list; a tensor not
+    named, every byte."""
+
+    plan: str
+    runs: dict[str, list[int]]
 
 
 @dataclass
@@ -88,6 +110,9 @@ class RoundStart:
     lives: dict[str, int] = field(default_factory=dict)
     """Each member's incarnation: which process of that rank takes part."""
     cancelled: str | None = None
+    routed: bool = False
+    """The trainers send each member its own bytes, point to point (some member keeps only
+    part of this plan's tensors): no relay, no broadcast."""
 
     def absent_ranks(self) -> dict[int, str]:
         """Rollout rank -> why it was left out of this round (JSON keys are strings)."""
@@ -254,6 +279,12 @@ class Keys:
     def world_rank(trainer: int) -> str:
         """Trainer ``trainer``'s rank in its job's default process group (once)."""
         return store_key("world_rank", trainer)
+
+    @staticmethod
+    def wants(rollout: int, token: str) -> str:
+        """Rollout ``rollout``'s :class:`Wants` named ``token`` (``<plan>-<digest>``, posted
+        once)."""
+        return store_key("wants", rollout, token)
 
     @staticmethod
     def request(rollout: int, k: int) -> str:

@@ -22,10 +22,12 @@ from ...core import tracing
 from ...core.control_plane import died_error
 from ...errors import MissingRanksError, PeerDiedError, SyncError
 from ..group import SyncGroup
+from ..layout.runs import Runs
+from ..trainer.routes import Routes
 from ..transport.network import Sender
 from .culprits import post_abort, read_abort, read_ack, refusals, who_broke
-from .negotiation import build_sender, epoch_tag
-from .protocol import Keys, Request, RoundStart, TransportOffer, decode, encode
+from .negotiation import NETWORK_TRANSPORTS, build_sender, epoch_tag
+from .protocol import Keys, Request, RoundStart, TransportOffer, Wants, decode, encode
 from .state import EpochState
 from .versions import RolloutVersions
 
@@ -63,6 +65,9 @@ class TrainerRound:
         self._live_round = -1
         self._acked_whole: set[int] = set()
         """Members whose acknowledgement of the live round said their transfer was whole."""
+        self.routes: Routes | None = None
+        """The live round's, when it is routed (:attr:`.protocol.RoundStart.routed`)."""
+        self._wants: dict[tuple[int, str], dict[int, Runs]] = {}
 
     def start(
         self,
@@ -104,7 +109,24 @@ class TrainerRound:
             }
         if start.epoch != self._epoch:
             self.guarded(k, start, lambda: self._enter_epoch(start))
+        self.routes = self._routes(start, requests) if start.routed else None
         return start, requests
+
+    def _routes(self, start: RoundStart, requests: dict[int, Request]) -> Routes:
+        """Each member's runs in routed round ``start``: those it posted for the round's
+        plan (read once per member and wants), else every byte."""
+        members: dict[int, dict[int, Runs]] = {}
+        for i, r in enumerate(start.members, 1):
+            token = requests[r].wants_for(start.plan)
+            if token is None:
+                members[i] = {}
+                continue
+            if (r, token) not in self._wants:
+                text = self.group.get_text(Keys.wants(r, token), r, "its wants", self.timeout)
+                wants = decode(Wants, text)
+                self._wants[(r, token)] = {int(t): Runs(*v) for t, v in wants.runs.items()}
+            members[i] = self._wants[(r, token)]
+        return Routes(members)
 
     def _gather(
         self, k: int, version: int, plan_id: str, idle: Callable[[], None] | None
@@ -150,8 +172,17 @@ class TrainerRound:
                 members,
                 absent,
             )
+        routed = self._offer.kind in NETWORK_TRANSPORTS and any(
+            asked_by[r].wants_for(plan_id) is not None for r in members
+        )
         start = RoundStart(
-            version, plan_id, epoch, members, {str(r): w for r, w in absent.items()}, lives
+            version,
+            plan_id,
+            epoch,
+            members,
+            {str(r): w for r, w in absent.items()},
+            lives,
+            routed=routed,
         )
         self.group.post(Keys.round(k), encode(start))
         self.group.post(Keys.NEXT_ROUND, str(k + 1))

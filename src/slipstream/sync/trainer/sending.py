@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 
 from ..layout.delta import DELTA, BucketDelta, encode_delta, root_token
-from ..layout.plan import BucketPlan, Slice, encode_header
+from ..layout.plan import BucketPlan, Slice, encode_header, payload_offsets
 from ..layout.segments import payload_segments
 from ..round.protocol import BucketMessage
-from ..transport.network import Sender
+from ..transport.network import BroadcastSender, Sender
 from .host_cache import Generation, HostCache, Unchanged
 from .packing import pack_slices, segment_parts, slice_checksum
+from .routes import Routes, routed_messages
 
 
 def send_bucket(
@@ -33,12 +34,24 @@ def send_bucket(
     buffer: torch.Tensor,
     separate: dict[int, torch.Tensor],
     header: torch.Tensor | None = None,
+    routes: Routes | None = None,
 ) -> None:
     """Send bucket ``g`` with include ``mask`` and a payload of ``nbytes``: ``buffer`` holds
     the packed slices (laid out by :func:`..layout.plan.payload_offsets`; the bytes of slices in
     ``separate`` need not be there), ``separate`` the slices sent from their own bytes.
-    ``header``: the bucket's header when it is not the plan's (a described round's)."""
+    ``header``: the bucket's header when it is not the plan's (a described round's).
+    ``routes``: a routed round's (:mod:`.routes`): each member gets its own bytes."""
     slices = plan.bucket_slices(g)
+    if routes is not None:
+        assert isinstance(sender, BroadcastSender) and header is None
+        offsets, _ = payload_offsets(slices, mask)
+        full = [
+            None if off < 0 else separate.get(k, buffer[off : off + s.nbytes])
+            for k, (s, off) in enumerate(zip(slices, offsets, strict=True))
+        ]
+        header_bytes = plan.buckets[g].header_bytes
+        sender.submit_routed(routed_messages(routes, slices, mask, header_bytes, full))
+        return
     if header is None:
         header = encode_header(
             torch.empty(plan.buckets[g].header_bytes, dtype=torch.uint8), nbytes, mask
@@ -87,13 +100,14 @@ def send_cached_bucket(
     device: torch.device,
     unchanged: Unchanged | None,
     version: int | None = None,
+    routes: Routes | None = None,
 ) -> dict[int, int]:
     """Send bucket ``g``'s bytes from the cache, leaving out the slices ``unchanged`` names,
     and record the bucket's token as the rollouts will for ``version``; return every slice's
     checksum (see :func:`send_view`)."""
     if version is not None:
         cache.tokens[g] = root_token(plan.plan_id, g, version)
-    return send_view(sender, plan, g, cache.bucket(g), device, unchanged)
+    return send_view(sender, plan, g, cache.bucket(g), device, unchanged, routes)
 
 
 def send_view(
@@ -103,6 +117,7 @@ def send_view(
     padded: torch.Tensor,
     device: torch.device,
     unchanged: Unchanged | None,
+    routes: Routes | None = None,
 ) -> dict[int, int]:
     """Send bucket ``g`` from ``padded`` (its bytes laid out as the plan lays out a bucket
     with every slice, padded to whole words), leaving out the slices ``unchanged`` names;
@@ -125,10 +140,10 @@ def send_view(
         mask[j] = 0 if unchanged(bucket.first_slice + j, cs) else 1
     if all(mask) and view.device == device:
         # the cache already holds the payload where the transport reads: no copy
-        send_bucket(sender, plan, g, mask, bucket.nbytes, view, {})
+        send_bucket(sender, plan, g, mask, bucket.nbytes, view, {}, routes=routes)
         return sums
     out = sender.next_buffer()
     kept = [s for s, m in zip(slices, mask, strict=True) if m]
     _, nbytes, _, _ = pack_slices(kept, cached, out, lambda i, cs: False, 0)
-    send_bucket(sender, plan, g, mask, nbytes, out, {})
+    send_bucket(sender, plan, g, mask, nbytes, out, {}, routes=routes)
     return sums

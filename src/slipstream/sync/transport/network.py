@@ -182,6 +182,16 @@ def _post(
         raise _failure(what, "failed", why, exc) from exc
 
 
+@dataclass
+class RoutedMessage:
+    """One member's part of a bucket in a routed round: its header and payload segments;
+    ``member`` is its index in the epoch's process group."""
+
+    member: int
+    header: torch.Tensor
+    parts: list[torch.Tensor]
+
+
 class BroadcastSender:
     """Sends buckets from ``rank`` (member 0 of ``pg``) to every other member of ``pg``: by
     broadcast, or with ``relay`` to member 1 alone, which passes them on."""
@@ -276,6 +286,25 @@ class BroadcastSender:
         self.bytes_sent += sum(part.numel() for part in parts)
         self._count += 1
 
+    def submit_routed(self, messages: Sequence[RoutedMessage]) -> None:
+        """Send each member its own message of one bucket (a routed round): its header,
+        then its parts, point to point, whatever the transport's kind."""
+        slot = self._count % self.num_slots
+        self._drain(slot)
+        works: list[dist.Work] = []
+        parts: list[torch.Tensor] = []
+        for m in messages:
+            peer = self.peers[m.member - 1]
+            what = f"trainer rank {self.rank} sending a bucket to rollout rank {peer}"
+            for t in (m.header.to(self.device), *m.parts):
+                send = functools.partial(self.pg.send, [t], m.member, 0)
+                works.append(_post(send, what, self._who_exited))
+                parts.append(t)
+            self.bytes_sent += sum(p.numel() for p in m.parts)
+        self._works[slot] = works
+        self._sending[slot] = parts
+        self._count += 1
+
     def flush(self) -> None:
         for slot in range(self.num_slots):
             self._drain(slot)
@@ -352,8 +381,8 @@ class BroadcastReceiver:
         #: received pieces not yet passed on, in arrival order: (receive, piece, slot)
         self._arriving: deque[tuple[dist.Work, torch.Tensor, int]] = deque()
 
-    def _receive(self, buf: torch.Tensor) -> dist.Work:
-        src = self._from
+    def _receive(self, buf: torch.Tensor, routed: bool = False) -> dist.Work:
+        src = 0 if routed else self._from
         if src is None:
             return self.pg.broadcast([buf], _FROM_ROOT)
         return _post(lambda: self.pg.recv([buf], src, 0), f"receiving a {self.what}")
@@ -386,10 +415,10 @@ class BroadcastReceiver:
     def _wait_sent(self, work: dist.Work) -> None:
         _wait_unmarked(work, self.timeout, self._relay_what, None, self.watchdog)
 
-    def _post_header(self, header_bytes: int) -> tuple[dist.Work, torch.Tensor]:
+    def _post_header(self, header_bytes: int, routed: bool) -> tuple[dist.Work, torch.Tensor]:
         buf = self._headers[self._header_count % 2][:header_bytes]
         self._header_count += 1
-        return self._receive(buf), buf
+        return self._receive(buf, routed), buf
 
     def start(self, header_bytes: int, next_header_bytes: int | None, place: Place) -> Pending:
         """Receive the next header, post its payload segments' receives, and post the header
@@ -400,10 +429,22 @@ class BroadcastReceiver:
         bucket header, if any) lets that header's receive be posted now, so the trainer
         never waits for us to ask.
         """
-        relaying = self._to is not None
+        return self._start(header_bytes, next_header_bytes, place, routed=False)
+
+    def start_routed(
+        self, header_bytes: int, next_header_bytes: int | None, place: Place
+    ) -> Pending:
+        """:meth:`start` for a routed round: this rank's own message, straight from the
+        trainer (point to point whatever the transport's kind; nothing is passed on)."""
+        return self._start(header_bytes, next_header_bytes, place, routed=True)
+
+    def _start(
+        self, header_bytes: int, next_header_bytes: int | None, place: Place, routed: bool
+    ) -> Pending:
+        relaying = self._to is not None and not routed
         if relaying:
             self._pass_on_arrived()
-        work, received = self._posted or self._post_header(header_bytes)
+        work, received = self._posted or self._post_header(header_bytes, routed)
         self._posted = None
         _wait(work, self.timeout, f"receiving a {self.what}", watchdog=self.watchdog)
         header = received.cpu().clone()
@@ -416,11 +457,11 @@ class BroadcastReceiver:
             self._passing[index].append(self._pass_on(forward))
         payload = self._slots[index][:payload_bytes]
         buffers = place(header, payload)
-        works = [self._receive(buf) for buf in buffers]
+        works = [self._receive(buf, routed) for buf in buffers]
         if relaying:
             self._arriving.extend((w, buf, index) for w, buf in zip(works, buffers, strict=True))
         if next_header_bytes is not None:
-            self._posted = self._post_header(next_header_bytes)
+            self._posted = self._post_header(next_header_bytes, routed)
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
             if relaying:
