@@ -21,6 +21,15 @@ last version of each peer is checked on the rollouts, every byte of each rank's 
 against the value its trainer wrote, and each rank's bytes received per version are
 reported against its shards' bytes.
 
+``--compare rollouts`` (``--transport relay`` by default there) compares the rollouts'
+side instead, both peers' trainers sending their own shards: ``full``: each rollout rank
+receives every tensor whole into a plain module (what a rollout unaware of its own
+parallelism gets), against ``own``: the tensor-parallel pair above, each rank sent only its
+own bytes.
+
+python benchmarks/sync_sharded.py --compare rollouts \
+    --out benchmarks/results/sync_sharded_rollouts.json
+
 python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
 """
 
@@ -43,7 +52,7 @@ from common import Result, Table, fmt, free_port, interleave, median  # noqa: E4
 import slipstream as ss  # noqa: E402
 
 MiB = 2**20
-PEERS = ["gather", "sharded"]
+PEERS = {"trainers": ["gather", "sharded"], "rollouts": ["full", "own"]}
 TRAINERS = 2
 
 
@@ -94,6 +103,7 @@ def measure(
     rank: int, group, args: argparse.Namespace, mode: str, local: dict, state: dict
 ) -> dict:
     """Both peers' publishes in ``mode``, interleaved; each version's rows carry its value."""
+    peers = PEERS[args.compare]
     pubs = {
         peer: ss.WeightPublisher(
             group,
@@ -101,13 +111,15 @@ def measure(
             [TRAINERS, TRAINERS + 1],
             bucket_bytes=args.bucket_mib * MiB,
             mode=mode,
+            transport=args.transport,
             delta=False,
             channel=f"{mode}-{peer}",
         )
-        for peer in PEERS
+        for peer in peers
     }
-    pubs["gather"]._holders = lambda specs, tensors: None  # type: ignore[method-assign]
-    versions = dict.fromkeys(PEERS, 0)
+    if "gather" in pubs:
+        pubs["gather"]._holders = lambda specs, tensors: None  # type: ignore[method-assign]
+    versions = dict.fromkeys(peers, 0)
 
     def runner(peer: str):
         def run(rep: int) -> dict[str, float]:
@@ -122,8 +134,8 @@ def measure(
 
         return run
 
-    kept: dict = interleave({p: runner(p) for p in PEERS}, args.repeats)
-    kept["transport"] = pubs["sharded"].transport
+    kept: dict = interleave({p: runner(p) for p in peers}, args.repeats)
+    kept["transport"] = pubs[peers[-1]].transport
     for pub in pubs.values():
         pub.close()
     return kept
@@ -157,14 +169,24 @@ def tp_target(mesh, sizes: dict[str, tuple[int, ...]]) -> nn.Module:
     return target
 
 
+def plain_target(sizes: dict[str, tuple[int, ...]]) -> nn.Module:
+    """A module of plain buffers: every tensor whole."""
+    target = nn.Module()
+    for i, s in enumerate(sizes.values()):
+        target.register_buffer(f"t{i}", torch.zeros(s, dtype=torch.bfloat16))
+    return target
+
+
 def exact(target: nn.Module, sizes: dict, names: dict, version: int, tp: int) -> bool:
-    """Whether every byte of this rank's shards holds what its trainer wrote: trainer t's
-    rows are ``[t * half, (t + 1) * half)`` of every tensor."""
+    """Whether every byte of this rank's shards (of every tensor of a plain target) holds
+    what its trainer wrote: trainer t's rows are ``[t * half, (t + 1) * half)`` of every
+    tensor."""
     ok = True
     for n, s in sizes.items():
         t = target.get_buffer(names[n])
         local = t.to_local() if hasattr(t, "to_local") else t
-        rows = torch.arange(s[0]).chunk(2)[tp] if split_dim(n, s) == 0 else torch.arange(s[0])
+        by_rows = split_dim(n, s) == 0 and local.shape[0] != s[0]
+        rows = torch.arange(s[0]).chunk(2)[tp] if by_rows else torch.arange(s[0])
         want = (rows >= s[0] // TRAINERS).to(torch.bfloat16) + value(version, 0)
         ok &= bool((local == want.view(-1, *([1] * (len(s) - 1)))).all())
     return ok
@@ -185,27 +207,31 @@ def rollout(rank: int, group, args: argparse.Namespace) -> dict:
     sizes = shapes(args)
     names = {n: f"t{i}" for i, n in enumerate(sizes)}
     out: dict = {"checked": {}, "received": {}}
+    peers = PEERS[args.compare]
     for mode in ("direct", "cached"):
         subs = {
             peer: ss.WeightSubscriber(
                 group, list(range(TRAINERS)), [TRAINERS, TRAINERS + 1], channel=f"{mode}-{peer}"
             )
-            for peer in PEERS
+            for peer in peers
         }
-        targets = {peer: tp_target(mesh, sizes) for peer in PEERS}
-        received = {peer: [] for peer in PEERS}
+        targets = {
+            peer: plain_target(sizes) if peer == "full" else tp_target(mesh, sizes)
+            for peer in peers
+        }
+        received: dict[str, list[int]] = {peer: [] for peer in peers}
         version = 0
         for _ in range(1 + args.repeats):
             version += 1
-            for peer in PEERS:
+            for peer in peers:
                 before = subs[peer].bytes_received
                 assert subs[peer].receive(targets[peer], name_map=names) == version
                 received[peer].append(subs[peer].bytes_received - before)
-        for peer in PEERS:
+        for peer in peers:
             out["checked"][f"{mode} {peer}"] = exact(targets[peer], sizes, names, version, tp)
             out["received"][f"{mode} {peer}"] = median(received[peer])
             subs[peer].close()
-    box = targets["sharded"]
+    box = targets[peers[-1]]
     out["kept"] = sum((b.to_local() if hasattr(b, "to_local") else b).nbytes for b in box.buffers())
     torch.distributed.destroy_process_group()
     return out
@@ -229,8 +255,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", choices=sorted(PEERS), default="trainers")
+    parser.add_argument("--transport", default=None, help="auto; relay with --compare rollouts")
     parser.add_argument("--out", default="benchmarks/results/sync_sharded.json")
     args = parser.parse_args()
+    if args.transport is None:
+        args.transport = "relay" if args.compare == "rollouts" else "auto"
     args.port, args.mesh_port, args.tp_port = free_port(), free_port(), free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -246,9 +276,15 @@ def main() -> None:
     for p in procs:
         p.join(60)
     total = sum(torch.Size(s).numel() for s in shapes(args).values()) * 2
+    peers = PEERS[args.compare]
+    titles = {
+        "trainers": ("sync_sharded", "Shard-aware publish vs today's gather path"),
+        "rollouts": ("sync_sharded_rollouts", "TP rollouts sent their own bytes vs every byte"),
+    }
+    name, title = titles[args.compare]
     result = Result(
-        "sync_sharded",
-        "Shard-aware publish vs today's gather path: 2 FSDP trainers, 2 TP rollouts",
+        name,
+        f"{title}: 2 FSDP trainers, 2 TP rollouts",
         setup={
             "weights": f"{total / MiB:.0f} MiB bf16 in {len(shapes(args))} DTensors, Shard(0)",
             "bucket": f"{args.bucket_mib} MiB",
@@ -265,21 +301,37 @@ def main() -> None:
                 m: [median(out[t][mode][p][m]) for t in range(TRAINERS)]
                 for m in ("blocked", "delivered")
             }
-            for p in PEERS
+            for p in peers
         }
-        for p in PEERS:
+        for p in peers:
             table.rows.append(
                 [p, *(" / ".join(fmt(v) for v in med[p][m]) for m in ("blocked", "delivered"))]
             )
         result.tables.append(table)
-        for metric, floor in (("blocked", 0.3), ("delivered", 0.5)):
-            ratio = max(med["sharded"][metric]) / max(med["gather"][metric])
-            result.floor(f"{mode}: sharded {metric} / gather", ratio, f"<= {floor}", ratio <= floor)
-    result.notes.append(
-        "The gather peer is the publisher with its holders turned off: the path every DTensor "
-        "took before. Both peers' rollouts are tensor-parallel and copy out of the shared "
-        "slots only their own shards."
-    )
+        if args.compare == "trainers":
+            for metric, floor in (("blocked", 0.3), ("delivered", 0.5)):
+                ratio = max(med["sharded"][metric]) / max(med["gather"][metric])
+                claim = f"{mode}: sharded {metric} / gather"
+                result.floor(claim, ratio, f"<= {floor}", ratio <= floor)
+            continue
+        for r in (TRAINERS, TRAINERS + 1):
+            ratio = out[r]["received"][f"{mode} own"] / out[r]["kept"]
+            claim = f"{mode}: rollout rank {r}'s bytes received / its shards"
+            result.floor(claim, ratio, "<= 1.1", ratio <= 1.1)
+        ratio = max(med["own"]["delivered"]) / max(med["full"]["delivered"])
+        result.notes.append(f"{mode}: own bytes delivered / every byte delivered: {ratio:.3f}")
+    if args.compare == "trainers":
+        result.notes.append(
+            "The gather peer is the publisher with its holders turned off: the path every "
+            "DTensor took before. Both peers' rollouts are tensor-parallel and copy out of the "
+            "shared slots only their own shards."
+        )
+    else:
+        result.notes.append(
+            "Both peers' trainers send their own shards. full: plain rollouts, every tensor "
+            "whole (relayed); own: the tensor-parallel pair, each rank sent its own bytes point "
+            "to point (routed)."
+        )
     for r in (TRAINERS, TRAINERS + 1):
         received = ", ".join(f"{k} {v / MiB:.0f}" for k, v in out[r]["received"].items())
         result.notes.append(

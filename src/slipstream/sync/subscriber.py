@@ -222,8 +222,10 @@ class WeightSubscriber:
         held = self.version if (not full and self._held_by == held_key) else None
         in_place = isinstance(sink, ModuleTarget) and not atomic
         delta_base = self._delta_version if (in_place and held is not None) else None
-        wants = self._post_wants(sink)
-        k, start = self._rounds.join(held, delta_base, wants)
+        network = self._offers[self.leader].kind in NETWORK_TRANSPORTS
+        wants = self._post_wants(sink) if network else None
+        partial = network and isinstance(sink, ModuleTarget) and sink.holds_dtensors()
+        k, start = self._rounds.join(held, delta_base, wants, partial)
         version = start.version
         ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
@@ -234,7 +236,7 @@ class WeightSubscriber:
         try:
             layout = self._layout() if start.plan == DESCRIBED else None
             plan = self._plan(start.plan) if layout is None else layout.as_plan()
-            runs = self._round_runs(start, wants)
+            runs = self._round_runs(k, start, plan, sink, wants, partial)
             problems = self._problems(plan, sink, version)
             if runs and not problems and self._partial_runs(sink, plan) != runs:
                 problems.append("its tensors' shards changed since it asked for this version")
@@ -297,17 +299,16 @@ class WeightSubscriber:
         return version
 
     def _post_wants(self, sink: ModuleTarget | CallableTarget) -> str | None:
-        """Over the network, when ``sink`` keeps only part of the last plan's tensors (a
-        tensor-parallel target): post which bytes it keeps (once per layout) and return the
-        name its request gives them; else ``None`` (every byte)."""
+        """When ``sink`` keeps only part of the last plan's tensors (a tensor-parallel
+        target): post which bytes it keeps (once per layout) and return the name its
+        request gives them; else ``None``."""
         plan = next(iter(self._plans.values()), None)
-        kind = self._offers[self.leader].kind
-        if plan is None or kind not in NETWORK_TRANSPORTS or sink.check(plan):
+        if plan is None or sink.check(plan):
             return None
         runs = self._partial_runs(sink, plan)
         if not runs:
             return None
-        text = encode(Wants(plan.plan_id, {str(i): r.to_list() for i, r in runs.items()}))
+        text = _wants_text(plan, runs)
         token = f"{plan.plan_id}-{checksum(text.encode()):016x}"
         if token not in self._wants:
             self.group.post(Keys.wants(self.rank, token), text)
@@ -320,13 +321,34 @@ class WeightSubscriber:
         stages = sink.stages(plan).items()
         return {i: d.runs for i, d in sorted(stages) if not d.runs.whole}
 
-    def _round_runs(self, start: RoundStart, wants: str | None) -> dict[int, Runs] | None:
-        """The runs this rank is sent in round ``start``: ``None`` when it is not routed, the
-        ones it asked for when they are of its plan, else none (every byte)."""
+    def _round_runs(
+        self,
+        k: int,
+        start: RoundStart,
+        plan: BucketPlan,
+        sink: ModuleTarget | CallableTarget,
+        wants: str | None,
+        partial: bool,
+    ) -> dict[int, Runs] | None:
+        """The runs this rank is sent in round ``k`` (laid out by ``plan``): ``None`` when
+        it is not routed; the ones it asked with when they are of the plan; when it said it
+        may keep part, those it keeps of the plan, posted now for the trainers (every byte,
+        posted as such, when ``sink`` does not fit the plan: the round is then drained);
+        else none (every byte)."""
         if not start.routed:
             return None
         token = wants_of_plan(wants, start.plan)
-        return {} if token is None else self._wants[token]
+        if token is not None:
+            return self._wants[token]
+        if not partial:
+            return {}
+        runs: dict[int, Runs] = {}
+        try:
+            if not sink.check(plan):
+                runs = self._partial_runs(sink, plan)
+        finally:  # the trainers wait for it before they send
+            self.group.post(Keys.round_wants(self.rank, k), _wants_text(plan, runs))
+        return runs
 
     def _forget_tokens(self) -> None:
         self._tokens, self._token_plan, self._delta_version = {}, None, None
@@ -777,3 +799,7 @@ class _Round:
     def forget_receivers(self) -> None:
         """Let go of the receivers (the round broke: their connections must close)."""
         self.receivers = {}
+
+
+def _wants_text(plan: BucketPlan, runs: dict[int, Runs]) -> str:
+    return encode(Wants(plan.plan_id, {str(i): r.to_list() for i, r in runs.items()}))

@@ -6,7 +6,7 @@ and ``cached`` mode, over 2 and 4 trainer ranks, FSDP and HSDP (a replicated mes
 the replicas of a shard split it). Each tensor-parallel rank copies out of the shared slots
 (``ipc``, the transport on one host) only the bytes of its own shards and of the replicated
 tensors (``bytes_received``, against the bytes of its ``state_dict()``'s local tensors); over
-the network (relay, broadcast) the trainers send it only those, from the second version on.
+the network (relay, broadcast) the trainers send it only those.
 
 The reference is each version's full tensors, gathered by the trainers with
 ``full_tensor()`` after the publish (outside the counted window). The count: the default
@@ -232,9 +232,7 @@ def test_fsdp2_trainers_send_their_own_shards_without_a_collective_and_rollouts_
         if tp:  # its own shards and the replicated tensors, nothing more
             kept = sum(a.nbytes for a in out[rollout][VERSIONS[-1]].values())
             dense = sum(a.nbytes for a in full[VERSIONS[-1]].values())
-            # over the network the first version goes whole (the rollouts ask before they know
-            # its layout); from then on each rank is sent only its own bytes
-            received = out[rollout]["received"][0 if transport == "auto" else 1 :]
-            assert all(0 < n <= 1.1 * kept for n in received), (kept, out[rollout]["received"])
+            received = out[rollout]["received"]
+            assert all(0 < n <= 1.1 * kept for n in received), (kept, received)
             assert kept < 0.7 * dense, (kept, dense)
         assert np.array_equal(out[rollout]["strided"], np.arange(64.0).reshape(8, 8)), rollout

@@ -160,6 +160,12 @@ class ModuleTarget:
                     own.setdefault(name, t)
         return own
 
+    def holds_dtensors(self) -> bool:
+        """Whether any of the module's parameters or buffers is a DTensor (so it may keep
+        only part of a sent tensor)."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        return any(is_dtensor(t) for t in tensors)
+
     @property
     def whole(self) -> bool:
         """Whether every destination holds its tensor whole (no DTensor shard): only then may

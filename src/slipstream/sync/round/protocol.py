@@ -75,7 +75,11 @@ class Request:
     place (:mod:`..layout.delta`): deltas from that version may be sent to it. ``None``: dense."""
     wants: str | None = None
     """``<plan>-<digest>``, naming the :class:`Wants` it posted (:meth:`Keys.wants`): over
-    the network it is sent only those bytes of a round of that plan. ``None``: every byte."""
+    the network it is sent only those bytes of a round of that plan."""
+    partial: bool = False
+    """Its target may keep only part of the tensors (it holds DTensors): in a routed round
+    of a plan its ``wants`` are not of, it posts its wants for the round
+    (:meth:`Keys.round_wants`) once it reads the round's plan. Neither: every byte."""
 
     def wants_for(self, plan_id: str) -> str | None:
         """Its wants, when they are of plan ``plan_id``."""
@@ -285,6 +289,12 @@ class Keys:
         """Rollout ``rollout``'s :class:`Wants` named ``token`` (``<plan>-<digest>``, posted
         once)."""
         return store_key("wants", rollout, token)
+
+    @staticmethod
+    def round_wants(rollout: int, k: int) -> str:
+        """Rollout ``rollout``'s :class:`Wants` for round ``k``'s plan, posted once it read
+        the round (its request named none of that plan)."""
+        return store_key("wants", rollout, "round", k)
 
     @staticmethod
     def request(rollout: int, k: int) -> str:

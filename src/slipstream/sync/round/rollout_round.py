@@ -53,18 +53,22 @@ class RolloutRound:
         self._members: list[int] = []
 
     def join(
-        self, held: int | None, delta_base: int | None, wants: str | None = None
+        self,
+        held: int | None,
+        delta_base: int | None,
+        wants: str | None = None,
+        partial: bool = False,
     ) -> tuple[int, RoundStart]:
-        """Ask for the next round this rank is a member of (``wants``: the wants it posted,
-        see :class:`.protocol.Request`); return it, with its transport built. A rank that
-        (re)joins starts at the round the lead trainer is gathering; a round that went on
-        without it, or was cancelled, is passed over."""
+        """Ask for the next round this rank is a member of (``wants``, ``partial``: what it
+        keeps, see :class:`.protocol.Request`); return it, with its transport built. A rank
+        that (re)joins starts at the round the lead trainer is gathering; a round that went
+        on without it, or was cancelled, is passed over."""
         k = self._round
         if k is None:
             k = int(self.group.store.get(Keys.NEXT_ROUND)) if self.group.has(Keys.NEXT_ROUND) else 0
         incarnation = self.group.incarnation
         while True:
-            request = Request(held, incarnation, delta_base, wants)
+            request = Request(held, incarnation, delta_base, wants, partial)
             self.group.post(Keys.request(self.rank, k), encode(request))
             self._round = k
             what = f"lead trainer rank {self.leader} to start round {k}"

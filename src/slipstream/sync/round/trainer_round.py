@@ -22,6 +22,7 @@ from ...core import tracing
 from ...core.control_plane import died_error
 from ...errors import MissingRanksError, PeerDiedError, SyncError
 from ..group import SyncGroup
+from ..layout.described import DESCRIBED
 from ..layout.runs import Runs
 from ..trainer.routes import Routes
 from ..transport.network import Sender
@@ -109,23 +110,28 @@ class TrainerRound:
             }
         if start.epoch != self._epoch:
             self.guarded(k, start, lambda: self._enter_epoch(start))
-        self.routes = self._routes(start, requests) if start.routed else None
+        self.routes = self._routes(k, start, requests) if start.routed else None
         return start, requests
 
-    def _routes(self, start: RoundStart, requests: dict[int, Request]) -> Routes:
-        """Each member's runs in routed round ``start``: those it posted for the round's
-        plan (read once per member and wants), else every byte."""
+    def _routes(self, k: int, start: RoundStart, requests: dict[int, Request]) -> Routes:
+        """Each member's runs in routed round ``k``: those it posted for the round's plan
+        as it asked (read once per member and wants), or after it read the round (a member
+        that may keep part of the tensors, without wants of this plan yet), else every
+        byte."""
         members: dict[int, dict[int, Runs]] = {}
         for i, r in enumerate(start.members, 1):
             token = requests[r].wants_for(start.plan)
-            if token is None:
-                members[i] = {}
-                continue
-            if (r, token) not in self._wants:
+            if token is not None and (r, token) not in self._wants:
                 text = self.group.get_text(Keys.wants(r, token), r, "its wants", self.timeout)
-                wants = decode(Wants, text)
-                self._wants[(r, token)] = {int(t): Runs(*v) for t, v in wants.runs.items()}
-            members[i] = self._wants[(r, token)]
+                self._wants[(r, token)] = _runs(decode(Wants, text))
+            if token is not None:
+                members[i] = self._wants[(r, token)]
+            elif requests[r].partial:
+                what = f"its wants for round {k}"
+                text = self.group.get_text(Keys.round_wants(r, k), r, what, self.timeout)
+                members[i] = _runs(decode(Wants, text))
+            else:
+                members[i] = {}
         return Routes(members)
 
     def _gather(
@@ -172,8 +178,10 @@ class TrainerRound:
                 members,
                 absent,
             )
-        routed = self._offer.kind in NETWORK_TRANSPORTS and any(
-            asked_by[r].wants_for(plan_id) is not None for r in members
+        routed = (
+            self._offer.kind in NETWORK_TRANSPORTS
+            and plan_id != DESCRIBED  # its layout is learned as it arrives
+            and any(asked_by[r].partial or asked_by[r].wants_for(plan_id) for r in members)
         )
         start = RoundStart(
             version,
@@ -307,3 +315,7 @@ class TrainerRound:
     def sent_bytes(self) -> int:
         current = self.sender.bytes_sent if self.sender is not None else 0
         return self._sent_by_old_senders + current
+
+
+def _runs(wants: Wants) -> dict[int, Runs]:
+    return {int(t): Runs(*v) for t, v in wants.runs.items()}
