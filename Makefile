@@ -84,6 +84,7 @@ bench: setup
 	$(BIN)/python benchmarks/sync.py --realistic --out benchmarks/results/sync_realistic.json
 	$(BIN)/python benchmarks/sync_streaming.py --out benchmarks/results/sync_streaming.json
 	$(BIN)/python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
+	$(BIN)/python benchmarks/sync_sharded.py --compare rollouts --out benchmarks/results/sync_sharded_rollouts.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
 	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
@@ -96,7 +97,8 @@ report: setup
 	$(BIN)/python benchmarks/report.py benchmarks/results/checkpoint.json \
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/sync_streaming.json \
-		benchmarks/results/sync_sharded.json benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
+		benchmarks/results/sync_sharded.json benchmarks/results/sync_sharded_rollouts.json \
+		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
 		benchmarks/results/two_tier.json benchmarks/results/vllm_sync.json \
 		--out BENCHMARKS.md

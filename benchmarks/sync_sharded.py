@@ -347,7 +347,7 @@ def main() -> None:
             print("  ", *row)
     for f in result.floors:
         print(f"{f.claim}: {f.measured} ({f.floor}: {'met' if f.passed else 'NOT met'})")
-    print(*result.notes[1:], sep="\n")
+    print(*result.notes, sep="\n")
     result.write(args.out)
 
 

@@ -128,4 +128,10 @@ def gather(runs: Runs, s: Slice, data: torch.Tensor) -> torch.Tensor:
     if len(pieces) == 1 and pieces[0].rows == 1:
         p = pieces[0]
         return data[p.at : p.at + p.nbytes]
-    return torch.cat([rows_of(p, data).reshape(-1) for p in pieces]) if pieces else data[:0]
+    out = torch.empty(sum(p.rows * p.nbytes for p in pieces), dtype=data.dtype, device=data.device)
+    at = 0
+    for p in pieces:  # one copy of each piece, straight into its place
+        n = p.rows * p.nbytes
+        out[at : at + n].view(p.rows, p.nbytes).copy_(rows_of(p, data))
+        at += n
+    return out

@@ -110,7 +110,9 @@ class TrainerRound:
             }
         if start.epoch != self._epoch:
             self.guarded(k, start, lambda: self._enter_epoch(start))
-        self.routes = self._routes(k, start, requests) if start.routed else None
+        self.routes = None
+        if start.routed:  # a member that died before it posted its wants fails the round
+            self.routes = self.guarded(k, start, lambda: self._routes(k, start, requests))
         return start, requests
 
     def _routes(self, k: int, start: RoundStart, requests: dict[int, Request]) -> Routes:
