@@ -16,6 +16,7 @@ re-raised in the test with its rank, so a hang fails the test instead of blockin
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import time
@@ -44,10 +45,30 @@ def worker_context():
     return ctx
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that is free now and below the kernel's ephemeral range.
+
+    A port the kernel handed out as ephemeral can be handed out again at once, to any
+    process's outgoing connection (another test's store client), before the rank meant to
+    listen on it binds it; a port below that range is never chosen for a connection."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000..{low} on 127.0.0.1 after 200 tries")
 
 
 def wait_for_key(store: dist.Store, key: str, timeout: float, what: str) -> bytes:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import BinaryIO
+
+from dist_utils import free_port
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -29,12 +30,6 @@ CREDENTIALS = {
 """What the server accepts (any key while auth is off); set with ``AWS_ENDPOINT_URL``."""
 UNSET = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_REGION", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 """Variables that would send requests elsewhere or sign them differently."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(endpoint: str) -> bool:
@@ -56,7 +51,7 @@ def moto_server(log: BinaryIO | None = None, spool_dir: str | None = None) -> It
     with contextlib.ExitStack() as stack:
         if log is None:
             log = stack.enter_context(tempfile.TemporaryFile())
-        port = _free_port()
+        port = free_port()
         endpoint = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if spool_dir is not None:

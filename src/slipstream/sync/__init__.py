@@ -18,12 +18,14 @@ importing only the folders beneath it (``tests/test_layering.py``):
 
 from .group import SyncGroup, init_group
 from .layout.plan import BucketPlan, LayoutMismatch, TensorSpec
+from .layout.runs import Narrow
 from .publisher import PublisherState, PublishHandle, PublishTimings, WeightPublisher
 from .subscriber import WeightSubscriber
 
 __all__ = [
     "BucketPlan",
     "LayoutMismatch",
+    "Narrow",
     "PublishHandle",
     "PublishTimings",
     "PublisherState",

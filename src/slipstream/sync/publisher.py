@@ -49,7 +49,7 @@ from ..errors import PeerTimeoutError, SyncError
 from .group import SyncGroup
 from .layout.aliases import named_items, unique_tensors
 from .layout.delta import BucketDelta, DeltaStats, Differ
-from .layout.described import DESCRIBED, DescribedSources, GrowingLayout, described_header, nonempty
+from .layout.described import DESCRIBED, DescribedSources, GrowingLayout, nonempty
 from .layout.holders import holders_of
 from .layout.plan import HEADER_CAP, BucketPlan, Holders, TensorSpec, is_dtensor, layout_json
 from .round.negotiation import LOCAL_TRANSPORTS, TRANSPORTS, candidates, negotiate
@@ -57,9 +57,9 @@ from .round.protocol import Keys, Request
 from .round.trainer_round import TrainerRound
 from .round.versions import RolloutVersions
 from .trainer.host_cache import HostCache
-from .trainer.packing import NO_BYTES, BucketSources, Sources, pack_slices, packs_any
+from .trainer.packing import BucketSources, Sources
+from .trainer.pipeline import Pack, Refresh, Snapshot, serve_cached, walk, walk_described
 from .trainer.refetch import RefetchServer
-from .trainer.sending import send_bucket, send_cached_bucket, send_cached_delta
 from .trainer.stream import StreamSources
 
 logger = logging.getLogger(__name__)
@@ -369,7 +369,7 @@ class WeightPublisher:
                 else:
                     differ = self._differ if self._plain_publishes == 0 else None
                     self._plain_publishes = max(0, self._plain_publishes - 1)
-                    peak, deltas, stats = self._cache.snapshot(plan, sources, version, differ)
+                    peak, deltas, stats = self._snapshot(plan, sources, version, differ)
                     # the round is taken once the snapshot is whole: a failed one starts none
                     k = self._round
                     self._round += 1
@@ -577,29 +577,14 @@ class WeightPublisher:
         if self.delta:  # deltas did not pay lately: the kept copy is not brought along
             self._plain_publishes -= 1
             self._cache.version = None
-        sender, routes = self._rounds.sender, self._rounds.routes
+        sender = self._rounds.sender
         unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
-        separate_min = sender.separate_min if sender is not None else None
-        sums: dict[int, int] = {}
-        sent_from_tensors = False
-        for bucket in plan.buckets:
-            g = bucket.index
-            sources.enter(g)
-            if bucket.owner == self.rank and sender is not None:
-                slices = plan.bucket_slices(g)
-                out = sender.next_buffer() if packs_any(slices, separate_min) else NO_BYTES
-                mask, nbytes, bucket_sums, separate = pack_slices(
-                    slices, sources.slice_bytes, out, unchanged, bucket.first_slice, separate_min
-                )
-                sums.update(bucket_sums)
-                sent_from_tensors |= bool(separate)
-                send_bucket(sender, plan, g, mask, nbytes, out, separate, routes=routes)
-            sources.leave(g)
-        sources.finish()
-        if sent_from_tensors and sender is not None:  # they read the caller's tensors
+        stage = Pack(sender, self._rounds.routes, unchanged)
+        peak = walk(plan, sources, self.rank, stage)
+        if stage.sent_from_tensors and sender is not None:  # they read the caller's tensors
             sender.flush()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
-        self._remember(version, sums)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
+        self._remember(version, stage.sums)
 
     @tracing.spanned("slipstream.sync.publish.send")
     def _send_described(self, layout: GrowingLayout, sources: DescribedSources) -> dict[int, int]:
@@ -607,34 +592,12 @@ class WeightPublisher:
         leaves once every tensor that starts in it was read, with its description in its
         header; every slice is in its payload. Returns the slices' checksums."""
         sender = self._rounds.sender
-        separate_min = sender.separate_min if sender is not None else None
-        plan = layout.as_plan()
-        sums: dict[int, int] = {}
-        sent_from_tensors = False
-        g = 0
-        while True:
-            sources.enter(g)
-            if layout.total is not None and g >= layout.total:
-                break
-            description = layout.describe(g)  # on every rank: the checksum runs through all
-            bucket = layout.buckets[g]
-            if bucket.owner == self.rank and sender is not None:
-                slices = layout.bucket_slices(g)
-                out = sender.next_buffer() if packs_any(slices, separate_min) else NO_BYTES
-                mask, nbytes, bucket_sums, separate = pack_slices(
-                    slices, sources.slice_bytes, out, _never, bucket.first_slice, separate_min
-                )
-                sums.update(bucket_sums)
-                sent_from_tensors |= bool(separate)
-                header = described_header(nbytes, description)
-                send_bucket(sender, plan, g, mask, nbytes, out, separate, header)
-            sources.leave(g)
-            g += 1
-        sources.finish()
-        if sent_from_tensors and sender is not None:  # they read the caller's tensors
+        stage = Pack(sender, None, _never)
+        peak = walk_described(layout, sources, self.rank, stage)
+        if stage.sent_from_tensors and sender is not None:  # they read the caller's tensors
             sender.flush()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
-        return sums
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
+        return stage.sums
 
     @tracing.spanned("slipstream.sync.publish.diff_and_send")
     def _diff_and_send(
@@ -649,40 +612,47 @@ class WeightPublisher:
         to the new version, diffing it when every member holds the base, and send it (as
         a delta where that is smaller) before reading the next: diffing bucket g+1 overlaps
         bucket g on the wire. Nothing is sent from the caller's tensors."""
-        sender, routes = self._rounds.sender, self._rounds.routes
         cache = self._cache
-        stats = DeltaStats()
-        sums: dict[int, int] = {}
         cache.acquire()
         try:
             cache.begin(plan)
-            as_delta = self._deltas_for(requests)
-            unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
-            differ = self._differ if as_delta else None
-            for bucket in plan.buckets:
-                g = bucket.index
-                sources.enter(g)
-                if bucket.owner == self.rank:
-                    delta, bucket_stats = cache.update(plan, g, sources.slice_bytes, differ)
-                    stats.add(bucket_stats)
-                    if sender is not None and delta is not None:
-                        send_cached_delta(cache, sender, plan, g, delta)
-                    elif sender is not None:
-                        device = self.group.device
-                        sums.update(
-                            send_cached_bucket(
-                                cache, sender, plan, g, device, unchanged, version, routes
-                            )
-                        )
-                sources.leave(g)
-            sources.finish()
+            differ = self._differ if self._deltas_for(requests) else None
+            stage = Refresh(
+                cache,
+                differ,
+                self._rounds.sender,
+                self._rounds.routes,
+                self._unchanged_fn({r: q.held for r, q in requests.items()}),
+                self.group.device,
+                version,
+            )
+            peak = walk(plan, sources, self.rank, stage)
             cache.finish(plan, version)
         finally:
             cache.lock.release()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sources.peak_gathered_bytes)
-        self._remember(version, sums)
-        _record_diff(timings, stats)
-        self._note_gain(stats)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, peak)
+        self._remember(version, stage.sums)
+        _record_diff(timings, stage.stats)
+        self._note_gain(stage.stats)
+
+    @tracing.spanned("slipstream.sync.publish.snapshot")
+    def _snapshot(
+        self, plan: BucketPlan, sources: Sources, version: int, differ: Differ | None
+    ) -> tuple[int, dict[int, BucketDelta | None], DeltaStats]:
+        """``cached``: bring this rank's buckets of ``sources`` into the host cache, diffing
+        them against the previous version when ``differ`` is given and the cache holds one
+        of this plan. Returns the most DTensor bytes materialised at once, each owned
+        bucket's delta (``None``: not diffed, or dense was smaller) and the diff stats."""
+        cache = self._cache
+        cache.acquire()
+        try:
+            cache.begin(plan)
+            stage = Snapshot(cache, differ)
+            peak = walk(plan, sources, self.rank, stage)
+            cache.finish(plan, version)
+            return peak, stage.deltas, stage.stats
+        finally:
+            cache.lock.release()
 
     def _note_gain(self, stats: DeltaStats) -> None:
         """After a diff in which no bucket gained, skip diffing for a while."""
@@ -705,29 +675,19 @@ class WeightPublisher:
             sender = self._rounds.sender
             if sender is None:
                 return
-            helds = {r: q.held for r, q in requests.items()}
-            unchanged = self._unchanged_fn(helds)
-            sums: dict[int, int] = {}
+            unchanged = self._unchanged_fn({r: q.held for r, q in requests.items()})
             with self._cache.lock:
-                as_delta = self._deltas_for(requests)
-                for g in plan.owned(self.rank):
-                    delta = deltas.get(g) if as_delta else None
-                    if delta is not None:
-                        send_cached_delta(self._cache, sender, plan, g, delta)
-                    else:
-                        device = self.group.device
-                        sums.update(
-                            send_cached_bucket(
-                                self._cache,
-                                sender,
-                                plan,
-                                g,
-                                device,
-                                unchanged,
-                                version,
-                                self._rounds.routes,
-                            )
-                        )
+                sums = serve_cached(
+                    self._cache,
+                    sender,
+                    plan,
+                    self.rank,
+                    deltas if self._deltas_for(requests) else None,
+                    unchanged,
+                    self.group.device,
+                    version,
+                    self._rounds.routes,
+                )
             self._remember(version, sums)
 
         self._rounds.guarded(k, start, send)

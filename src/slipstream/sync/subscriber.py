@@ -25,7 +25,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,7 +40,7 @@ from .group import SyncGroup
 from .layout.delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .layout.described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
 from .layout.plan import BucketPlan, decode_header, payload_offsets, plan_from_json
-from .layout.runs import Runs
+from .layout.runs import Narrow, Runs
 from .layout.segments import payload_segments, routed_segments
 from .rollout.apply import (
     CallableTarget,
@@ -149,20 +149,26 @@ class WeightSubscriber:
         name_map: NameMap = None,
         atomic: bool = False,
         full: bool = False,
+        keeps: Mapping[str, Narrow] | None = None,
     ) -> int:
         """Wait for the next published version and apply it to ``target``; return it.
 
         ``name_map`` maps published names to the target's (a dict or a function; a name
         mapped to ``None`` is not applied). ``full=True`` asks for every byte (use it when
         ``target`` does not hold :attr:`version`, e.g. a fresh engine); otherwise tensors
-        unchanged since the held version are not resent.
+        unchanged since the held version are not resent. ``keeps`` (a ``load_weights``
+        target only): the part of a tensor it reads, by (mapped) name, a
+        :class:`~slipstream.sync.Narrow`; only those bytes are received (over relay and
+        broadcast, only those are sent), and the tensor passed holds them in that part,
+        zeros elsewhere.
 
         When another member of the round dies while it runs, raises
         :class:`~slipstream.errors.PeerDiedError` naming it within seconds (the target
         then holds no complete version, or with ``atomic=True`` its previous one).
         """
         with tracing.span("slipstream.sync.receive"):
-            rounds = self._receive(make_target(target, name_map, self._assembly), atomic, full)
+            sink = make_target(target, name_map, self._assembly, keeps)
+            rounds = self._receive(sink, atomic, full)
             while True:
                 try:
                     next(rounds)
@@ -224,7 +230,7 @@ class WeightSubscriber:
         delta_base = self._delta_version if (in_place and held is not None) else None
         network = self._offers[self.leader].kind in NETWORK_TRANSPORTS
         wants = self._post_wants(sink) if network else None
-        partial = network and isinstance(sink, ModuleTarget) and sink.holds_dtensors()
+        partial = network and sink.keeps_part()
         k, start = self._rounds.join(held, delta_base, wants, partial)
         version = start.version
         ack_key = Keys.ack(self.rank, k)

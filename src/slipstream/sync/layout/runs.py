@@ -22,6 +22,27 @@ from .plan import Slice
 
 
 @dataclass(frozen=True)
+class Narrow:
+    """The part of a tensor ``tensor.narrow(dim, start, length)`` is: what a reader that
+    keeps one range of one dimension (a tensor-parallel worker's loader) reads."""
+
+    dim: int
+    start: int
+    length: int
+
+    def check(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """What is wrong with it for tensor ``name`` of ``shape`` (``None``: nothing)."""
+        if not 0 <= self.dim < len(shape):
+            return f"{name}: dim {self.dim} of a {len(shape)}-d tensor {list(shape)}"
+        if self.start < 0 or self.length < 0 or self.start + self.length > shape[self.dim]:
+            return (
+                f"{name}: [{self.start}, {self.start + self.length}) of dim {self.dim}, "
+                f"which has {shape[self.dim]}"
+            )
+        return None
+
+
+@dataclass(frozen=True)
 class Piece:
     """``rows`` runs of ``nbytes`` bytes each, from byte ``at`` of a slice's bytes (``stride``
     apart there), back to back from byte ``local`` of the keeper's own."""
@@ -109,8 +130,34 @@ class Runs:
         local = k * self.length + lo - (self.start + k * self.stride)
         return Piece(lo - a, local, hi - lo, 1, self.stride)
 
+    @classmethod
+    def of_narrow(cls, shape: tuple[int, ...], itemsize: int, narrow: Narrow) -> Runs:
+        """The bytes of ``tensor.narrow(narrow.dim, narrow.start, narrow.length)`` of a
+        tensor of ``shape`` (row-major, ``itemsize`` bytes an element)."""
+        inner = itemsize
+        for n in shape[narrow.dim + 1 :]:
+            inner *= n
+        count = 1
+        for n in shape[: narrow.dim]:
+            count *= n
+        total = count * shape[narrow.dim] * inner
+        if count == 1 or narrow.length == shape[narrow.dim]:
+            start = narrow.start * inner
+            return cls.one(start, narrow.length * inner * count, total)
+        return cls(
+            narrow.start * inner, narrow.length * inner, shape[narrow.dim] * inner, count, total
+        )
+
     def to_list(self) -> list[int]:
         return [self.start, self.length, self.stride, self.count, self.total]
+
+
+@dataclass
+class Routes:
+    """What each member of a routed round keeps: its runs by tensor, keyed by its index in
+    the epoch's process group (the trainer being 0); a tensor not named: every byte."""
+
+    members: dict[int, dict[int, Runs]]
 
 
 def rows_of(piece: Piece, data: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,16 @@ of each slice only the bytes of its box, a run of rows or a band of columns
 slice is passed as a view of the receive buffer; a tensor split over several buckets is
 reassembled in a buffer kept for it (allocated once per plan) and passed after its last
 bucket. A tensor sent under several names is passed under each (the same tensor). Tensors
-passed are valid only during the call: copy what you keep.
+passed are valid only during the call: copy what you keep. Given ``keeps`` (a
+:class:`~..layout.runs.Narrow` by name: the part of a tensor ``load_weights`` reads, a
+tensor-parallel worker's loader), it receives only those bytes of that tensor and passes a
+tensor of the sent shape holding them in that part (zeros elsewhere, never another
+version's bytes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -32,7 +36,7 @@ from ...core.copy import copy_in_slices
 from ...errors import SyncError
 from ..layout.described import DESCRIBED
 from ..layout.plan import BucketPlan, Slice, TensorSpec, is_dtensor
-from ..layout.runs import Runs
+from ..layout.runs import Narrow, Runs
 from .destinations import Dest, destination, placed
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
@@ -160,9 +164,9 @@ class ModuleTarget:
                     own.setdefault(name, t)
         return own
 
-    def holds_dtensors(self) -> bool:
-        """Whether any of the module's parameters or buffers is a DTensor (so it may keep
-        only part of a sent tensor)."""
+    def keeps_part(self) -> bool:
+        """Whether it may keep only part of a sent tensor (a parameter or buffer of the
+        module is a DTensor)."""
         tensors = [*self.module.parameters(), *self.module.buffers()]
         return any(is_dtensor(t) for t in tensors)
 
@@ -255,7 +259,8 @@ class ModuleTarget:
 
 
 class CallableTarget:
-    """Calls ``load_weights(list[(name, tensor)])`` with whole tensors, once per bucket."""
+    """Calls ``load_weights(list[(name, tensor)])`` with whole tensors, once per bucket (of
+    a tensor named in ``keeps``, only its part: see the module's docstring)."""
 
     kind = "callable"
 
@@ -264,24 +269,51 @@ class CallableTarget:
         load_weights: LoadWeights,
         name_map: NameMap = None,
         assembly: dict[tuple[str, int], torch.Tensor] | None = None,
+        keeps: Mapping[str, Narrow] | None = None,
     ) -> None:
         self.load_weights = load_weights
         self.name_map = name_map
+        self.keeps = dict(keeps or {})
         self._assembly = {} if assembly is None else assembly
         self._plan_id = ""
+        self._runs: dict[int, Runs] = {}
+        self._narrows: dict[int, Narrow] = {}
+        self._specs: Sequence[TensorSpec] = ()
         self._batch: list[tuple[str, torch.Tensor]] = []
 
     def check(self, plan: BucketPlan, first: int = 0) -> list[str]:
-        """Nothing to check against a callable; drops reassembly buffers of older plans
-        (when a plan's check starts: ``first`` is 0)."""
-        if first:
+        """What is wrong with ``keeps`` for the plan (a name it does not send, a part
+        outside its tensor, two names of one tensor kept differently); drops reassembly
+        buffers of older plans (when a plan's check starts: ``first`` is 0)."""
+        if not first:
+            self._plan_id, self._runs, self._narrows = plan.plan_id, {}, {}
+            # a described round's layout is another one each time: its buffers never serve again
+            stale = [k for k in self._assembly if k[0] != plan.plan_id or k[0] == DESCRIBED]
+            for key in stale:
+                del self._assembly[key]
+        self._specs = plan.specs
+        if not self.keeps:
             return []
-        self._plan_id = plan.plan_id
-        # a described round's layout is another one each time: its buffers never serve again
-        stale = [k for k in self._assembly if k[0] != plan.plan_id or k[0] == DESCRIBED]
-        for key in stale:
-            del self._assembly[key]
-        return []
+        problems: list[str] = []
+        seen: set[str] = set()
+        for i, spec in enumerate(plan.specs[first:], first):
+            names = [n for n in (map_name(self.name_map, m) for m in spec.names) if n]
+            kept = {self.keeps[n] for n in names if n in self.keeps}
+            seen.update(n for n in names if n in self.keeps)
+            if len(kept) > 1:
+                problems.append(f"{names}: one tensor, kept as {sorted(kept, key=repr)}")
+            elif kept:
+                narrow = kept.pop()
+                if (why := narrow.check(names[0], spec.shape)) is not None:
+                    problems.append(why)
+                elif narrow.length != spec.shape[narrow.dim]:
+                    self._narrows[i] = narrow
+                    itemsize = spec.torch_dtype.itemsize
+                    self._runs[i] = Runs.of_narrow(spec.shape, itemsize, narrow)
+        unsent = sorted(set(self.keeps) - seen)
+        if unsent and plan.plan_id != DESCRIBED:
+            problems.append(f"names tensors not sent: {unsent}")
+        return [f"keeps: {'; '.join(problems)}"] if problems else []
 
     def adopt(self, plan_id: str) -> None:
         """A described round's layout became plan ``plan_id``: its reassembly buffers serve
@@ -290,32 +322,53 @@ class CallableTarget:
             self._assembly[(plan_id, key[1])] = self._assembly.pop(key)
         self._plan_id = plan_id
 
+    def keeps_part(self) -> bool:
+        """Whether it may keep only part of a sent tensor (``keeps`` names some)."""
+        return bool(self.keeps)
+
+    def _kept_runs(self, i: int, spec: TensorSpec) -> Runs:
+        return self._runs.get(i) or Runs.one(0, spec.nbytes, spec.nbytes)
+
     def assembly(self, i: int, spec: TensorSpec) -> torch.Tensor:
+        """The buffer tensor ``i``'s kept bytes are put together in (one after another)."""
         buf = self._assembly.get((self._plan_id, i))
         if buf is None:
-            buf = torch.empty(spec.nbytes, dtype=torch.uint8)
+            buf = torch.empty(self._kept_runs(i, spec).nbytes, dtype=torch.uint8)
             self._assembly[(self._plan_id, i)] = buf
         return buf
 
+    def assemble(self, s: Slice, spec: TensorSpec, data: torch.Tensor) -> None:
+        """Put the kept bytes of slice ``s`` (``data``, its every byte) in its tensor's
+        :meth:`assembly`."""
+        Dest(self.assembly(s.tensor, spec), self._kept_runs(s.tensor, spec)).copy(s, data)
+
     def kept(self, s: Slice) -> int:
-        """Every byte: ``load_weights`` takes whole tensors."""
-        return s.nbytes
+        """Every byte, but of a tensor it keeps in part."""
+        runs = self._runs.get(s.tensor)
+        return s.nbytes if runs is None else runs.kept(s)
 
     def stages(self, plan: BucketPlan) -> dict[int, Dest]:
-        """Every tensor, every byte (its ``data`` a placeholder, to be put :meth:`Dest.on` a
-        buffer)."""
+        """Every tensor, the bytes it keeps (its ``data`` a placeholder, to be put
+        :meth:`Dest.on` a buffer)."""
         empty = torch.empty(0, dtype=torch.uint8)
-        return {i: Dest(empty, Runs.one(0, s.nbytes, s.nbytes)) for i, s in enumerate(plan.specs)}
+        return {i: Dest(empty, self._kept_runs(i, s)) for i, s in enumerate(plan.specs)}
 
     def replay(self, s: Slice, stage: Dest) -> None:
         return None
 
     def kept_view(self, s: Slice) -> torch.Tensor | None:
-        return None
+        """Where the kept bytes of slice ``s`` land in a routed round: its assembly."""
+        runs = self._runs.get(s.tensor)
+        if runs is None:
+            return None
+        lo, hi = runs.local_range(s)
+        return self.assembly(s.tensor, self._specs[s.tensor])[lo:hi]
 
     def write_kept(self, s: Slice, runs: Runs, data: torch.Tensor, landed: bool = False) -> None:
-        """Never called: a callable keeps every byte, so it is sent whole slices."""
-        raise AssertionError("a load_weights target keeps every byte of every tensor")
+        """Put the kept bytes of slice ``s`` (``data``, in their order) in its assembly."""
+        if not landed:
+            lo, hi = runs.local_range(s)
+            copy_in_slices(self.assembly(s.tensor, self._specs[s.tensor])[lo:hi], data)
 
     def direct_view(self, s: Slice) -> torch.Tensor | None:
         """Always ``None``: ``load_weights`` is handed whole tensors, never fed in place."""
@@ -329,13 +382,30 @@ class CallableTarget:
 
     def tensor_done(self, i: int, spec: TensorSpec, whole: torch.Tensor | None) -> None:
         """Queue tensor ``i`` under each of its names (aliases included, the same tensor for
-        each); ``whole`` holds its bytes (else its reassembly buffer does)."""
+        each); ``whole`` holds its kept bytes (else its reassembly buffer does)."""
         data = whole if whole is not None else self._assembly[(self._plan_id, i)]
-        tensor = data.view(spec.torch_dtype).view(spec.shape)
+        narrow = self._narrows.get(i)
+        if narrow is None:
+            tensor = data.view(spec.torch_dtype).view(spec.shape)
+        else:
+            tensor = self._spread(i, spec, narrow, data)
         for sent in spec.names:
             name = map_name(self.name_map, sent)
             if name is not None:
                 self._batch.append((name, tensor))
+
+    def _spread(self, i: int, spec: TensorSpec, narrow: Narrow, data: torch.Tensor) -> torch.Tensor:
+        """A tensor of the sent shape holding ``data`` (the kept bytes) in its part, zeros
+        elsewhere (a buffer kept for it, allocated once per plan)."""
+        key = (self._plan_id, -1 - i)  # beside its assembly, dropped with it
+        full = self._assembly.get(key)
+        if full is None:
+            full = torch.zeros(spec.nbytes, dtype=torch.uint8)
+            self._assembly[key] = full
+        tensor = full.view(spec.torch_dtype).view(spec.shape)
+        part = tensor.narrow(narrow.dim, narrow.start, narrow.length)
+        part.copy_(data.view(spec.torch_dtype).view(part.shape))
+        return tensor
 
     def flush(self) -> None:
         if self._batch:
@@ -352,11 +422,16 @@ def make_target(
     target: nn.Module | LoadWeights,
     name_map: NameMap,
     assembly: dict[tuple[str, int], torch.Tensor],
+    keeps: Mapping[str, Narrow] | None = None,
 ) -> ModuleTarget | CallableTarget:
     if isinstance(target, nn.Module):
+        if keeps:
+            raise TypeError(
+                "keeps is for a load_weights callable: a module keeps what its DTensors hold"
+            )
         return ModuleTarget(target, name_map)
     if callable(target):
-        return CallableTarget(target, name_map, assembly)
+        return CallableTarget(target, name_map, assembly, keeps)
     raise TypeError(
         f"target must be an nn.Module or a load_weights callable, got {type(target).__name__}"
     )

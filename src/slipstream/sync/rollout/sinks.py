@@ -96,15 +96,17 @@ class TargetSink:
             else:
                 target.write(s, data)
             if isinstance(target, CallableTarget):
-                if s.nbytes == spec.nbytes:
+                if s.nbytes == spec.nbytes == target.kept(s):
                     self._whole[s.tensor] = data
                 else:
-                    buf = target.assembly(s.tensor, spec)
-                    copy_in_slices(buf[s.tensor_offset : s.tensor_offset + s.nbytes], data)
-        if s.tensor in self.dirty and plan.last_bucket[s.tensor] == g:
-            if isinstance(target, CallableTarget) and s.tensor not in self._whole:
-                target.assembly(s.tensor, spec)
-            target.tensor_done(s.tensor, spec, self._whole.get(s.tensor))
+                    target.assemble(s, spec, data)
+        self._done_if_last(g, s)
+
+    def _done_if_last(self, g: int, s: Slice) -> None:
+        """Tell the target a tensor with new bytes is whole, at its last bucket."""
+        if s.tensor in self.dirty and self.plan.last_bucket[s.tensor] == g:
+            spec = self.plan.specs[s.tensor]
+            self.target.tensor_done(s.tensor, spec, self._whole.get(s.tensor))
 
     def land_kept(self, g: int, s: Slice) -> torch.Tensor | None:
         return self.target.kept_view(s)
@@ -112,6 +114,7 @@ class TargetSink:
     def take_kept(self, g: int, s: Slice, data: torch.Tensor, landed: bool) -> None:
         self.dirty.add(s.tensor)
         self.target.write_kept(s, self._runs[s.tensor], data, landed)
+        self._done_if_last(g, s)
 
     def bucket_done(self, g: int) -> None:
         self.target.flush()
@@ -244,9 +247,9 @@ class BucketsSink:
             spec = plan.specs[i]
             whole = None
             if isinstance(target, CallableTarget):
-                whole = target.assembly(i, spec)
                 for s, data in pieces[i]:
-                    copy_in_slices(whole[s.tensor_offset : s.tensor_offset + s.nbytes], data)
+                    target.assemble(s, spec, data)
+                whole = target.assembly(i, spec)
             target.tensor_done(i, spec, whole)
         target.flush()
         self.buckets = {}

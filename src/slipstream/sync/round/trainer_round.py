@@ -23,8 +23,7 @@ from ...core.control_plane import died_error
 from ...errors import MissingRanksError, PeerDiedError, SyncError
 from ..group import SyncGroup
 from ..layout.described import DESCRIBED
-from ..layout.runs import Runs
-from ..trainer.routes import Routes
+from ..layout.runs import Routes, Runs
 from ..transport.network import Sender
 from .culprits import post_abort, read_abort, read_ack, refusals, who_broke
 from .negotiation import NETWORK_TRANSPORTS, build_sender, epoch_tag

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core import tracing
 from ...core.buffers import StagingPool
 from ...core.copy import copy_in_slices
 from ...errors import PeerTimeoutError
 from ..layout.delta import WORD, BucketDelta, DeltaStats, Differ, words_of
 from ..layout.plan import BucketPlan, Slice
-from .packing import Sources
 
 Unchanged = Callable[[int, int | None], bool]
 
@@ -128,36 +126,6 @@ class HostCache:
             if gen.holds == 0 and gen in self._retired:
                 self._retired.remove(gen)
                 self._pool.drop(gen.key)
-
-    @tracing.spanned("slipstream.sync.publish.snapshot")
-    def snapshot(
-        self,
-        plan: BucketPlan,
-        sources: Sources,
-        version: int,
-        differ: Differ | None = None,
-    ) -> tuple[int, dict[int, BucketDelta | None], DeltaStats]:
-        """Bring this rank's buckets of ``sources`` in (bucket by bucket), diffing
-        them against the previous version when ``differ`` is given and the cache holds one
-        of this plan. Returns the most DTensor bytes materialised at once, each owned
-        bucket's delta (``None``: not diffed, or dense was smaller) and the diff stats."""
-        self.acquire()
-        try:
-            self.begin(plan)
-            deltas: dict[int, BucketDelta | None] = {}
-            stats = DeltaStats()
-            for bucket in plan.buckets:
-                g = bucket.index
-                sources.enter(g)
-                if bucket.owner == self.rank:
-                    deltas[g], bucket_stats = self.update(plan, g, sources.slice_bytes, differ)
-                    stats.add(bucket_stats)
-                sources.leave(g)
-            sources.finish()
-            self.finish(plan, version)
-            return sources.peak_gathered_bytes, deltas, stats
-        finally:
-            self.lock.release()
 
     def begin(self, plan: BucketPlan) -> None:
         """Start bringing the cache to a new version of ``plan`` (the caller holds the

@@ -13,22 +13,13 @@ the segments its receiver posts, under a header naming that payload's size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from ..layout.plan import Slice, encode_header
-from ..layout.runs import Runs, gather
+from ..layout.runs import Routes, gather
 from ..layout.segments import routed_segments
 from ..transport.network import RoutedMessage
-
-
-@dataclass
-class Routes:
-    """Each member's runs by tensor (keyed by its index in the epoch's process group, the
-    trainer being 0; a tensor not named: every byte)."""
-
-    members: dict[int, dict[int, Runs]]
 
 
 def routed_messages(

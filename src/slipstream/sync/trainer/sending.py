@@ -17,12 +17,13 @@ import torch
 
 from ..layout.delta import DELTA, BucketDelta, encode_delta, root_token
 from ..layout.plan import BucketPlan, Slice, encode_header, payload_offsets
+from ..layout.runs import Routes
 from ..layout.segments import payload_segments
 from ..round.protocol import BucketMessage
 from ..transport.network import BroadcastSender, Sender
 from .host_cache import Generation, HostCache, Unchanged
 from .packing import pack_slices, segment_parts, slice_checksum
-from .routes import Routes, routed_messages
+from .routes import routed_messages
 
 
 def send_bucket(
