@@ -25,7 +25,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,10 +40,11 @@ from .group import SyncGroup
 from .layout.delta import DELTA, BaseMismatch, apply_delta, decode_delta, root_token
 from .layout.described import DESCRIBED, DESCRIBED_HEADER_BYTES, GrowingLayout
 from .layout.plan import BucketPlan, decode_header, payload_offsets, plan_from_json
-from .layout.runs import Narrow, Runs
+from .layout.runs import Runs
 from .layout.segments import payload_segments, routed_segments
 from .rollout.apply import (
     CallableTarget,
+    Keeps,
     LoadWeights,
     ModuleTarget,
     NameMap,
@@ -149,7 +150,7 @@ class WeightSubscriber:
         name_map: NameMap = None,
         atomic: bool = False,
         full: bool = False,
-        keeps: Mapping[str, Narrow] | None = None,
+        keeps: Keeps | None = None,
     ) -> int:
         """Wait for the next published version and apply it to ``target``; return it.
 
@@ -160,7 +161,8 @@ class WeightSubscriber:
         target only): the part of a tensor it reads, by (mapped) name, a
         :class:`~slipstream.sync.Narrow`; only those bytes are received (over relay and
         broadcast, only those are sent), and the tensor passed holds them in that part,
-        zeros elsewhere.
+        zeros elsewhere; or a function of the version's layout (``{name: (shape, dtype)}``)
+        that returns them, called before any byte of a version with a new layout.
 
         When another member of the round dies while it runs, raises
         :class:`~slipstream.errors.PeerDiedError` naming it within seconds (the target

@@ -6,7 +6,8 @@ such rollouts, each keeping its own half, get exactly the trainer's bytes in the
 ``atomic=True``, over shared memory and over the network (relayed and broadcast), and
 receive at most their parts' bytes plus 10%. The reference is the trainer's own tensors
 narrowed with ``torch.narrow``. Small buckets cut tensors mid-row, so slices start and end
-inside a run. A ``keeps`` that does not fit the version is refused naming the tensor,
+inside a run. Rank 1 passes its parts, rank 2 a function of the version's layout that
+gives them. A ``keeps`` that does not fit the version is refused naming the tensor,
 before any byte is applied."""
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def _keeps(half: int) -> dict[str, Narrow]:
     return out
 
 
+def _keeps_of_layout(layout):
+    """Rank 2's keeps, as a function of the version's layout (what a worker that learns its
+    parts from its loaders passes)."""
+    assert layout == {n: (shape, torch.float32) for n, shape in SHAPES.items()}, layout
+    return _keeps(1)
+
+
 def _run(rank, port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=60)
     if rank == 0:
@@ -58,7 +66,7 @@ def _run(rank, port, transport):
                 got.update({n: t.numpy().copy() for n, t in batch})
 
             before = sub.bytes_received
-            keeps = _keeps(rank - 1)
+            keeps = _keeps(0) if rank == 1 else _keeps_of_layout
             assert sub.receive(load, atomic=version == 2, keeps=keeps) == version
             held["received"].append(sub.bytes_received - before)
             held[version] = got

@@ -41,6 +41,10 @@ from .destinations import Dest, destination, placed
 
 NameMap = Mapping[str, str] | Callable[[str], str | None] | None
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Keeps = Mapping[str, Narrow] | Callable[[Layout], Mapping[str, Narrow]]
+"""A :class:`Narrow` by name, or a function of the version's layout (each name its shape and
+dtype, the names ``load_weights`` sees) that gives them."""
 
 
 def map_name(name_map: NameMap, name: str) -> str | None:
@@ -269,11 +273,13 @@ class CallableTarget:
         load_weights: LoadWeights,
         name_map: NameMap = None,
         assembly: dict[tuple[str, int], torch.Tensor] | None = None,
-        keeps: Mapping[str, Narrow] | None = None,
+        keeps: Keeps | None = None,
     ) -> None:
         self.load_weights = load_weights
         self.name_map = name_map
-        self.keeps = dict(keeps or {})
+        self._keeps_of = keeps
+        self._keeps_for = ""
+        self.keeps: dict[str, Narrow] = {} if callable(keeps) else dict(keeps or {})
         self._assembly = {} if assembly is None else assembly
         self._plan_id = ""
         self._runs: dict[int, Runs] = {}
@@ -292,6 +298,11 @@ class CallableTarget:
             for key in stale:
                 del self._assembly[key]
         self._specs = plan.specs
+        if callable(self._keeps_of) and not first and self._keeps_for != plan.plan_id:
+            # a described round's layout is known only as it arrives: every byte of it
+            described = plan.plan_id == DESCRIBED
+            self.keeps = {} if described else dict(self._keeps_of(self._layout(plan)))
+            self._keeps_for = plan.plan_id
         if not self.keeps:
             return []
         problems: list[str] = []
@@ -322,9 +333,17 @@ class CallableTarget:
             self._assembly[(plan_id, key[1])] = self._assembly.pop(key)
         self._plan_id = plan_id
 
+    def _layout(self, plan: BucketPlan) -> Layout:
+        return {
+            name: (spec.shape, spec.torch_dtype)
+            for spec in plan.specs
+            for name in (map_name(self.name_map, n) for n in spec.names)
+            if name is not None
+        }
+
     def keeps_part(self) -> bool:
-        """Whether it may keep only part of a sent tensor (``keeps`` names some)."""
-        return bool(self.keeps)
+        """Whether it may keep only part of a sent tensor (``keeps`` was given)."""
+        return self._keeps_of is not None and (callable(self._keeps_of) or bool(self.keeps))
 
     def _kept_runs(self, i: int, spec: TensorSpec) -> Runs:
         return self._runs.get(i) or Runs.one(0, spec.nbytes, spec.nbytes)
@@ -422,7 +441,7 @@ def make_target(
     target: nn.Module | LoadWeights,
     name_map: NameMap,
     assembly: dict[tuple[str, int], torch.Tensor],
-    keeps: Mapping[str, Narrow] | None = None,
+    keeps: Keeps | None = None,
 ) -> ModuleTarget | CallableTarget:
     if isinstance(target, nn.Module):
         if keeps:
