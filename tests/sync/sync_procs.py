@@ -9,7 +9,8 @@ run by ``dist_utils.supervise``, as ``run_workers``'s are: results read while th
 process that overstays the timeout killed, a failed rank's traceback raised in the test.
 :func:`wait_root_key` waits for a sync group's store key from outside the group;
 :func:`long_transfer`, :func:`zeros_module` and :func:`held_version` are the weights, the
-target and the check of the tests that kill a rank mid-transfer.
+target and the check of the tests that kill a rank mid-transfer; :func:`publish_each` is the
+trainer of a test that only publishes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def spawn(
     if missing:
         raise AssertionError(f"ranks {missing} exited without a result")
     return out
+
+
+def publish_each(group, rollouts, weights: Callable[[int], dict], versions, **options) -> None:
+    """Rank 0's part as the only trainer: publish ``weights(v)`` for each version ``v`` to
+    ``rollouts``, each delivered before the next, then close ``group``."""
+    import slipstream as ss
+
+    with ss.WeightPublisher(group, [0], list(rollouts), **options) as pub:
+        for version in versions:
+            pub.publish(weights(version), version=version).delivered.result(timeout=60)
+    group.close()
 
 
 def wait_root_key(port: int, key: str, timeout: float = 60.0) -> None:

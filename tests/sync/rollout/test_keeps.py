@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sync_procs import spawn
+from sync_procs import publish_each, spawn
 
 import slipstream as ss
 from slipstream.sync import Narrow
@@ -52,11 +52,9 @@ def _keeps_of_layout(layout):
 def _run(rank, port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=60)
     if rank == 0:
-        with ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport) as p:
-            for version in VERSIONS:
-                p.publish(_weights(version), version=version).delivered.result(timeout=60)
-        group.close()
-        return None
+        return publish_each(
+            group, [1, 2], _weights, VERSIONS, bucket_bytes=BUCKET, transport=transport
+        )
     held: dict = {"received": []}
     with ss.WeightSubscriber(group, [0], [1, 2]) as sub:
         for version in VERSIONS:

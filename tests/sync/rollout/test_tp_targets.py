@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import free_port
-from sync_procs import spawn
+from sync_procs import publish_each, spawn
 from torch import nn
 
 import slipstream as ss
@@ -53,11 +53,9 @@ def _tp_model(mesh) -> nn.Module:
 def _run(rank, port, mesh_port, transport):
     group = ss.sync.init_group("127.0.0.1", port, 3, rank, timeout=60)
     if rank == 0:
-        with ss.WeightPublisher(group, [0], [1, 2], bucket_bytes=BUCKET, transport=transport) as p:
-            for version in VERSIONS:
-                p.publish(_weights(version), version=version).delivered.result(timeout=60)
-        group.close()
-        return None
+        return publish_each(
+            group, [1, 2], _weights, VERSIONS, bucket_bytes=BUCKET, transport=transport
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group(
