@@ -1,0 +1,330 @@
+"""Which part of each checkpoint tensor a vLLM worker reads: :func:`record_slices`.
+
+With tensor parallelism a worker's weight loaders read only a slice of most checkpoint
+tensors (column-parallel q/k/v and gate/up take rows, row-parallel o_proj and down_proj
+take columns, vocab-parallel embeddings take rows, norms are read whole). The worker's own
+loaders say which: :func:`record_slices` runs ``model.load_weights`` once on recording
+placeholders, one per checkpoint tensor, and returns for each tensor read only in part the
+one :class:`Narrow` covering every element its loaders read.
+
+How nothing of the model is touched: for the recording, every module's parameters and
+buffers are swapped for meta tensors of the layout its loaders expect (the metadata vLLM
+records when it builds a model, so a worker whose weights were repacked after loading
+still presents its loaders the checkpoint's shapes), carrying the same attributes (the
+``weight_loader`` and the partition attributes the loaders read); afterwards the module
+gets its own tensors back, the very objects, whose bytes were never written. Meta tensors
+cost no memory, where a deep copy would double the worker's, and a restore from a copy
+would have to write every weight back.
+
+How a read is seen: a placeholder is a meta view of its checkpoint tensor, and every view
+op a loader applies (``narrow``, slicing, ``chunk``, ``t``, ``view``...) returns another
+placeholder, whose storage offset and strides (torch's own, on meta) locate its elements
+in the checkpoint tensor. Any other op on a placeholder (the ``copy_`` into a parameter, a
+``to``, arithmetic) reads it: the box of checkpoint elements that view covers is recorded,
+and the op runs on meta (ops that take only a tensor's geometry, ``empty_like`` and the
+like, read nothing). A view whose elements are no box of the tensor (a flattening across a
+narrowed dim, a view as another dtype) is recorded by the rows its bytes span.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ...errors import SyncError
+
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class Narrow:
+    """The part of a checkpoint tensor a worker reads: ``tensor.narrow(dim, start, length)``.
+
+    ``length`` 0 means the worker reads nothing of it (a tied ``lm_head.weight`` its model
+    skips). ``start + length`` never passes the tensor's size on ``dim``."""
+
+    dim: int
+    start: int
+    length: int
+
+
+class SliceRecordingError(SyncError):
+    """A weight loader needed a checkpoint tensor's values (``.item()``, a comparison) while
+    its slices were recorded; the message names the tensor and the op."""
+
+
+@dataclass
+class _Reads:
+    """What the loaders read of one checkpoint tensor: nothing yet, or the bounding box
+    (inclusive ``lo``/``hi`` per dim) of every box read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    lo: list[int] | None = None
+    hi: list[int] | None = None
+
+    def add(self, view: torch.Tensor) -> None:
+        if view.numel() == 0:
+            return
+        lo, hi = _box(view, self.shape, self.dtype)
+        if self.lo is None or self.hi is None:
+            self.lo, self.hi = lo, hi
+            return
+        self.lo = [min(a, b) for a, b in zip(self.lo, lo, strict=True)]
+        self.hi = [max(a, b) for a, b in zip(self.hi, hi, strict=True)]
+
+    def narrow(self) -> Narrow | None:
+        """The smallest single-dim narrow covering the box read (``None``: the whole)."""
+        if not self.shape:
+            return None
+        if self.lo is None or self.hi is None:
+            return Narrow(0, 0, 0)
+        numel = math.prod(self.shape)
+        best: tuple[int, Narrow] | None = None
+        for dim, (lo, hi, size) in enumerate(zip(self.lo, self.hi, self.shape, strict=True)):
+            if lo == 0 and hi == size - 1:
+                continue
+            cost = (hi - lo + 1) * (numel // size)
+            if best is None or cost < best[0]:
+                best = (cost, Narrow(dim, lo, hi - lo + 1))
+        return None if best is None else best[1]
+
+
+def _box(
+    view: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[list[int], list[int]]:
+    """An inclusive box of a contiguous tensor of ``shape`` and ``dtype`` holding every
+    element ``view`` (a non-empty view of it) covers: exactly the elements' box where each
+    dim of ``view`` steps along one dim of the tensor, else the rows (dim 0) its first to
+    last byte span."""
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    if view.dtype.itemsize == dtype.itemsize:
+        exact = _stepped_box(view, shape, strides)
+        if exact is not None:
+            return exact
+    first = view.storage_offset() * view.dtype.itemsize
+    span = sum(stride * (size - 1) for size, stride in zip(view.shape, view.stride(), strict=True))
+    last = first + (span + 1) * view.dtype.itemsize - 1
+    numel = math.prod(shape)
+    a, b = first // dtype.itemsize, min(last // dtype.itemsize, numel - 1)
+    return [a // strides[0]] + [0] * (len(shape) - 1), [b // strides[0]] + [
+        size - 1 for size in shape[1:]
+    ]
+
+
+def _stepped_box(
+    view: torch.Tensor, shape: tuple[int, ...], strides: list[int]
+) -> tuple[list[int], list[int]] | None:
+    """The box ``view`` covers where each of its dims steps along a single dim ``d`` of the
+    tensor (its stride a multiple of ``d``'s) and the steps stay inside every dim: then an
+    element's position decomposes uniquely into coordinates, and the box is exactly what it
+    covers along each dim. ``None`` otherwise."""
+    offset = view.storage_offset()
+    lo = [offset // stride % size for size, stride in zip(shape, strides, strict=True)]
+    if sum(c * s for c, s in zip(lo, strides, strict=True)) != offset:
+        return None
+    hi = list(lo)
+    for size, stride in zip(view.shape, view.stride(), strict=True):
+        if size == 1 or stride == 0:
+            continue
+        dim = next((d for d, s in enumerate(strides) if stride % s == 0), None)
+        if dim is None:
+            return None
+        hi[dim] += stride // strides[dim] * (size - 1)
+    if any(h >= size for h, size in zip(hi, shape, strict=True)):
+        return None
+    return lo, hi
+
+
+aten = torch.ops.aten
+# Ops that take a tensor's geometry and not its values: no read.
+_GEOMETRY_ONLY = {
+    aten.empty_like,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.full_like,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
+}
+
+
+class _Placeholder(torch.Tensor):
+    """A checkpoint tensor as the loaders see it during a recording: a meta view
+    (``_view``) of the tensor ``_name``; its view ops return placeholders, its other ops
+    record a read in ``_reads`` and run on meta. Their results are placeholders too,
+    ``_derived`` from the tensors ``_name`` names (reading one reads nothing more of them),
+    so that copying one into a tensor of the loader's own runs on meta as well."""
+
+    _name: str
+    _view: torch.Tensor
+    _reads: dict[str, _Reads]
+    _derived: bool
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(
+        cls, name: str, view: torch.Tensor, reads: dict[str, _Reads], derived: bool = False
+    ) -> _Placeholder:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            view.shape,
+            strides=view.stride(),
+            storage_offset=view.storage_offset(),
+            dtype=view.dtype,
+            device=torch.device("meta"),
+            requires_grad=False,
+        )
+        t._name, t._view, t._reads, t._derived = name, view, reads, derived
+        return t
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"_Placeholder({self._name!r}, shape={tuple(self.shape)})"
+
+    def _child(self, view: torch.Tensor) -> _Placeholder:
+        return _Placeholder(self._name, view, self._reads, self._derived)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func.is_view and isinstance(first, _Placeholder):
+            out = func(*_on_meta(args), **_on_meta(kwargs))
+            return pytree.tree_map_only(torch.Tensor, first._child, out)
+        held = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _Placeholder)]
+        if func.overloadpacket not in _GEOMETRY_ONLY:
+            for p in held:
+                if not p._derived:
+                    p._reads[p._name].add(p._view)
+        names = ", ".join(sorted({p._name for p in held}))
+        try:
+            out = func(*_on_meta(args), **_on_meta(kwargs))
+        except (NotImplementedError, RuntimeError) as e:
+            raise SliceRecordingError(
+                f"slipstream: recording the slices of {names}, a weight loader called {func}, "
+                f"which needs the tensor's values: {e}"
+            ) from e
+        written = _written_argument(func, args, kwargs)
+        if written is not None:
+            return written
+        reads = held[0]._reads
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: _Placeholder(names, t, reads, derived=True), out
+        )
+
+
+def _on_meta(tree: Any) -> Any:
+    """``tree`` with every placeholder replaced by its meta view and every other tensor by
+    a meta tensor of its geometry (so no op of a recording writes real memory)."""
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, _Placeholder):
+            return t._view
+        if t.is_meta:
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    return pytree.tree_map_only(torch.Tensor, meta, tree)
+
+
+def _written_argument(func: Any, args: Any, kwargs: Any) -> Any:
+    """The argument an in-place or ``out=`` op returns (as the caller passed it), or
+    ``None`` for an op returning a new tensor."""
+    schema = func._schema
+    if not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    alias = schema.returns[0].alias_info.before_set
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set == alias:
+            if arg.kwarg_only or i >= len(args):
+                return kwargs.get(arg.name)
+            return args[i]
+    return None
+
+
+def _meta_of(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s geometry, class and attributes (vLLM's own conversion)."""
+    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+
+    return to_meta_tensor(t)
+
+
+def _loader_layout(
+    module: nn.Module, memo: dict[int, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
+    """Meta stand-ins for ``module``'s parameters and buffers, in the layout its loaders
+    expect: the metadata vLLM recorded when it built the model where there is some (a
+    weight repacked after loading gets its checkpoint shape back), else the tensors as
+    they are. A tensor shared by two modules gets one stand-in."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    def shell(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in memo:
+            memo[id(t)] = _meta_of(t)
+        return memo[id(t)]
+
+    params = {name: shell(t) for name, t in module._parameters.items()}
+    buffers = {name: shell(t) for name, t in module._buffers.items()}
+    info = LAYERWISE_INFO.get(module)
+    if info is not None:
+        recorded_params, recorded_buffers = info.restore_metadata
+        for name, t in recorded_params.items():
+            params[name] = restore_layer_refs(_meta_of(t), module)
+        for name, t in recorded_buffers.items():
+            buffers[name] = restore_layer_refs(_meta_of(t), module)
+    return params, buffers
+
+
+@contextmanager
+def _meta_stand_ins(model: nn.Module) -> Iterator[None]:
+    """Within: every module of ``model`` holds meta stand-ins (:func:`_loader_layout`);
+    after, its own parameter and buffer dicts again, the same objects."""
+    held: list[tuple[nn.Module, Any, Any]] = []
+    memo: dict[int, torch.Tensor] = {}
+    try:
+        for module in model.modules():
+            params, buffers = _loader_layout(module, memo)
+            held.append((module, module._parameters, module._buffers))
+            module._parameters = cast(Any, params)
+            module._buffers = cast(Any, buffers)
+        yield
+    finally:
+        for module, params, buffers in held:
+            module._parameters = params
+            module._buffers = buffers
+
+
+def record_slices(model: nn.Module, specs: Specs) -> dict[str, Narrow]:
+    """For each checkpoint tensor of ``specs`` (name -> shape, dtype) that ``model``'s
+    loaders read only in part, the one :class:`Narrow` covering every element they read
+    (the bounding box of all their reads, narrowed on the dim that keeps it smallest);
+    a tensor read whole is left out (the worker needs all of it). A tensor read not at all
+    gets length 0.
+
+    Runs ``model.load_weights`` once, on placeholders; ``model``'s parameters and buffers
+    are the same objects, bytes unchanged, afterwards. Raises
+    :class:`SliceRecordingError` where a loader needs a tensor's values."""
+    reads = {name: _Reads(tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
+    batch = [
+        (name, _Placeholder(name, torch.empty(shape, dtype=dtype, device="meta"), reads))
+        for name, (shape, dtype) in specs.items()
+    ]
+    with torch.no_grad(), _meta_stand_ins(model):
+        cast(Any, model).load_weights(batch)  # vLLM's models, not nn.Module's
+    narrows = {name: r.narrow() for name, r in reads.items()}
+    return {name: n for name, n in narrows.items() if n is not None}

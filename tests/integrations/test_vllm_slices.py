@@ -1,0 +1,331 @@
+""":func:`~slipstream.integrations.vllm.slices.record_slices` against vLLM's real model
+classes and weight loaders, tensor-parallel over 2 processes (gloo on 127.0.0.1, vLLM's own
+distributed init for a TP world of 2 on CPU).
+
+Tiny models built from configs (never downloaded): Qwen2 with tied and with untied
+embeddings (q/k/v biases, fused qkv and gate_up), and a Llama whose single key/value head
+every rank reads whole. On each rank:
+
+- the narrows recorded are what tensor parallelism implies, worked out here from the
+  config alone (q/k/v and gate/up rows, o_proj and down_proj columns, embedding rows by
+  the vocab-parallel partition of the padded vocabulary, the last rank's shorter, for a
+  tied ``lm_head.weight`` too, which vLLM loads again into the shared parameter; norms
+  whole; a rotary ``inv_freq`` its loaders drop, not read at all), and agree with the
+  layers' own partition attributes;
+- the proof that they cover every byte the loaders read: one model loads the checkpoint,
+  a second loads it with every element outside its narrow set to NaN, and the two models'
+  parameters are bit for bit equal; a narrow one row short lets NaN in (the check bites);
+- a recording changes nothing: after it, the model holds the same parameter objects with
+  the same bytes, also once vLLM's CPU processing repacked its weights, and it records the
+  same narrows then;
+- the bytes a rank reads: its shards of the sharded tensors plus the replicated ones.
+
+The geometry of reads by themselves (which narrow a chain of views ends in, against the
+elements an index tensor shows it takes) is checked on one process, with a module whose
+``load_weights`` applies them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from dist_utils import run_workers
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from slipstream.integrations.vllm.slices import (  # noqa: E402
+    Narrow,
+    SliceRecordingError,
+    record_slices,
+)
+
+TP = 2
+HIDDEN, INTERMEDIATE, LAYERS, HEAD_DIM = 128, 256, 2, 32
+VOCAB = 300  # vLLM pads it to 320 (a multiple of 64): 160 rows a rank, the last one 140 real
+PADDED_VOCAB = 320
+UNUSED = "model.layers.0.self_attn.rotary_emb.inv_freq"
+
+MODELS = {
+    "qwen2-tied": ("Qwen2ForCausalLM", True, 2),
+    "qwen2-untied": ("Qwen2ForCausalLM", False, 2),
+    "llama-untied-one-kv-head": ("LlamaForCausalLM", False, 1),
+}
+
+
+def _config(kind: str) -> transformers.PretrainedConfig:
+    arch, tied, kv_heads = MODELS[kind]
+    cls = transformers.Qwen2Config if arch.startswith("Qwen2") else transformers.LlamaConfig
+    cfg = cls(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HIDDEN // HEAD_DIM,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    cfg.architectures = [arch]
+    return cfg
+
+
+def _checkpoint(kind: str) -> dict[str, torch.Tensor]:
+    """The trainer's ``state_dict()`` (a tied embedding under both of its names), plus the
+    rotary ``inv_freq`` older checkpoints carry (vLLM's loaders drop it)."""
+    cfg = _config(kind)
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(cfg)
+    out = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    out[UNUSED] = torch.rand(HEAD_DIM // 2)
+    return out
+
+
+def _expected(kind: str, rank: int) -> dict[str, Narrow]:
+    """The narrows tensor parallelism over :data:`TP` ranks implies, from the config."""
+    _, _, kv_heads = MODELS[kind]
+    q = HIDDEN // TP  # each rank's query rows
+    kv = kv_heads * HEAD_DIM
+    kv_rows = Narrow(0, rank * kv // TP, kv // TP) if kv_heads >= TP else None  # else: whole
+    inter = INTERMEDIATE // TP
+    per_rank = PADDED_VOCAB // TP
+    vocab = Narrow(0, rank * per_rank, min(VOCAB, (rank + 1) * per_rank) - rank * per_rank)
+    out: dict[str, Narrow] = {"model.embed_tokens.weight": vocab}
+    out["lm_head.weight"] = vocab  # tied: loaded again into the embedding's parameter
+    out[UNUSED] = Narrow(0, 0, 0)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        suffixes = ("weight", "bias") if kind.startswith("qwen2") else ("weight",)
+        for s in suffixes:
+            out[f"{p}self_attn.q_proj.{s}"] = Narrow(0, rank * q, q)
+            if kv_rows is not None:
+                out[f"{p}self_attn.k_proj.{s}"] = kv_rows
+                out[f"{p}self_attn.v_proj.{s}"] = kv_rows
+        out[f"{p}self_attn.o_proj.weight"] = Narrow(1, rank * q, q)
+        out[f"{p}mlp.gate_proj.weight"] = Narrow(0, rank * inter, inter)
+        out[f"{p}mlp.up_proj.weight"] = Narrow(0, rank * inter, inter)
+        out[f"{p}mlp.down_proj.weight"] = Narrow(1, rank * inter, inter)
+    return out
+
+
+def _masked(ckpt: dict[str, torch.Tensor], narrows: dict[str, Narrow]) -> list:
+    """``ckpt`` with every element outside each tensor's narrow set to NaN."""
+    out = []
+    for name, t in ckpt.items():
+        n = narrows.get(name)
+        if n is None:
+            out.append((name, t.clone()))
+            continue
+        nan = torch.full_like(t, float("nan"))
+        nan.narrow(n.dim, n.start, n.length).copy_(t.narrow(n.dim, n.start, n.length))
+        out.append((name, nan))
+    return out
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def _differing(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """Parameters and buffers of ``a`` and ``b`` not bit for bit equal (NaN never is)."""
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    return [n for n in sa if sa[n].shape != sb[n].shape or not torch.equal(sa[n], sb[n])]
+
+
+def _nbytes(t: torch.Tensor, n: Narrow | None) -> int:
+    if n is None:
+        return t.numel() * t.element_size()
+    return t.numel() // t.shape[n.dim] * n.length * t.element_size()
+
+
+def _tp_rank(rank: int, world: int, model_dir: str, kind: str, ident: str, out: str) -> None:
+    os.environ["VLLM_DIST_IDENT"] = ident  # vLLM's CPU workers name their shm group by it
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import (
+        initialize_model,
+        process_weights_after_loading,
+    )
+
+    config = EngineArgs(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        tensor_parallel_size=TP,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        distributed_executor_backend="mp",
+    ).create_engine_config()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world, rank, "env://", rank, "gloo")
+        initialize_model_parallel(TP, 1, backend="gloo")
+        try:
+            fresh = initialize_model(config)
+            ckpt = _checkpoint(kind)
+            specs = {n: (tuple(t.shape), t.dtype) for n, t in ckpt.items()}
+
+            narrows = record_slices(fresh, specs)
+            expected = _expected(kind, rank)
+            assert narrows == expected, f"rank {rank}: recorded {narrows}, implied {expected}"
+            embed = fresh.get_submodule("model.embed_tokens").shard_indices
+            assert narrows["model.embed_tokens.weight"] == Narrow(
+                0, embed.org_vocab_start_index, embed.num_org_elements
+            )
+            o_proj = fresh.get_submodule("model.layers.0.self_attn.o_proj")
+            assert narrows["model.layers.0.self_attn.o_proj.weight"].length == (
+                o_proj.input_size_per_partition
+            )
+
+            fresh.load_weights(list(ckpt.items()))
+            masked = initialize_model(config, prefix="masked")  # its own attention names
+            masked.load_weights(_masked(ckpt, narrows))
+            bad = _differing(fresh, masked)
+            assert not bad, f"rank {rank}: bytes outside the narrows reached {bad}"
+
+            q = "model.layers.0.self_attn.q_proj.weight"
+            short = dict(narrows)
+            short[q] = Narrow(0, narrows[q].start, narrows[q].length - 1)
+            masked.load_weights(_masked(ckpt, short))
+            assert "model.layers.0.self_attn.qkv_proj.weight" in _differing(fresh, masked), (
+                f"rank {rank}: a narrow one row short of {q} went unnoticed"
+            )
+
+            before = {n: (t, t.detach().clone()) for n, t in _state(fresh).items()}
+            assert record_slices(fresh, specs) == narrows
+            after = _state(fresh)
+            assert after.keys() == before.keys()
+            for n, (t, bits) in before.items():
+                assert after[n] is t and torch.equal(t, bits), f"rank {rank}: recording touched {n}"
+
+            process_weights_after_loading(fresh, config.model_config, torch.device("cpu"))
+            served = {n: (t, t.detach().clone()) for n, t in _state(fresh).items()}
+            assert record_slices(fresh, specs) == narrows, f"rank {rank}: served model differs"
+            after = _state(fresh)
+            assert after.keys() == served.keys()
+            for n, (t, bits) in served.items():
+                assert after[n] is t and torch.equal(t, bits), f"rank {rank}: recording touched {n}"
+
+            sharded = sum(_nbytes(t, None) for n, t in ckpt.items() if n in narrows)
+            replicated = sum(_nbytes(t, None) for n, t in ckpt.items() if n not in narrows)
+            read = sum(_nbytes(t, narrows.get(n)) for n, t in ckpt.items())
+            report = {"read": read, "sharded": sharded, "replicated": replicated}
+            Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+        finally:
+            destroy_model_parallel()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_recorded_slices_cover_what_tp_ranks_read(kind: str, tmp_path: Path) -> None:
+    """At TP=2 each rank's narrows are the ones its layers imply, cover every byte its
+    loaders read, change nothing of the model, and add up to its own shards plus the
+    replicated tensors."""
+    model_dir = tmp_path / "model"
+    _config(kind).save_pretrained(model_dir)
+    ident = f"slices-{uuid.uuid4().hex[:12]}"
+    run_workers(_tp_rank, TP, str(model_dir), kind, ident, str(tmp_path), timeout=240)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(TP)]
+    total = reports[0]["sharded"] + reports[0]["replicated"]
+    for r, rep in enumerate(reports):
+        # the whole of a tensor every rank reads whole (a single k/v head) counts as its share
+        bound = rep["sharded"] / TP + rep["replicated"] + 0.1 * total
+        assert rep["read"] <= bound, f"rank {r} reads {rep['read']} of {total} bytes"
+    print(f"{kind}: bytes read per rank {[rep['read'] for rep in reports]} of {total}")
+
+
+def _rows(a: int, n: int) -> Narrow:
+    return Narrow(0, a, n)
+
+
+# Each case: the reads a loader makes of a (6, 8) float32 tensor, and the narrow expected.
+READS = {
+    "narrow": ([lambda t: t.narrow(0, 2, 3)], _rows(2, 3)),
+    "columns": ([lambda t: t[:, 3:7]], Narrow(1, 3, 4)),
+    "stepped rows": ([lambda t: t[1:5:2]], _rows(1, 3)),
+    "transposed": ([lambda t: t.t().narrow(0, 2, 2)], Narrow(1, 2, 2)),
+    "chunk": ([lambda t: t.chunk(2, dim=1)[1]], Narrow(1, 4, 4)),
+    "select": ([lambda t: t.select(0, 5)], _rows(5, 1)),
+    "split dim": ([lambda t: t.view(2, 3, 8)[1]], _rows(3, 3)),
+    "box": ([lambda t: t.narrow(0, 1, 2).narrow(1, 2, 3)], _rows(1, 2)),
+    "flat rows": ([lambda t: t.narrow(0, 1, 2).reshape(16)], _rows(1, 2)),
+    "flat slice": ([lambda t: t.flatten()[10:20]], _rows(1, 2)),
+    "copied columns": ([lambda t: t.narrow(1, 2, 4).reshape(-1)], Narrow(1, 2, 4)),
+    "converted": ([lambda t: t.narrow(1, 0, 3).to(torch.float64)], Narrow(1, 0, 3)),
+    "expanded": ([lambda t: t[2].unsqueeze(0).expand(3, 8)], _rows(2, 1)),
+    "geometry only": ([torch.zeros_like, lambda t: t[4:]], _rows(4, 2)),
+    "two ranges": ([lambda t: t[0:2], lambda t: t[3:5]], _rows(0, 5)),
+    "whole": ([lambda t: t], None),
+    "nothing": ([], Narrow(0, 0, 0)),
+}
+
+
+class _Loader(torch.nn.Module):
+    """A model whose ``load_weights`` makes :data:`READS`' reads of each tensor (copying each
+    result out, as a weight loader does) and holds one parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6, 8), requires_grad=False)
+
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            for read in READS[name][0]:
+                out = read(t)
+                torch.empty(out.shape, dtype=out.dtype).copy_(out)
+
+
+def test_reads_through_views_end_in_the_narrow_covering_them() -> None:
+    """Each chain of views ends in the narrow expected, and that narrow holds every element
+    the chain takes (an index tensor through the same reads shows which)."""
+    index = torch.arange(48, dtype=torch.float32).view(6, 8)
+    got = record_slices(_Loader(), {name: ((6, 8), torch.float32) for name in READS})
+    for name, (reads, expected) in READS.items():
+        assert got.get(name) == expected, f"{name}: recorded {got.get(name)}, not {expected}"
+        taken = set()
+        for read in reads:
+            if read is not torch.zeros_like:
+                taken |= {int(v) for v in read(index).flatten()}
+        n = expected or Narrow(0, 0, 6)
+        inside = {int(v) for v in index.narrow(n.dim, n.start, n.length).flatten()}
+        assert taken <= inside, f"{name}: reads {sorted(taken - inside)} outside {n}"
+
+
+def test_a_view_as_another_dtype_is_covered_by_the_rows_its_bytes_span() -> None:
+    class ViewAs(torch.nn.Module):
+        def load_weights(self, weights) -> None:
+            for _, t in weights:
+                torch.empty(2, 16, dtype=torch.int16).copy_(t.view(torch.int16)[2:4])
+
+    assert record_slices(ViewAs(), {"w": ((6, 8), torch.float32)}) == {"w": _rows(2, 2)}
+
+
+def test_a_loader_needing_values_is_refused_naming_the_tensor_and_the_model_is_kept() -> None:
+    """A loader that reads a value raises :class:`SliceRecordingError` naming the tensor;
+    the model holds its own parameter, bytes unchanged, after that and after a loader that
+    fails on its own."""
+
+    class Scale(_Loader):
+        def load_weights(self, weights) -> None:
+            for name, t in weights:
+                if name == "scale":
+                    self.weight.data.fill_(t.max().item())
+                else:
+                    raise KeyError(f"no parameter for {name}")
+
+    model = Scale()
+    weight, bits = model.weight, model.weight.detach().clone()
+    with pytest.raises(SliceRecordingError, match="scale"):
+        record_slices(model, {"scale": ((1,), torch.float32)})
+    with pytest.raises(KeyError, match="bogus"):
+        record_slices(model, {"bogus": ((2,), torch.float32)})
+    assert model.weight is weight and torch.equal(weight, bits)
