@@ -137,3 +137,45 @@ def test_keeps_that_do_not_fit_the_version_are_refused_naming_the_tensor(keeps, 
 def test_keeps_is_refused_for_a_module_target():
     with pytest.raises(TypeError, match="keeps is for a load_weights callable"):
         make_target(torch.nn.Linear(2, 2), None, {}, {"weight": Narrow(0, 0, 1)})
+
+
+def _tied(version: int) -> dict[str, torch.Tensor]:
+    emb = torch.randn(20, 8, generator=torch.Generator().manual_seed(version))
+    return {"emb": emb, "head": emb}  # one tensor, sent once under both names
+
+
+TIED_KEEPS = (
+    ({"emb": Narrow(0, 4, 8), "head": Narrow(0, 0, 0)}, (4, 8)),  # head read not at all
+    ({"emb": Narrow(0, 4, 8), "head": Narrow(0, 10, 6)}, (4, 12)),  # the span of both
+    ({"emb": Narrow(0, 4, 8)}, (0, 20)),  # head not named: read whole
+)
+
+
+def _tied_run(rank, port):
+    group = ss.sync.init_group("127.0.0.1", port, 2, rank, timeout=60)
+    versions = range(1, len(TIED_KEEPS) + 1)
+    if rank == 0:
+        return publish_each(group, [1], _tied, versions, bucket_bytes=256, transport="relay")
+    out = []
+    with ss.WeightSubscriber(group, [0], [1]) as sub:
+        for version, (keeps, _) in zip(versions, TIED_KEEPS, strict=True):
+            got: dict = {}
+            before = sub.bytes_received
+            load = lambda b, got=got: got.update({n: t.numpy().copy() for n, t in b})  # noqa: E731
+            assert sub.receive(load, keeps=keeps) == version
+            out.append((got, sub.bytes_received - before))
+    group.close()
+    return out
+
+
+def test_a_tied_tensor_is_received_for_every_name_it_is_read_by():
+    out = spawn(_tied_run, 2, timeout=60)[1]
+    for version, ((got, received), (_, (start, length))) in enumerate(
+        zip(out, TIED_KEEPS, strict=True), 1
+    ):
+        full = _tied(version)["emb"].numpy()
+        assert set(got) == {"emb", "head"} and np.array_equal(got["emb"], got["head"])
+        emb = got["emb"]
+        assert np.array_equal(emb[start : start + length], full[start : start + length])
+        assert not emb[:start].any() and not emb[start + length :].any()
+        assert received == length * 8 * 4, (version, received)

@@ -289,7 +289,7 @@ class CallableTarget:
 
     def check(self, plan: BucketPlan, first: int = 0) -> list[str]:
         """What is wrong with ``keeps`` for the plan (a name it does not send, a part
-        outside its tensor, two names of one tensor kept differently); drops reassembly
+        outside its tensor); drops reassembly
         buffers of older plans (when a plan's check starts: ``first`` is 0)."""
         if not first:
             self._plan_id, self._runs, self._narrows = plan.plan_id, {}, {}
@@ -309,18 +309,16 @@ class CallableTarget:
         seen: set[str] = set()
         for i, spec in enumerate(plan.specs[first:], first):
             names = [n for n in (map_name(self.name_map, m) for m in spec.names) if n]
-            kept = {self.keeps[n] for n in names if n in self.keeps}
             seen.update(n for n in names if n in self.keeps)
-            if len(kept) > 1:
-                problems.append(f"{names}: one tensor, kept as {sorted(kept, key=repr)}")
-            elif kept:
-                narrow = kept.pop()
-                if (why := narrow.check(names[0], spec.shape)) is not None:
-                    problems.append(why)
-                elif narrow.length != spec.shape[narrow.dim]:
-                    self._narrows[i] = narrow
-                    itemsize = spec.torch_dtype.itemsize
-                    self._runs[i] = Runs.of_narrow(spec.shape, itemsize, narrow)
+            wrong = [
+                w for n in names if n in self.keeps and (w := self.keeps[n].check(n, spec.shape))
+            ]
+            problems.extend(wrong)
+            narrow = None if wrong else _union(names, self.keeps, spec.shape)
+            if narrow is not None:
+                self._narrows[i] = narrow
+                itemsize = spec.torch_dtype.itemsize
+                self._runs[i] = Runs.of_narrow(spec.shape, itemsize, narrow)
         unsent = sorted(set(self.keeps) - seen)
         if unsent and plan.plan_id != DESCRIBED:
             problems.append(f"names tensors not sent: {unsent}")
@@ -350,9 +348,10 @@ class CallableTarget:
 
     def assembly(self, i: int, spec: TensorSpec) -> torch.Tensor:
         """The buffer tensor ``i``'s kept bytes are put together in (one after another)."""
+        size = self._kept_runs(i, spec).nbytes
         buf = self._assembly.get((self._plan_id, i))
-        if buf is None:
-            buf = torch.empty(self._kept_runs(i, spec).nbytes, dtype=torch.uint8)
+        if buf is None or buf.numel() != size:  # another receive may have kept another part
+            buf = torch.empty(size, dtype=torch.uint8)
             self._assembly[(self._plan_id, i)] = buf
         return buf
 
@@ -430,6 +429,26 @@ class CallableTarget:
         if self._batch:
             batch, self._batch = self._batch, []
             self.load_weights(batch)
+
+
+def _union(
+    names: Sequence[str], keeps: Mapping[str, Narrow], shape: tuple[int, ...]
+) -> Narrow | None:
+    """The part of a tensor sent under ``names`` (a tie: each name read by its own loader)
+    that covers every name's, or ``None`` where that is the whole tensor: a name not in
+    ``keeps`` is read whole; a name read not at all (length 0) adds nothing; parts of one
+    dimension join into the range spanning them, parts of two make the whole."""
+    if not names or any(n not in keeps for n in names):
+        return None
+    parts = [keeps[n] for n in names if keeps[n].length]
+    if not parts:
+        return Narrow(0, 0, 0)
+    dim = parts[0].dim
+    if any(p.dim != dim for p in parts):
+        return None
+    start = min(p.start for p in parts)
+    length = max(p.start + p.length for p in parts) - start
+    return None if length == shape[dim] else Narrow(dim, start, length)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
