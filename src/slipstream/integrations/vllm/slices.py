@@ -39,20 +39,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...errors import SyncError
+from ...sync.layout.runs import Narrow
+
+__all__ = ["Narrow", "SliceRecordingError", "Specs", "record_slices"]
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-@dataclass(frozen=True)
-class Narrow:
-    """The part of a checkpoint tensor a worker reads: ``tensor.narrow(dim, start, length)``.
-
-    ``length`` 0 means the worker reads nothing of it (a rotary ``inv_freq`` its loaders
-    drop). ``start + length`` never passes the tensor's size on ``dim``."""
-
-    dim: int
-    start: int
-    length: int
 
 
 class SliceRecordingError(SyncError):
@@ -325,9 +316,10 @@ def _meta_stand_ins(model: nn.Module) -> Iterator[None]:
 def record_slices(model: nn.Module, specs: Specs) -> dict[str, Narrow]:
     """For each checkpoint tensor of ``specs`` (name -> shape, dtype) that ``model``'s
     loaders read only in part, the one :class:`Narrow` covering every element they read
-    (the bounding box of all their reads, narrowed on the dim that keeps it smallest);
-    a tensor read whole is left out (the worker needs all of it). A tensor read not at all
-    gets length 0.
+    (the bounding box of all their reads, narrowed on the dim that keeps it smallest;
+    ``start + length`` never passes the tensor's size on ``dim``); a tensor read whole is
+    left out (the worker needs all of it). A tensor read not at all gets length 0 (a rotary
+    ``inv_freq`` its loaders drop).
 
     Runs ``model.load_weights`` once, on placeholders; ``model``'s parameters and buffers
     are the same objects, bytes unchanged, afterwards (meanwhile the model holds meta
