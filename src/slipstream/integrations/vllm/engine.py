@@ -13,11 +13,13 @@ weight-update calls to it:
   (``vllm serve``'s ``--api-key`` does not guard its RL routes: this says who may point the
   engine at a sync group);
 - ``start_weight_update()``: nothing; the model is not touched yet;
-- ``update_weights({"version": v})``: receives the next published version, every byte,
-  over slipstream's transports (never through vLLM's RPC, which carries only this dict)
-  into a host buffer (``atomic=True``), and only once it is whole loads it into the model
-  through vLLM's layerwise reload (a CPU worker's linear weights are repacked for oneDNN:
-  a load must go through it), in one ``load_weights`` call;
+- ``update_weights({"version": v})``: receives the next published version over
+  slipstream's transports (never through vLLM's RPC, which carries only this dict) into a
+  host buffer (``atomic=True``), and only once it is whole loads it into the model through
+  vLLM's layerwise reload (a CPU worker's linear weights are repacked for oneDNN: a load
+  must go through it), in one ``load_weights`` call. With tensor parallelism a worker
+  receives only the part of each tensor its loaders read (:mod:`.slices` learns them once
+  per layout, by running the loaders on placeholders); else every byte;
 - ``finish_weight_update()``: nothing more to do (the caller records the version).
 
 Each update is logged with its timings (:class:`UpdateTimings`: receiving the version whole,
@@ -53,7 +55,8 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from ...errors import SyncError
-from ...sync import SyncGroup, WeightSubscriber, init_group
+from ...sync import Narrow, SyncGroup, WeightSubscriber, init_group
+from .slices import record_slices
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +118,11 @@ class _Ends:
 
 @dataclass
 class _Applied:
-    """What the last loaded version looked like (checked against every later one)."""
+    """What the last loaded version looked like (checked against every later one), and
+    the parts of a layout this worker reads (learnt once per layout)."""
 
     layout: Layout = field(default_factory=dict)
+    keeps: tuple[Layout, dict[str, Narrow]] | None = None
 
 
 class SlipstreamWeightTransferEngine(
@@ -179,7 +184,8 @@ class SlipstreamWeightTransferEngine(
                 "slipstream: update_weights before init_weight_transfer_engine on this worker"
             )
         started = time.perf_counter()
-        version = ends.subscriber.receive(self._load, atomic=True, full=True)
+        keeps = self._keeps if self.parallel_config.tensor_parallel_size > 1 else None
+        version = ends.subscriber.receive(self._load, atomic=True, full=True, keeps=keeps)
         if version != update_info.version:
             raise SyncError(
                 f"slipstream: the trainer published version {version}, "
@@ -195,6 +201,21 @@ class SlipstreamWeightTransferEngine(
             self.last_update.received_s,
             self.last_update.loaded_s,
         )
+
+    def _keeps(self, layout: Layout) -> dict[str, Narrow]:
+        """The part of each checkpoint tensor this worker's loaders read (a tensor-parallel
+        rank's rows or columns), learnt once per layout by running them on placeholders."""
+        held = self._applied.keeps
+        if held is None or held[0] != layout:
+            held = (layout, record_slices(self.model, layout))
+            self._applied.keeps = held
+            logger.info(
+                "slipstream: worker %d reads %d of %d checkpoint tensors in part",
+                self.rank_in_engine,
+                len(held[1]),
+                len(layout),
+            )
+        return held[1]
 
     def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """Load a whole version (views of the subscriber's host buffer) into the model."""
