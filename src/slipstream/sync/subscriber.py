@@ -151,6 +151,7 @@ class WeightSubscriber:
         atomic: bool = False,
         full: bool = False,
         keeps: Keeps | None = None,
+        expect_version: int | None = None,
     ) -> int:
         """Wait for the next published version and apply it to ``target``; return it.
 
@@ -163,6 +164,9 @@ class WeightSubscriber:
         broadcast, only those are sent), and the tensor passed holds them in that part,
         zeros elsewhere; or a function of the version's layout (``{name: (shape, dtype)}``)
         that returns them, called before any byte of a version with a new layout.
+        ``expect_version``: the version this receive is for; a round of another one is
+        refused (:class:`~slipstream.errors.SyncError`) before any byte is applied, so a
+        caller that asks late never applies a later version under an earlier number.
 
         When another member of the round dies while it runs, raises
         :class:`~slipstream.errors.PeerDiedError` naming it within seconds (the target
@@ -170,7 +174,7 @@ class WeightSubscriber:
         """
         with tracing.span("slipstream.sync.receive"):
             sink = make_target(target, name_map, self._assembly, keeps)
-            rounds = self._receive(sink, atomic, full)
+            rounds = self._receive(sink, atomic, full, expect_version)
             while True:
                 try:
                     next(rounds)
@@ -220,7 +224,11 @@ class WeightSubscriber:
         self._items.extend(batch)
 
     def _receive(
-        self, sink: ModuleTarget | CallableTarget, atomic: bool, full: bool
+        self,
+        sink: ModuleTarget | CallableTarget,
+        atomic: bool,
+        full: bool,
+        expect_version: int | None = None,
     ) -> Generator[tuple[str, torch.Tensor], None, int | None]:
         """One receive as a generator: it yields what the sink gathered for the caller
         (receive_iter's items) after each bucket, and returns the version received."""
@@ -246,6 +254,8 @@ class WeightSubscriber:
             plan = self._plan(start.plan) if layout is None else layout.as_plan()
             runs = self._round_runs(k, start, plan, sink, wants, partial)
             problems = self._problems(plan, sink, version)
+            if expect_version is not None and version != expect_version:
+                problems.append(f"it was asked for version {expect_version}")
             if runs and not problems and self._partial_runs(sink, plan) != runs:
                 problems.append("its tensors' shards changed since it asked for this version")
             if problems:  # drain the round so the group stays usable, apply nothing

@@ -29,7 +29,8 @@ Invariant: the model holds one complete published version (or the one it was sta
 with). A transfer that breaks (the trainer or another rollout dying, a bucket that does not
 check) raises from ``update_weights`` before any weight is touched, naming who broke it;
 a version whose tensors differ in names, shapes or dtypes from the one the model took
-first is refused the same way. The engine keeps serving the version it holds, and takes
+first, or whose number is not the one ``update_weights`` names (a call that arrives late
+meets a later round), is refused the same way. The engine keeps serving the version it holds, and takes
 the next publish.
 """
 
@@ -185,12 +186,9 @@ class SlipstreamWeightTransferEngine(
             )
         started = time.perf_counter()
         keeps = self._keeps if self.parallel_config.tensor_parallel_size > 1 else None
-        version = ends.subscriber.receive(self._load, atomic=True, full=True, keeps=keeps)
-        if version != update_info.version:
-            raise SyncError(
-                f"slipstream: the trainer published version {version}, "
-                f"update_weights asked for {update_info.version}"
-            )
+        version = ends.subscriber.receive(
+            self._load, atomic=True, full=True, keeps=keeps, expect_version=update_info.version
+        )
         done = time.perf_counter()
         self.last_update = UpdateTimings(
             version, self._load_began - started, done - self._load_began
