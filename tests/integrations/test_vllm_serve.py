@@ -4,8 +4,9 @@ started here on 127.0.0.1 with an API key, on :mod:`vllm_model`'s tiny Llama.
 The trainer drives the server over HTTP (:class:`~slipstream.integrations.vllm.HTTPEngine`);
 after each of five versions the server's greedy completions (token ids) equal transformers'
 ``generate`` on the new weights and differ from the last version's. Then a trainer process
-is SIGKILLed mid-publish: the server keeps serving the last complete version, and a new
-trainer's next version lands; a trainer without the workers' token is refused.
+is SIGKILLed mid-publish and between two engine calls: the server keeps serving the last
+complete version, and a new trainer's next version lands; a trainer without the workers'
+token is refused.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def references(model_dir: Path) -> dict[int, list[list[int]]]:
-    return {v: vm.reference(vm.model(v), model_dir) for v in (0, 1, 2, 3, 4, 5, 8)}
+    return {v: vm.reference(vm.model(v), model_dir) for v in (0, 1, 2, 3, 4, 5, 8, 10, 12)}
 
 
 def test_five_versions_over_http(server, references):
@@ -146,12 +147,25 @@ def test_five_versions_over_http(server, references):
             assert server.version() == str(version)
 
 
-def test_trainer_killed_mid_publish(server, references):
-    """A trainer process SIGKILLed mid-publish of version 7: the server keeps serving
-    version 5 (exactly), and a new trainer's version 8 lands."""
-    assert server.version() == "5", "runs after test_five_versions_over_http"
+@pytest.mark.parametrize(
+    ("where", "killed", "then"),
+    [("mid", 7, 8), ("after-start", 9, 10), ("after-update", 11, 12)],
+)
+def test_trainer_killed_mid_publish_and_between_engine_calls(
+    server, references, where, killed, then
+):
+    """A trainer process SIGKILLed mid-publish, after the engine answered
+    ``start_weight_update``, or after it answered ``update_weights`` (the version received
+    whole) and before ``finish_weight_update``: the server keeps serving the version it held
+    (exactly) and names it, and a new trainer's next version lands (it closes the update
+    session the dead one left open)."""
+    held = server.version()
+    assert held in {"5", "8", "10"}, "runs after test_five_versions_over_http, in order"
     trainer = subprocess.Popen(
-        [sys.executable, str(HERE / "vllm_trainer_scenario.py"), server.url, server.api_key, "7"],
+        [
+            *(sys.executable, str(HERE / "vllm_trainer_scenario.py")),
+            *(server.url, server.api_key, str(killed), where),
+        ],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])},
     )
@@ -162,21 +176,21 @@ def test_trainer_killed_mid_publish(server, references):
             trainer.kill()
             trainer.wait(10)
     assert trainer.stdout is not None and trainer.stdout.read() == b"joined\n"
-    assert server.generations() == references[5]
-    assert server.version() == "5"
+    assert server.generations() == references[int(held)]
+    assert server.version() == held
     engine = HTTPEngine(server.url, server.api_key, timeout=TIMEOUT, name="serve")
     with VLLMWeightSync([engine], timeout=TIMEOUT, token=server.api_key) as sync:
-        sync.publish(vm.model(8).state_dict(), 8)
-    assert server.generations() == references[8]
-    assert server.version() == "8"
+        sync.publish(vm.model(then).state_dict(), then)
+    assert server.generations() == references[then]
+    assert server.version() == str(then)
 
 
 def test_wrong_token_refused(server, references):
     """The server's workers hold ``SLIPSTREAM_VLLM_TOKEN``: a trainer without it cannot
     point them at its sync group (vLLM's ``--api-key`` does not guard the RL routes); the
-    server keeps serving version 8."""
+    server keeps serving version 12."""
     engine = HTTPEngine(server.url, server.api_key, timeout=TIMEOUT, name="serve")
     with pytest.raises(SyncError, match="token does not match"):
         VLLMWeightSync([engine], timeout=5.0, token="not-the-token")
-    assert server.generations() == references[8]
-    assert server.version() == "8"
+    assert server.generations() == references[12]
+    assert server.version() == "12"

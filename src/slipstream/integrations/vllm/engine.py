@@ -12,26 +12,32 @@ weight-update calls to it:
   ``SLIPSTREAM_VLLM_TOKEN``, ``init_info["token"]`` must match it, or nothing is joined
   (``vllm serve``'s ``--api-key`` does not guard its RL routes: this says who may point the
   engine at a sync group);
-- ``start_weight_update()``: nothing; the model is not touched yet;
+- ``start_weight_update()``: drops a version staged in a session that was never finished;
+  the model is not touched;
 - ``update_weights({"version": v})``: receives the next published version over
   slipstream's transports (never through vLLM's RPC, which carries only this dict) into a
-  host buffer (``atomic=True``), and only once it is whole loads it into the model through
-  vLLM's layerwise reload (a CPU worker's linear weights are repacked for oneDNN: a load
-  must go through it), in one ``load_weights`` call. With tensor parallelism a worker
-  receives only the part of each tensor its loaders read (:mod:`.slices` learns them once
-  per layout, by running the loaders on placeholders); else every byte;
-- ``finish_weight_update()``: nothing more to do (the caller records the version).
+  host buffer (``atomic=True``), whole, and stages it; the model is not touched. With tensor
+  parallelism a worker receives only the part of each tensor its loaders read
+  (:mod:`.slices` learns them once per layout, by running the loaders on placeholders);
+  else every byte;
+- ``finish_weight_update()``: loads the staged version into the model through vLLM's
+  layerwise reload (a CPU worker's linear weights are repacked for oneDNN: a load must go
+  through it), in one ``load_weights`` call; vLLM then records its number. A session
+  finished with nothing staged (a new trainer closing one a dead trainer left open) loads
+  nothing.
 
 Each update is logged with its timings (:class:`UpdateTimings`: receiving the version whole,
 then loading it), and :attr:`SlipstreamWeightTransferEngine.last_update` keeps the last one.
 
 Invariant: the model holds one complete published version (or the one it was started
-with). A transfer that breaks (the trainer or another rollout dying, a bucket that does not
+with), and changes only in ``finish_weight_update``, the call after which vLLM names the
+new version: a trainer that dies between two calls leaves the model and its version as
+they were. A transfer that breaks (the trainer or another rollout dying, a bucket that does not
 check) raises from ``update_weights`` before any weight is touched, naming who broke it;
 a version whose tensors differ in names, shapes or dtypes from the one the model took
 first, or whose number is not the one ``update_weights`` names (a call that arrives late
-meets a later round), is refused the same way. The engine keeps serving the version it holds, and takes
-the next publish.
+meets a later round), is refused the same way. The engine keeps serving the version it
+holds, and takes the next publish.
 """
 
 from __future__ import annotations
@@ -118,6 +124,16 @@ class _Ends:
 
 
 @dataclass
+class _Staged:
+    """A version received whole and not loaded yet: its tensors (views of the subscriber's
+    host buffer, valid until its next receive)."""
+
+    version: int
+    batch: list[tuple[str, torch.Tensor]]
+    received_s: float
+
+
+@dataclass
 class _Applied:
     """What the last loaded version looked like (checked against every later one), and
     the parts of a layout this worker reads (learnt once per layout)."""
@@ -140,7 +156,7 @@ class SlipstreamWeightTransferEngine(
         self._ends: _Ends | None = None
         self._applied = _Applied()
         self.last_update: UpdateTimings | None = None
-        self._load_began = 0.0
+        self._staged: _Staged | None = None
 
     @property
     def rank_in_engine(self) -> int:
@@ -156,6 +172,7 @@ class SlipstreamWeightTransferEngine(
                 f"this worker's {TOKEN_ENV}"
             )
         self.shutdown()
+        self._staged = None  # a dead trainer's unfinished version is not this one's
         rank = info.rank + self.rank_in_engine
         group = init_group(info.host, info.port, info.world_size, rank, timeout=info.timeout)
         try:
@@ -169,14 +186,13 @@ class SlipstreamWeightTransferEngine(
         logger.info("slipstream: worker joined the sync group at rank %d", rank)
 
     def start_weight_update(self) -> None:
-        """Nothing: the model is touched only once a whole version is here."""
+        """Drop a version an unfinished session staged: the model is touched only by
+        :meth:`finish_weight_update`, with what this session's update staged."""
+        self._staged = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive the version ``update_info`` names and load it (a CPU worker has nothing
-        asynchronous to wait for, so no device synchronization)."""
+        """Receive the version ``update_info`` names, whole, and stage it."""
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
         ends = self._ends
@@ -184,21 +200,19 @@ class SlipstreamWeightTransferEngine(
             raise SyncError(
                 "slipstream: update_weights before init_weight_transfer_engine on this worker"
             )
+        self._staged = None
         started = time.perf_counter()
         keeps = self._keeps if self.parallel_config.tensor_parallel_size > 1 else None
+        batches: list[list[tuple[str, torch.Tensor]]] = []
         version = ends.subscriber.receive(
-            self._load, atomic=True, full=True, keeps=keeps, expect_version=update_info.version
+            lambda batch: batches.append(self._checked(batch)),
+            atomic=True,
+            full=True,
+            keeps=keeps,
+            expect_version=update_info.version,
         )
-        done = time.perf_counter()
-        self.last_update = UpdateTimings(
-            version, self._load_began - started, done - self._load_began
-        )
-        logger.info(
-            "slipstream: version %d received in %.3f s, loaded in %.3f s",
-            version,
-            self.last_update.received_s,
-            self.last_update.loaded_s,
-        )
+        batch = [item for b in batches for item in b]
+        self._staged = _Staged(version, batch, time.perf_counter() - started)
 
     def _keeps(self, layout: Layout) -> dict[str, Narrow]:
         """The part of each checkpoint tensor this worker's loaders read (a tensor-parallel
@@ -215,9 +229,9 @@ class SlipstreamWeightTransferEngine(
             )
         return held[1]
 
-    def _load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
-        """Load a whole version (views of the subscriber's host buffer) into the model."""
-        self._load_began = time.perf_counter()
+    def _checked(self, batch: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``batch`` (a whole version, views of the subscriber's host buffer), once its
+        layout is the one the model holds (refused, before any weight is touched, if not)."""
         layout = {name: (tuple(t.shape), t.dtype) for name, t in batch}
         problems = _differences(self._applied.layout, layout)
         if problems:
@@ -225,15 +239,32 @@ class SlipstreamWeightTransferEngine(
                 "slipstream: refused a version unlike the one the model holds, before "
                 "touching any weight: " + "; ".join(problems)
             )
-        initialize_layerwise_reload(self.model)
-        try:
-            cast(Any, self.model).load_weights(batch)  # vLLM's models, not nn.Module's
-        finally:  # layers left incomplete get their old tensors back: never left on meta
-            finalize_layerwise_reload(self.model, self.model_config)
-        self._applied.layout = layout
+        return batch
 
     def finish_weight_update(self) -> None:
-        """Nothing: the version was loaded whole by ``update_weights``."""
+        """Load the version this session staged (nothing staged: nothing to load; a CPU
+        worker has nothing asynchronous to wait for, so no device synchronization)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        began = time.perf_counter()
+        initialize_layerwise_reload(self.model)
+        try:
+            cast(Any, self.model).load_weights(staged.batch)  # vLLM's models, not nn.Module's
+        finally:  # layers left incomplete get their old tensors back: never left on meta
+            finalize_layerwise_reload(self.model, self.model_config)
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+        self._applied.layout = {name: (tuple(t.shape), t.dtype) for name, t in staged.batch}
+        self.last_update = UpdateTimings(
+            staged.version, staged.received_s, time.perf_counter() - began
+        )
+        logger.info(
+            "slipstream: version %d received in %.3f s, loaded in %.3f s",
+            staged.version,
+            self.last_update.received_s,
+            self.last_update.loaded_s,
+        )
 
     def shutdown(self) -> None:
         """Leave the sync group (the engine keeps serving what it holds)."""

@@ -6,7 +6,10 @@ in the order engines arrive (a rank is never given out twice, so the group only 
 :meth:`VLLMWeightSync.publish` runs, for every engine at once on a thread of its own,
 vLLM's ``start_weight_update`` / ``update_weights({"version": v})`` /
 ``finish_weight_update(str(v))`` and then resets its prefix cache (cached blocks were
-computed with the old weights), while the publisher sends the version.
+computed with the old weights), while the publisher sends the version. An engine joins
+by ``init_weight_transfer_engine`` and then closes an update session a dead trainer may
+have left open (the engine changes its model only when a session finishes, with what
+that session staged: see :mod:`.engine`).
 
 Invariants: every thread this object starts is joined before the call that started it
 returns, or the call raises naming the engine that did not answer in ``timeout`` seconds; a
@@ -88,10 +91,7 @@ class VLLMWeightSync:
                 channel=CHANNEL,
             )
 
-        calls = {
-            m.engine.name: _bind(m.engine.init_weight_transfer_engine, infos[m.engine.name])
-            for m in self.members
-        }
+        calls = {m.engine.name: _bind(_join, m.engine, infos[m.engine.name]) for m in self.members}
         try:
             _run_all("init_weight_transfer_engine", calls, timeout, trainer)
         except BaseException:
@@ -160,7 +160,7 @@ class VLLMWeightSync:
         try:
             _run_all(
                 "init_weight_transfer_engine",
-                {engine.name: _bind(engine.init_weight_transfer_engine, info)},
+                {engine.name: _bind(_join, engine, info)},
                 self.timeout,
                 lambda: publisher.set_rollouts(self.rollout_ranks),
             )
@@ -207,6 +207,23 @@ class VLLMWeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: What vLLM's worker answers ``finish_weight_update`` when no update session is open.
+NO_SESSION = "finish_weight_update called without a matching start_weight_update"
+
+
+def _join(engine: Engine, info: dict[str, Any]) -> None:
+    """Point ``engine`` at this trainer's group, then close an update session a trainer
+    that died between two engine calls left open (it staged nothing for this one: the
+    engine's join dropped it), so the first update's ``start_weight_update`` is not
+    refused."""
+    engine.init_weight_transfer_engine(info)
+    try:
+        engine.finish_weight_update(None)
+    except Exception as exc:  # the engine's own error, as each client raises it
+        if NO_SESSION not in str(exc):
+            raise
 
 
 def _update(engine: Engine, version: int) -> None:
