@@ -59,15 +59,7 @@ class _Engine:
 
     def __init__(self, model_dir: Path, name: str) -> None:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        self.llm = LLM(
-            model=str(model_dir),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=256,
-            block_size=32,
-            max_num_seqs=4,
-            weight_transfer_config={"backend": "slipstream"},
-        )
+        self.llm = LLM(model=str(model_dir), **vm.ENGINE)
         new = [
             p
             for p in psutil.Process().children(recursive=True)

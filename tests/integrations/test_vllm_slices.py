@@ -303,14 +303,9 @@ def test_a_served_tp2_engine_finds_its_slices_and_is_sent_only_them(tmp_path: Pa
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # a function for collective_rpc
         llm = LLM(
             model=str(model_dir),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=256,
-            block_size=32,
-            max_num_seqs=4,
             tensor_parallel_size=TP,
             distributed_executor_backend="mp",
-            weight_transfer_config={"backend": "slipstream"},
+            **vm.ENGINE,
         )
         try:
 

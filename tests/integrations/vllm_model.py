@@ -35,6 +35,16 @@ CORPUS = [
     "versions strictly increase and every byte is checked",
 ] * 20
 TOKENS = 24
+ENGINE = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "block_size": 32,
+    "max_num_seqs": 4,
+    "weight_transfer_config": {"backend": "slipstream"},
+}
+"""The ``vllm.LLM`` options of every engine the tests build on these models (fp32, small,
+the slipstream backend)."""
 
 
 def config(hidden: int = 128, layers: int = 2, vocab: int = 320) -> transformers.LlamaConfig:
