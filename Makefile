@@ -85,12 +85,14 @@ bench: setup
 	$(BIN)/python benchmarks/sync_streaming.py --out benchmarks/results/sync_streaming.json
 	$(BIN)/python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
 	$(BIN)/python benchmarks/sync_sharded.py --compare rollouts --out benchmarks/results/sync_sharded_rollouts.json
+	$(BIN)/python benchmarks/demo_publish.py --baseline ab3776b --out benchmarks/results/demo_publish.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
 	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
 	$(BIN)/python benchmarks/hf_trainer_checkpoint.py --out benchmarks/results/hf_trainer.json
 	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
 	$(BIN)/python benchmarks/vllm_sync.py --out benchmarks/results/vllm_sync.json
+	$(BIN)/python benchmarks/scale.py --before benchmarks/results/scale_before.json --out benchmarks/results/scale.json
 	$(MAKE) report
 
 report: setup
@@ -98,10 +100,11 @@ report: setup
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/sync_streaming.json \
 		benchmarks/results/sync_sharded.json benchmarks/results/sync_sharded_rollouts.json \
+		benchmarks/results/demo_publish.json \
 		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
 		benchmarks/results/two_tier.json benchmarks/results/vllm_sync.json \
-		--out BENCHMARKS.md
+		benchmarks/results/scale.json --out BENCHMARKS.md
 
 # The device check on a host with a CUDA device: the CUDA tests, a profiler trace of the
 # training loop and benchmarks/gpu.py, everything written into GPU_CHECK_OUT (under 8 minutes).
