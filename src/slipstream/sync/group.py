@@ -555,8 +555,13 @@ def init_group(
     rank: int,
     backend: str = "gloo",
     timeout: float | timedelta = 300.0,
+    on_listening: Callable[[int], object] | None = None,
 ) -> SyncGroup:
     """Join a sync group of ``world_size`` processes; rank 0 hosts its store at ``addr:port``.
+
+    Rank 0 may pass ``port=0``: its store then listens on a port the system picks, which
+    ``on_listening`` is called with as soon as the store listens (before the wait for the
+    other ranks), to tell them; no other process can take it in between.
 
     Does not touch the default process group. Returns once every rank has joined, or raises
     :class:`PeerTimeoutError` naming the ranks that did not within ``timeout`` seconds.
@@ -574,6 +579,8 @@ def init_group(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world size {world_size}")
+    if port == 0 and rank != 0:
+        raise ValueError(f"rank {rank} must be given the port rank 0's store listens on")
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     tcp = dist.TCPStore(
         addr,
@@ -583,6 +590,8 @@ def init_group(
         timeout=timedelta(seconds=seconds),
         wait_for_workers=False,
     )
+    if on_listening is not None:
+        on_listening(tcp.port)
     store = dist.PrefixStore(STORE_PREFIX, tcp)
     _grow(store, world_size)
     incarnation = store.add(f"incarnation/{rank}", 1)

@@ -63,6 +63,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from ...errors import SyncError
 from ...sync import Narrow, SyncGroup, WeightSubscriber, init_group
+from .session import Session, session_key
 from .slices import record_slices
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class SlipstreamWeightTransferEngine(
         self._applied = _Applied()
         self.last_update: UpdateTimings | None = None
         self._staged: _Staged | None = None
+        self._session = Session.CLOSED
 
     @property
     def rank_in_engine(self) -> int:
@@ -183,16 +185,22 @@ class SlipstreamWeightTransferEngine(
             group.close()
             raise
         self._ends = _Ends(group, subscriber)
+        group.post(session_key(rank), self._session.value)  # read by the trainer
         logger.info("slipstream: worker joined the sync group at rank %d", rank)
 
     def start_weight_update(self) -> None:
         """Drop a version an unfinished session staged: the model is touched only by
         :meth:`finish_weight_update`, with what this session's update staged."""
         self._staged = None
+        self._session = Session.OPEN  # vLLM opens its session once this returns
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive the version ``update_info`` names, whole, and stage it."""
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self._session = Session.CLOSED  # as vLLM closes its session when this raises
+            raise
 
     def receive_weights(self, update_info: SlipstreamUpdateInfo) -> None:
         ends = self._ends
@@ -246,6 +254,7 @@ class SlipstreamWeightTransferEngine(
         worker has nothing asynchronous to wait for, so no device synchronization)."""
         staged, self._staged = self._staged, None
         if staged is None:
+            self._session = Session.CLOSED
             return
         began = time.perf_counter()
         initialize_layerwise_reload(self.model)
@@ -256,6 +265,7 @@ class SlipstreamWeightTransferEngine(
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
         self._applied.layout = {name: (tuple(t.shape), t.dtype) for name, t in staged.batch}
+        self._session = Session.CLOSED  # vLLM closes its session once this returns
         self.last_update = UpdateTimings(
             staged.version, staged.received_s, time.perf_counter() - began
         )

@@ -7,9 +7,10 @@ in the order engines arrive (a rank is never given out twice, so the group only 
 vLLM's ``start_weight_update`` / ``update_weights({"version": v})`` /
 ``finish_weight_update(str(v))`` and then resets its prefix cache (cached blocks were
 computed with the old weights), while the publisher sends the version. An engine joins
-by ``init_weight_transfer_engine`` and then closes an update session a dead trainer may
-have left open (the engine changes its model only when a session finishes, with what
-that session staged: see :mod:`.engine`).
+by ``init_weight_transfer_engine``; where its workers say they hold an update session a
+dead trainer left open, the trainer closes it with ``finish_weight_update`` (the engine
+changes its model only when a session finishes, with what that session staged, which
+joining dropped: see :mod:`.engine`).
 
 Invariants: every thread this object starts is joined before the call that started it
 returns, or the call raises naming the engine that did not answer in ``timeout`` seconds; a
@@ -30,6 +31,7 @@ import torch
 from ...errors import SyncError
 from ...sync import SyncGroup, WeightPublisher, init_group
 from .clients import Engine
+from .session import Session, session_key
 
 CHANNEL = "vllm"
 
@@ -48,9 +50,11 @@ class VLLMWeightSync:
     """Publishes a trainer's weights to vLLM engines (see the module's docstring).
 
     ``engines``: the engines present from the start (more come with :meth:`add_engine`);
-    ``bucket_bytes`` and ``transport`` are the publisher's; ``timeout`` (seconds) bounds
-    every wait of the group and every engine call; ``token`` is sent to every engine, whose
-    workers check it against their ``SLIPSTREAM_VLLM_TOKEN`` where that is set.
+    ``port``: where the trainer's store listens (0: a port the system picks as the store
+    starts listening, sent to the engines then); ``bucket_bytes`` and ``transport`` are the
+    publisher's; ``timeout`` (seconds) bounds every wait of the group and every engine
+    call; ``token`` is sent to every engine, whose workers check it against their
+    ``SLIPSTREAM_VLLM_TOKEN`` where that is set.
     """
 
     def __init__(
@@ -71,17 +75,30 @@ class VLLMWeightSync:
         self.members: list[_Member] = []
         self.version: int | None = None
         self._next_rank = 1
-        port = port or _free_port(host)
         self.port = port
         for engine in engines:
             self._place(engine)
         world = self._next_rank
-        infos = {m.engine.name: self._init_info(m, world) for m in self.members}
         self.group: SyncGroup | None = None
         self.publisher: WeightPublisher | None = None
+        listening = threading.Event()
+
+        def listen(bound: int) -> None:
+            self.port = bound
+            listening.set()
+
+        def join(member: _Member) -> None:
+            """Once the store listens (or the trainer failed first), point the engine at it."""
+            listening.wait(timeout)
+            if not self.port:
+                raise SyncError("the trainer's store did not start listening")
+            member.engine.init_weight_transfer_engine(self._init_info(member, world))
 
         def trainer() -> None:
-            self.group = init_group(host, port, world, 0, timeout=timeout)
+            try:
+                self.group = init_group(host, port, world, 0, timeout=timeout, on_listening=listen)
+            finally:  # on a failure too: the engines' calls give up at once
+                listening.set()
             self.publisher = WeightPublisher(
                 self.group,
                 [0],
@@ -91,9 +108,10 @@ class VLLMWeightSync:
                 channel=CHANNEL,
             )
 
-        calls = {m.engine.name: _bind(_join, m.engine, infos[m.engine.name]) for m in self.members}
+        calls = {m.engine.name: _bind(join, m) for m in self.members}
         try:
             _run_all("init_weight_transfer_engine", calls, timeout, trainer)
+            self._close_sessions(self.members)
         except BaseException:
             self._close_group()
             raise
@@ -122,6 +140,21 @@ class VLLMWeightSync:
             "timeout": self.timeout,
             "token": self.token,
         }
+
+    def _close_sessions(self, members: Sequence[_Member]) -> None:
+        """Close the update session a trainer that died between two engine calls left
+        open on any of ``members`` (each worker says whether it holds one as it joins; the
+        engine dropped what that session staged, so the close loads nothing)."""
+        group = self.group
+        assert group is not None
+        open_ = [
+            m
+            for m in members
+            if group.get_text(session_key(m.first_rank), m.first_rank, "its update session")
+            == Session.OPEN.value.encode()
+        ]
+        calls = {m.engine.name: _bind(m.engine.finish_weight_update, None) for m in open_}
+        _run_all("closing an update session a dead trainer left open", calls, self.timeout)
 
     def _publisher(self) -> WeightPublisher:
         if self.publisher is None:
@@ -160,10 +193,11 @@ class VLLMWeightSync:
         try:
             _run_all(
                 "init_weight_transfer_engine",
-                {engine.name: _bind(_join, engine, info)},
+                {engine.name: _bind(engine.init_weight_transfer_engine, info)},
                 self.timeout,
                 lambda: publisher.set_rollouts(self.rollout_ranks),
             )
+            self._close_sessions([member])
         except BaseException:
             self.members.remove(member)
             publisher.set_rollouts(self.rollout_ranks)
@@ -207,23 +241,6 @@ class VLLMWeightSync:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-#: What vLLM's worker answers ``finish_weight_update`` when no update session is open.
-NO_SESSION = "finish_weight_update called without a matching start_weight_update"
-
-
-def _join(engine: Engine, info: dict[str, Any]) -> None:
-    """Point ``engine`` at this trainer's group, then close an update session a trainer
-    that died between two engine calls left open (it staged nothing for this one: the
-    engine's join dropped it), so the first update's ``start_weight_update`` is not
-    refused."""
-    engine.init_weight_transfer_engine(info)
-    try:
-        engine.finish_weight_update(None)
-    except Exception as exc:  # the engine's own error, as each client raises it
-        if NO_SESSION not in str(exc):
-            raise
 
 
 def _update(engine: Engine, version: int) -> None:
@@ -283,11 +300,3 @@ def _run_all(
         raise SyncError(f"{what} failed on the trainer: {own}; " + "; ".join(problems)) from own
     if problems:
         raise SyncError(f"{what} failed on engine(s): " + "; ".join(problems))
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
