@@ -53,22 +53,37 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _ports() -> range:
+    """The ports this test process picks from: below the kernel's ephemeral range, and a
+    share of them of its own under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwN``)."""
+    low, high = 10000, _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        share = (high - low) // count
+        low += int(worker[2:]) % count * share
+        high = low + share
+    return range(low, high)
+
+
 def free_port() -> int:
-    """A port on 127.0.0.1 that is free now and below the kernel's ephemeral range.
+    """A port on 127.0.0.1 that is free now, below the kernel's ephemeral range and in this
+    process's own share of it (:func:`_ports`).
 
     A port the kernel handed out as ephemeral can be handed out again at once, to any
     process's outgoing connection (another test's store client), before the rank meant to
-    listen on it binds it; a port below that range is never chosen for a connection."""
-    low = _ephemeral_low()
+    listen on it binds it; a port below that range is never chosen for a connection, and
+    two xdist workers never pick the same one."""
+    ports = _ports()
     for _ in range(200):
-        port = random.randrange(10000, low)
+        port = random.choice(ports)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in 10000..{low} on 127.0.0.1 after 200 tries")
+    raise RuntimeError(f"no free port in {ports} on 127.0.0.1 after 200 tries")
 
 
 def wait_for_key(store: dist.Store, key: str, timeout: float, what: str) -> bytes:
