@@ -20,10 +20,12 @@ from .group import SyncGroup, init_group
 from .layout.plan import BucketPlan, LayoutMismatch, TensorSpec
 from .layout.runs import Narrow
 from .publisher import PublisherState, PublishHandle, PublishTimings, WeightPublisher
+from .rollout.apply import Layout
 from .subscriber import WeightSubscriber
 
 __all__ = [
     "BucketPlan",
+    "Layout",
     "LayoutMismatch",
     "Narrow",
     "PublishHandle",

@@ -62,15 +62,13 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from ...errors import SyncError
-from ...sync import Narrow, SyncGroup, WeightSubscriber, init_group
+from ...sync import Layout, Narrow, SyncGroup, WeightSubscriber, init_group
 from .session import Session, session_key
 from .slices import record_slices
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "SLIPSTREAM_VLLM_TOKEN"
-
-Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass

@@ -39,11 +39,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...errors import SyncError
-from ...sync.layout.runs import Narrow
+from ...sync import Layout, Narrow
 
-__all__ = ["Narrow", "SliceRecordingError", "Specs", "record_slices"]
-
-Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+__all__ = ["Narrow", "SliceRecordingError", "record_slices"]
 
 
 class SliceRecordingError(SyncError):
@@ -313,7 +311,7 @@ def _meta_stand_ins(model: nn.Module) -> Iterator[None]:
             module._buffers = buffers
 
 
-def record_slices(model: nn.Module, specs: Specs) -> dict[str, Narrow]:
+def record_slices(model: nn.Module, specs: Layout) -> dict[str, Narrow]:
     """For each checkpoint tensor of ``specs`` (name -> shape, dtype) that ``model``'s
     loaders read only in part, the one :class:`Narrow` covering every element they read
     (the bounding box of all their reads, narrowed on the dim that keeps it smallest;
