@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -92,6 +93,58 @@ def test_the_first_streamed_version_carries_its_layout_on_every_transport(transp
     out = spawn(_every_transport, 4, transport, timeout=90)
     assert "'b3' is [1002] float32, the layout has [1003] float32" in out[0], out[0]
     assert out[2] == [True, True, True] and out[3] == [True, True, True], out
+
+
+def _refused_by_one(rank, port, refusing):
+    group = ss.sync.init_group("127.0.0.1", port, 4, rank, timeout=60)
+    if rank in (0, 1):
+        pub = ss.WeightPublisher(group, [0, 1], [2, 3], bucket_bytes=BUCKET, transport="broadcast")
+        assert pub.publish(iter(items(0))).delivered.result(timeout=30) == 0
+        version = items(1)
+        if rank == refusing:  # only this trainer's iterator departs from the layout
+            version = [(n, t[:-1] if n == "b3" else t) for n, t in version]
+        began = time.monotonic()
+        try:
+            pub.publish(iter(version)).delivered.result(timeout=30)
+            error: BaseException | None = None
+        except Exception as exc:
+            error = exc
+        took = time.monotonic() - began
+        assert pub.publish(iter(items(2))).delivered.result(timeout=30) == 2
+        pub.close()
+        group.close()
+        return type(error).__name__, str(error), took
+    sub = ss.WeightSubscriber(group, [0, 1], [2, 3])
+    assert sub.receive(holder()) == 0
+    began = time.monotonic()
+    with pytest.raises(ss.SyncError) as err:
+        sub.receive(holder(), full=True)
+    took = time.monotonic() - began
+    target = holder()
+    assert sub.receive(target, full=True) == 2
+    held = exact(dict(target.named_buffers()), 2)
+    sub.close()
+    group.close()
+    return str(err.value), took, held
+
+
+@pytest.mark.parametrize("refusing", [0, 1])
+def test_a_layout_one_trainer_refuses_ends_the_round_for_everyone_within_seconds(refusing):
+    """Only one trainer's iterator yields 'b3' in another shape (bucket 1, trainer 1's): that
+    trainer raises LayoutMismatch itself, and the other trainer and both rollouts fail the
+    round naming the tensor and the trainer within seconds, whichever trainer it is and
+    whatever the others had sent; the next version reaches both rollouts."""
+    out = spawn(_refused_by_one, 4, refusing, timeout=90)
+    mismatch = "'b3' is [1002] float32, the layout has [1003] float32"
+    kind, error, took = out[refusing]
+    assert kind == "LayoutMismatch" and mismatch in error and took < 10, out[refusing]
+    kind, error, took = out[1 - refusing]
+    assert kind == "SyncError" and mismatch in error, out[1 - refusing]
+    assert f"trainer rank {refusing}" in error and took < 10, out[1 - refusing]
+    for rollout in (2, 3):
+        error, took, held = out[rollout]
+        assert mismatch in error and f"trainer rank {refusing}" in error, out[rollout]
+        assert took < 10 and held is True, out[rollout]
 
 
 def _lacking(rank, port):

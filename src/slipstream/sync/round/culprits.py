@@ -105,8 +105,24 @@ def read_ack(group: SyncGroup, r: int, k: int) -> Ack:
     return decode(Ack, group.get_text(Keys.ack(r, k), r, "an acknowledgement"))
 
 
-def post_abort(group: SyncGroup, k: int, dead: Sequence[int], reason: str) -> RoundAbort:
-    """Post round ``k``'s abort naming ``dead`` unless a rank posted one first; return the
-    abort that stands."""
-    mine = encode(RoundAbort(sorted(dead), reason[:2000]))
+def post_abort(
+    group: SyncGroup,
+    k: int,
+    dead: Sequence[int],
+    reason: str,
+    refused_by: int | None = None,
+) -> RoundAbort:
+    """Post round ``k``'s abort naming ``dead`` (or the trainer ``refused_by`` whose own
+    step refused it) unless a rank posted one first; return the abort that stands."""
+    mine = encode(RoundAbort(sorted(dead), reason[:2000], refused_by))
     return decode(RoundAbort, group.post_first(Keys.abort(k), mine))
+
+
+def refused_here(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a trainer's own step of a round, is that rank's refusal
+    rather than a transfer's failure: slipstream's errors and torch.distributed's are
+    ``RuntimeError`` subclasses, so anything else came from the caller's tensors on this
+    rank or the code reading them (a :class:`..layout.plan.LayoutMismatch`, a ``TypeError`` for
+    an item that is not a tensor, the iterator's own error). Such a rank is the culprit:
+    no member needs looking for."""
+    return not isinstance(exc, RuntimeError)

@@ -129,19 +129,29 @@ class RoundStart:
 
 @dataclass
 class RoundAbort:
-    """A round broke: ``dead`` are the ranks found dead (maybe none), ``reason`` the error."""
+    """A round broke: ``dead`` are the ranks found dead (maybe none), ``reason`` the error.
+    ``refused_by``: the trainer rank whose own step refused the round (the caller's tensors
+    on it did not fit: a layout mismatch, say), which posted this before cutting its
+    transport, so every member that finds its transfer cut reads this as the cause."""
 
     dead: list[int]
     reason: str
+    refused_by: int | None = None
 
     def as_error(self, k: int) -> Exception:
-        """The error a member of round ``k`` raises: the dead ranks as its subject."""
+        """The error a member of round ``k`` raises: the dead ranks as its subject, else
+        the trainer that refused the round."""
         if self.dead:
             return PeerDiedError(
                 f"rollout rank(s) {self.dead} died during round {k}, which the trainers gave "
                 f"up: {self.reason}",
                 self.dead,
                 f"round {k}",
+            )
+        if self.refused_by is not None:
+            return SyncError(
+                f"round {k} was given up by trainer rank {self.refused_by}, which refused "
+                f"it: {self.reason}"
             )
         return SyncError(f"round {k} was given up by a trainer: {self.reason}")
 

@@ -137,16 +137,17 @@ class RolloutRound:
 
     def explain(self, k: int, exc: BaseException) -> BaseException:
         """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
-        timeout, not the target's own), the dead rank named by the round's abort, or a dead
-        trainer or member found by :func:`.culprits.who_broke` (then posted as the abort);
-        else ``exc`` itself."""
+        timeout, not the target's own), the dead rank or the refusing trainer named by the
+        round's abort, or a dead trainer or member found by :func:`.culprits.who_broke`
+        (then posted as the abort); else ``exc`` itself."""
         if not in_transfer(exc):
             return exc
         others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
         try:
             breach = who_broke(self.group, k, self.leader, others, [], exc)
-            if breach.abort is not None:
-                return breach.abort.as_error(k) if breach.abort.dead else exc
+            if breach.abort is not None:  # its dead, or the trainer that refused, broke it
+                abort = breach.abort
+                return abort.as_error(k) if abort.dead or abort.refused_by is not None else exc
             if breach.dead:  # the first to see the round break names the culprit
                 reason = f"rollout rank {self.rank}: {exc}"
                 return post_abort(self.group, k, list(breach.dead), reason).as_error(k)

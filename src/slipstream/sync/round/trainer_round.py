@@ -25,7 +25,7 @@ from ..group import SyncGroup
 from ..layout.described import DESCRIBED
 from ..layout.runs import Routes, Runs
 from ..transport.network import Sender
-from .culprits import post_abort, read_abort, read_ack, refusals, who_broke
+from .culprits import post_abort, read_abort, read_ack, refusals, refused_here, who_broke
 from .negotiation import NETWORK_TRANSPORTS, build_sender, epoch_tag
 from .protocol import Keys, Request, RoundStart, TransportOffer, Wants, decode, encode
 from .state import EpochState
@@ -250,8 +250,21 @@ class TrainerRound:
     def _give_up(self, k: int, start: RoundStart, exc: BaseException) -> BaseException:
         """Give round ``k`` up: drop the epoch's transport (freeing every member blocked on
         it), post the abort naming the members found dead, and return the error to raise:
-        the dead rank as its subject when one is found, else the members' own refusals."""
+        the dead rank as its subject when one is found, else the members' own refusals.
+
+        A refusal of this rank's own (:func:`.culprits.refused_here`: the caller's tensors
+        here did not fit the round) is posted as the abort *before* the transport is cut,
+        so every member whose transfer the cut ends reads it as the cause, and is raised
+        as it is, whatever the others found meanwhile: this rank is the culprit."""
         self.state = EpochState.BROKEN
+        if refused_here(exc):
+            reason = f"trainer rank {self.rank}: {type(exc).__name__}: {exc}"
+            try:
+                post_abort(self.group, k, [], reason, refused_by=self.rank)
+            except (RuntimeError, SyncError):
+                pass  # the store's host is gone: every member finds that out by itself
+            self.drop_sender(broken=True)
+            return exc
         self.drop_sender(broken=True)
         dead: dict[int, str] = {}
         refused: dict[int, str] = {}
@@ -263,6 +276,8 @@ class TrainerRound:
             try:
                 breach = who_broke(self.group, k, self.leader, start.members, start.members, exc)
                 dead, refused = breach.dead, breach.refused
+                if breach.abort is not None and breach.abort.refused_by is not None:
+                    return breach.abort.as_error(k)  # another trainer refused it: the cause
                 if breach.abort is not None:
                     dead = {r: "found dead by another rank" for r in breach.abort.dead}
                     breach_known = True
