@@ -130,7 +130,7 @@ def _refused_by_one(rank, port, refusing):
 
 @pytest.mark.parametrize("refusing", [0, 1])
 def test_a_layout_one_trainer_refuses_ends_the_round_for_everyone_within_seconds(refusing):
-    """Only one trainer's iterator yields 'b3' in another shape (bucket 1, trainer 1's): that
+    """Only one trainer's iterator yields 'b3' in another shape (in bucket 1): that
     trainer raises LayoutMismatch itself, and the other trainer and both rollouts fail the
     round naming the tensor and the trainer within seconds, whichever trainer it is and
     whatever the others had sent; the next version reaches both rollouts."""

@@ -261,7 +261,7 @@ class TrainerRound:
             reason = f"trainer rank {self.rank}: {type(exc).__name__}: {exc}"
             try:
                 post_abort(self.group, k, [], reason, refused_by=self.rank)
-            except (RuntimeError, SyncError):
+            except RuntimeError:  # SyncError among them
                 pass  # the store's host is gone: every member finds that out by itself
             self.drop_sender(broken=True)
             return exc
@@ -281,7 +281,7 @@ class TrainerRound:
                 if breach.abort is not None:
                     dead = {r: "found dead by another rank" for r in breach.abort.dead}
                     breach_known = True
-            except (RuntimeError, SyncError):
+            except RuntimeError:  # SyncError among them
                 pass  # the store's host is gone: every member finds that out by itself
         # a rollout that refused the version and then exited is found gone: its posted
         # refusal is the cause, not its exit
