@@ -53,6 +53,8 @@ from ..errors import PeerTimeoutError, SyncError
 
 STORE_PREFIX = "slipstream/sync/"
 BEAT_SECONDS = 0.5
+#: The rank whose process hosts the group's store: with it gone, nothing can be posted.
+STORE_HOST = 0
 SILENT_AFTER_SECONDS = 3.0
 """Silence that marks a rank on another host dead (six missed beats): with a look every
 quarter second, a death is noticed within four seconds; on the same host at once."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from round_board import Board, Group
 
 from slipstream.errors import SyncError
 from slipstream.sync import LayoutMismatch
@@ -33,41 +34,6 @@ from slipstream.sync.round.versions import RolloutVersions
 ROUND = 2
 START = RoundStart(ROUND, "plan", 0, [2, 3])
 MISMATCH = "'b3' is [1002] float32, the layout has [1003] float32"
-
-
-class Board:
-    """The store the round's ranks share, and the order things happened in."""
-
-    def __init__(self) -> None:
-        self.keys: dict[str, str] = {}
-        self.log: list[str] = []
-
-
-class Group:
-    """The part of a :class:`~slipstream.sync.group.SyncGroup` a trainer's round uses when
-    it gives a round up, on a :class:`Board`."""
-
-    def __init__(self, rank: int, board: Board) -> None:
-        self.rank = rank
-        self.board = board
-
-    def post_first(self, key: str, text: str) -> bytes:
-        if key not in self.board.keys:
-            self.board.keys[key] = text
-            self.board.log.append(f"{key} posted by {self.rank}")
-        return self.board.keys[key].encode()
-
-    def has(self, key: str) -> bool:
-        return key in self.board.keys
-
-    def get_text(self, key: str, rank: int, what: str, timeout: float | None = None) -> str:
-        return self.board.keys[key]
-
-    def dead(self, ranks: list[int]) -> dict[int, str]:
-        return {}
-
-    def drop_subgroup(self, ranks: list[int], tag: str = "", broken: bool = False) -> None:
-        self.board.log.append(f"transport of {self.rank} cut")
 
 
 class Sender:

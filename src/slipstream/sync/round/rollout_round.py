@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ...errors import SyncError
-from ..group import SyncGroup
+from ...errors import PeerDiedError, SyncError
+from ..group import STORE_HOST, SyncGroup
 from ..transport.network import Receiver
 from .culprits import in_transfer, post_abort, read_abort, who_broke
 from .negotiation import build_receiver, epoch_tag
@@ -139,7 +139,16 @@ class RolloutRound:
         """The error for round ``k`` broken by ``exc``: when it is a transport's (not a
         timeout, not the target's own), the dead rank or the refusing trainer named by the
         round's abort, or a dead trainer or member found by :func:`.culprits.who_broke`
-        (then posted as the abort); else ``exc`` itself."""
+        (then posted as the abort); when it is this rank's own finding of a dead member
+        (its transport's watchdog), that finding posted as the abort before the ack, so a
+        trainer whose transfer this rank's cut ended names the dead rank too, not this
+        rank's refusal (unless the store's host is among the dead); else ``exc`` itself."""
+        if isinstance(exc, PeerDiedError) and STORE_HOST not in exc.ranks:
+            try:
+                abort = post_abort(self.group, k, exc.ranks, f"rollout rank {self.rank}: {exc}")
+            except SyncError:  # the store's host is gone: every member finds that out
+                return exc
+            return abort.as_error(k) if abort.dead or abort.refused_by is not None else exc
         if not in_transfer(exc):
             return exc
         others = [r for r in [*self.trainer_ranks, *self._members] if r != self.rank]
