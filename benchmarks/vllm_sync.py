@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -174,9 +175,15 @@ def main() -> None:
     shm_weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     model_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     del net
+    token = secrets.token_hex(16)
+    os.environ["SLIPSTREAM_VLLM_TOKEN"] = token  # the engines' workers inherit it
     engines = [Engine(model_dir, "engine-a"), Engine(model_dir, "engine-b")]
     sync = VLLMWeightSync(
-        [e.client for e in engines], bucket_bytes=bucket, timeout=300, transport=args.transport
+        [e.client for e in engines],
+        bucket_bytes=bucket,
+        timeout=300,
+        transport=args.transport,
+        token=token,
     )
     transport = sync.publisher.transport if sync.publisher is not None else ""
     version = [0]

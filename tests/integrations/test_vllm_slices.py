@@ -51,6 +51,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from slipstream.integrations.vllm.slices import (  # noqa: E402
     Narrow,
     SliceRecordingError,
+    record_loads,
     record_slices,
 )
 
@@ -58,6 +59,7 @@ TP = 2
 HIDDEN, INTERMEDIATE, LAYERS, HEAD_DIM = 128, 256, 2, 32
 VOCAB = 300  # vLLM pads it to 320 (a multiple of 64): 160 rows a rank, the last one 140 real
 UNUSED = "model.layers.0.self_attn.rotary_emb.inv_freq"
+DT = torch.float32
 
 MODELS = {
     "qwen2-tied": ("Qwen2ForCausalLM", True, 2),
@@ -191,6 +193,15 @@ def _tp_rank(rank: int, world: int, model_dir: str, kind: str, ident: str, out: 
             specs = {n: (tuple(t.shape), t.dtype) for n, t in ckpt.items()}
 
             narrows = record_slices(fresh, specs)
+            assert record_loads(fresh, specs).unwritten == [], f"rank {rank}: a whole layout"
+            no_layer = {n: v for n, v in specs.items() if not n.startswith("model.layers.1.")}
+            unwritten = record_loads(fresh, no_layer).unwritten
+            layer = {n for n, _ in fresh.named_parameters() if n.startswith("model.layers.1.")}
+            assert set(unwritten) == layer, f"rank {rank}: layer 1 missing, found {unwritten}"
+            no_norm = {n: v for n, v in specs.items() if n != "model.norm.weight"}
+            assert record_loads(fresh, no_norm).unwritten == ["model.norm.weight"]
+            with pytest.raises((KeyError, ValueError), match=r"layers\.9"):
+                record_loads(fresh, specs | {"model.layers.9.mlp.up_proj.weight": ((4, 4), DT)})
             expected = _expected(_config(kind), rank) | {UNUSED: Narrow(0, 0, 0)}
             assert narrows == expected, f"rank {rank}: recorded {narrows}, implied {expected}"
             embed = fresh.get_submodule("model.embed_tokens").shard_indices
@@ -253,7 +264,8 @@ def _tp_rank(rank: int, world: int, model_dir: str, kind: str, ident: str, out: 
 def test_recorded_slices_cover_what_tp_ranks_read(kind: str, tmp_path: Path) -> None:
     """At TP=2 each rank's narrows are the ones its layers imply, cover every byte its
     loaders read, change nothing of the model, and add up to its own shards plus the
-    replicated tensors."""
+    replicated tensors; a layout missing a layer or a tensor names the parameters left
+    unwritten, and one with a name the loaders do not know raises their error."""
     model_dir = tmp_path / "model"
     _config(kind).save_pretrained(model_dir)
     ident = f"slices-{uuid.uuid4().hex[:12]}"
@@ -301,6 +313,7 @@ def test_a_served_tp2_engine_finds_its_slices_and_is_sent_only_them(tmp_path: Pa
         # vLLM's automatic binding wants a NUMA node per worker: one core each instead
         env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1 % len(cpus)]}")
         env.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # a function for collective_rpc
+        env.setenv("SLIPSTREAM_VLLM_TOKEN", vm.TOKEN)
         llm = LLM(
             model=str(model_dir),
             tensor_parallel_size=TP,
@@ -358,7 +371,7 @@ def _publish_versions(llm, generations, model_dir: Path, specs) -> None:
     before = dict(llm.collective_rpc(_received_on_worker))
     last = vm.reference(vm.model(0), model_dir)
     engine = OfflineEngine(llm, name="tp2", workers=TP)
-    with VLLMWeightSync([engine], bucket_bytes=64 * 1024, timeout=120) as sync:
+    with VLLMWeightSync([engine], bucket_bytes=64 * 1024, timeout=120, token=vm.TOKEN) as sync:
         for version in range(1, 6):
             sync.publish(vm.model(version).state_dict(), version)
             want = vm.reference(vm.model(version), model_dir)

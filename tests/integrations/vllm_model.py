@@ -45,6 +45,9 @@ ENGINE = {
 }
 """The ``vllm.LLM`` options of every engine the tests build on these models (fp32, small,
 the slipstream backend)."""
+TOKEN = "slipstream-tests-token"
+"""The trainer's token, which every engine the tests build holds (``SLIPSTREAM_VLLM_TOKEN``
+in its workers' environment): a worker without one refuses every trainer."""
 
 
 def config(hidden: int = 128, layers: int = 2, vocab: int = 320) -> transformers.LlamaConfig:

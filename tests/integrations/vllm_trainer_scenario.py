@@ -5,7 +5,8 @@
 - ``mid``: once half of the tensors were read (mid-publish);
 - ``after-start``: once the engine answered ``start_weight_update``, before ``update_weights``;
 - ``after-update``: once the engine answered ``update_weights`` (the version received
-  whole), before ``finish_weight_update``.
+  whole and staged), before the swap pauses generation;
+- ``after-pause``: once generation is paused for the swap, before ``finish_weight_update``.
 
 Run as ``python vllm_trainer_scenario.py URL API_KEY VERSION WHERE`` (the key is the
 workers' token too); prints ``joined`` once the engine is in its sync group.
@@ -33,9 +34,13 @@ def main(url: str, api_key: str, version: int, where: str) -> None:
     if where == "after-start":
         HTTPEngine.update_weights = _die  # type: ignore[method-assign]
     elif where == "after-update":
+        HTTPEngine.pause_generation = _die  # type: ignore[method-assign]
+    elif where == "after-pause":
         HTTPEngine.finish_weight_update = _die  # type: ignore[method-assign]
     elif where != "mid":
-        raise ValueError(f"where must be mid, after-start or after-update, got {where!r}")
+        raise ValueError(
+            f"where must be mid, after-start, after-update or after-pause, got {where!r}"
+        )
 
     def dying():
         for i, item in enumerate(weights.items()):

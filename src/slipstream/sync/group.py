@@ -558,12 +558,15 @@ def init_group(
     backend: str = "gloo",
     timeout: float | timedelta = 300.0,
     on_listening: Callable[[int], object] | None = None,
+    idle: Callable[[], None] | None = None,
 ) -> SyncGroup:
     """Join a sync group of ``world_size`` processes; rank 0 hosts its store at ``addr:port``.
 
     Rank 0 may pass ``port=0``: its store then listens on a port the system picks, which
     ``on_listening`` is called with as soon as the store listens (before the wait for the
-    other ranks), to tell them; no other process can take it in between.
+    other ranks), to tell them; no other process can take it in between. ``idle`` runs
+    while this rank waits for the others: raising from it ends the wait (a caller that
+    learnt some rank will not come).
 
     Does not touch the default process group. Returns once every rank has joined, or raises
     :class:`PeerTimeoutError` naming the ranks that did not within ``timeout`` seconds.
@@ -612,7 +615,9 @@ def init_group(
         store, rank, world_size, seconds, backend, addr, incarnation, tcp, store, membership
     )
     try:
-        group.wait_keys({r: f"hello/{r}" for r in range(world_size)}, "every rank to join")
+        group.wait_keys(
+            {r: f"hello/{r}" for r in range(world_size)}, "every rank to join", idle=idle
+        )
     except BaseException:
         membership.close()
         raise

@@ -4,11 +4,14 @@ serves them with ``VLLM_SERVER_DEV_MODE=1``).
 
 Both carry only small control messages (where the sync group is, which version comes);
 the weights travel over slipstream's transports. Each call returns once every worker of the
-engine answered, or raises with the engine's own error.
+engine answered, or raises with the engine's own error; an :class:`HTTPEngine`'s call also
+ends (its connection closed) once its timeout passed, which :meth:`Engine.bounded` caps at
+the trainer's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -33,12 +36,29 @@ class Engine(Protocol):
 
     def finish_weight_update(self, weight_version: str | None) -> None: ...
 
-    def reset_prefix_cache(self) -> None: ...
+    def reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached KV blocks; ``False`` where some are still in use."""
+        ...
+
+    def pause_generation(self) -> None:
+        """Let the requests in flight finish and schedule no other until
+        :meth:`resume_generation` (their tokens all come from one version)."""
+        ...
+
+    def resume_generation(self) -> None: ...
+
+    def bounded(self, timeout: float) -> Engine:
+        """This engine with every call ending within ``timeout`` seconds (where the engine
+        can end a call: an in-process one cannot be)."""
+        ...
 
 
 @dataclass
 class OfflineEngine:
-    """A ``vllm.LLM`` built with ``weight_transfer_config={"backend": "slipstream"}``."""
+    """A ``vllm.LLM`` built with ``weight_transfer_config={"backend": "slipstream"}``.
+
+    Its generation runs on the caller's thread, so none is in flight while the same
+    program publishes: pausing and resuming it do nothing."""
 
     llm: Any
     name: str = "llm"
@@ -59,8 +79,17 @@ class OfflineEngine:
     def finish_weight_update(self, weight_version: str | None) -> None:
         self.llm.finish_weight_update(weight_version)
 
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def pause_generation(self) -> None:
+        return None
+
+    def resume_generation(self) -> None:
+        return None
+
+    def bounded(self, timeout: float) -> OfflineEngine:
+        return self
 
 
 @dataclass
@@ -68,7 +97,8 @@ class HTTPEngine:
     """A ``vllm serve`` at ``url`` (``http://127.0.0.1:PORT``), started with
     ``--weight-transfer-config '{"backend": "slipstream"}'`` and ``VLLM_SERVER_DEV_MODE=1``;
     ``api_key`` is sent as a bearer token when set. ``timeout``: seconds any call may take
-    (an update waits for the whole version)."""
+    (an update waits for the whole version); a call that takes longer is ended, its
+    connection closed."""
 
     url: str
     api_key: str | None = None
@@ -80,7 +110,8 @@ class HTTPEngine:
         self.name = self.name or self.url
 
     def post(self, route: str, body: dict[str, Any] | None = None) -> Any:
-        """POST ``body`` as JSON to ``route``; its JSON answer, or raise with the server's."""
+        """POST ``body`` as JSON to ``route`` (a path, with its query if any); its JSON
+        answer, or raise with the server's."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -113,5 +144,15 @@ class HTTPEngine:
     def finish_weight_update(self, weight_version: str | None) -> None:
         self.post("/finish_weight_update", {"weight_version": weight_version})
 
-    def reset_prefix_cache(self) -> None:
-        self.post("/reset_prefix_cache")
+    def reset_prefix_cache(self) -> bool:
+        answer = self.post("/reset_prefix_cache")
+        return bool(isinstance(answer, dict) and answer.get("success"))
+
+    def pause_generation(self) -> None:
+        self.post("/pause?mode=wait")
+
+    def resume_generation(self) -> None:
+        self.post("/resume")
+
+    def bounded(self, timeout: float) -> HTTPEngine:
+        return dataclasses.replace(self, timeout=min(self.timeout, timeout))

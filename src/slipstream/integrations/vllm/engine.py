@@ -8,18 +8,22 @@ weight-update calls to it:
 - ``init_weight_transfer_engine(init_info)``: the worker joins the trainer's sync group as a
   rollout, at rank ``init_info["rank"]`` plus its own rank in the engine, and builds its
   :class:`~slipstream.sync.WeightSubscriber` (a second call leaves the old group first: a
-  new trainer, or the same one restarted). Where the worker's environment sets
-  ``SLIPSTREAM_VLLM_TOKEN``, ``init_info["token"]`` must match it, or nothing is joined
-  (``vllm serve``'s ``--api-key`` does not guard its RL routes: this says who may point the
-  engine at a sync group);
+  new trainer, or the same one restarted). Closed by default: ``init_info["token"]`` must
+  match the worker's ``SLIPSTREAM_VLLM_TOKEN``, or nothing is joined (``vllm serve``'s
+  ``--api-key`` does not guard its RL routes: this says who may point the engine at a sync
+  group); a worker without one refuses every trainer unless ``SLIPSTREAM_VLLM_NO_TOKEN=1``
+  says any caller that reaches it may (logged). ``init_info["session"]``, the trainer's
+  nonce, is what every later ``update_weights`` of this trainer carries;
 - ``start_weight_update()``: drops a version staged in a session that was never finished;
   the model is not touched;
-- ``update_weights({"version": v})``: receives the next published version over
-  slipstream's transports (never through vLLM's RPC, which carries only this dict) into a
-  host buffer (``atomic=True``), whole, and stages it; the model is not touched. With tensor
-  parallelism a worker receives only the part of each tensor its loaders read
-  (:mod:`.slices` learns them once per layout, by running the loaders on placeholders);
-  else every byte;
+- ``update_weights({"version": v, "session": s})``: refused at once if ``s`` is not this
+  trainer's nonce, or ``v`` not the version the trainer publishes now (a call that outlived
+  its timeout); else receives version ``v`` over slipstream's transports (never through
+  vLLM's RPC, which carries only this dict) into a host buffer (``atomic=True``), whole,
+  checks it against what the model's own loaders expect and stages it; the model is not
+  touched. With tensor parallelism a worker receives only the part of each tensor its
+  loaders read (:mod:`.slices` learns them once per layout, by running the loaders on
+  placeholders); else every byte;
 - ``finish_weight_update()``: loads the staged version into the model through vLLM's
   layerwise reload (a CPU worker's linear weights are repacked for oneDNN: a load must go
   through it), in one ``load_weights`` call; vLLM then records its number. A session
@@ -34,10 +38,19 @@ with), and changes only in ``finish_weight_update``, the call after which vLLM n
 new version: a trainer that dies between two calls leaves the model and its version as
 they were. A transfer that breaks (the trainer or another rollout dying, a bucket that does not
 check) raises from ``update_weights`` before any weight is touched, naming who broke it;
-a version whose tensors differ in names, shapes or dtypes from the one the model took
-first, or whose number is not the one ``update_weights`` names (a call that arrives late
-meets a later round), is refused the same way. The engine keeps serving the version it
-holds, and takes the next publish.
+so is a version the model's loaders would not take whole: a name they do not know, a
+shape they refuse, a parameter no tensor of it writes (a missing layer; learnt once per
+layout by running the loaders on placeholders, :func:`.slices.record_loads`), tensors
+that differ in names, shapes or dtypes from the version the model took first, or a number
+not the one ``update_weights`` names (a call that arrives late meets a later round). The
+engine keeps serving the version it holds, and takes the next publish. A load that fails
+part-way all the same (the loaders' own error on real bytes) loads the version the model
+held again, from a host copy of its checkpoint tensors taken after every load
+(:mod:`.held`: the worker's part of the model, once more in host memory), and raises
+saying so; only where that cannot be done (a first update, or it fails too) does the
+worker hold no complete version (:attr:`~.session.Holding.NONE`) until one lands whole,
+which it says in the error and to the trainer, which keeps generation paused on that
+engine.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -63,12 +76,14 @@ from vllm.model_executor.model_loader.reload import (
 
 from ...errors import SyncError
 from ...sync import Layout, Narrow, SyncGroup, WeightSubscriber, init_group
-from .session import Session, session_key
-from .slices import record_slices
+from .held import HeldCopy
+from .session import PUBLISHING_KEY, Holding, Session, holding_key, session_key
+from .slices import Loads, SliceRecordingError, record_loads
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "SLIPSTREAM_VLLM_TOKEN"
+NO_TOKEN_ENV = "SLIPSTREAM_VLLM_NO_TOKEN"
 
 
 @dataclass
@@ -79,7 +94,8 @@ class SlipstreamInitInfo(WeightTransferInitInfo):
     counts every rank of the group up to this engine's last worker (a group grows when an
     engine joins past its first size); ``trainer_ranks`` and ``rollout_ranks`` are the
     publisher's, ``channel`` its name; ``token`` must match the worker's
-    ``SLIPSTREAM_VLLM_TOKEN`` where that is set."""
+    ``SLIPSTREAM_VLLM_TOKEN``; ``session`` is the nonce every later update of this trainer
+    carries."""
 
     host: str
     port: int
@@ -90,13 +106,16 @@ class SlipstreamInitInfo(WeightTransferInitInfo):
     channel: str
     timeout: float = 60.0
     token: str = ""
+    session: str = ""
 
 
 @dataclass
 class SlipstreamUpdateInfo(WeightTransferUpdateInfo):
-    """The version the trainer publishes; its bytes come over the sync group."""
+    """The version the trainer publishes (its bytes come over the sync group), and the
+    trainer's session nonce."""
 
     version: int
+    session: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +135,7 @@ class _Ends:
 
     group: SyncGroup
     subscriber: WeightSubscriber
+    rank: int
 
     def close(self) -> None:
         self.subscriber.close()
@@ -135,10 +155,10 @@ class _Staged:
 @dataclass
 class _Applied:
     """What the last loaded version looked like (checked against every later one), and
-    the parts of a layout this worker reads (learnt once per layout)."""
+    what the model's loaders do with a layout (learnt once per layout)."""
 
     layout: Layout = field(default_factory=dict)
-    keeps: tuple[Layout, dict[str, Narrow]] | None = None
+    loads: tuple[Layout, Loads] | None = None
 
 
 class SlipstreamWeightTransferEngine(
@@ -156,7 +176,10 @@ class SlipstreamWeightTransferEngine(
         self._applied = _Applied()
         self.last_update: UpdateTimings | None = None
         self._staged: _Staged | None = None
+        self._keeper = HeldCopy()
         self._session = Session.CLOSED
+        self._holding = Holding.COMPLETE
+        self._nonce = ""
 
     @property
     def rank_in_engine(self) -> int:
@@ -165,12 +188,7 @@ class SlipstreamWeightTransferEngine(
     def init_transfer_engine(self, init_info: SlipstreamInitInfo) -> None:
         """Join the trainer's sync group (leaving any earlier one) and subscribe."""
         info = init_info
-        expected = os.environ.get(TOKEN_ENV)
-        if expected and not hmac.compare_digest(expected.encode(), info.token.encode()):
-            raise PermissionError(
-                f"slipstream: init_weight_transfer_engine refused: its token does not match "
-                f"this worker's {TOKEN_ENV}"
-            )
+        _check_token(info.token)
         self.shutdown()
         self._staged = None  # a dead trainer's unfinished version is not this one's
         rank = info.rank + self.rank_in_engine
@@ -182,8 +200,10 @@ class SlipstreamWeightTransferEngine(
         except BaseException:
             group.close()
             raise
-        self._ends = _Ends(group, subscriber)
+        self._ends = _Ends(group, subscriber, rank)
+        self._nonce = info.session
         group.post(session_key(rank), self._session.value)  # read by the trainer
+        group.post(holding_key(rank), self._holding.value)
         logger.info("slipstream: worker joined the sync group at rank %d", rank)
 
     def start_weight_update(self) -> None:
@@ -206,7 +226,20 @@ class SlipstreamWeightTransferEngine(
             raise SyncError(
                 "slipstream: update_weights before init_weight_transfer_engine on this worker"
             )
+        if not hmac.compare_digest(self._nonce.encode(), update_info.session.encode()):
+            raise PermissionError(
+                "slipstream: update_weights refused: it does not carry the session of the "
+                "trainer this worker joined"
+            )
         self._staged = None
+        publishing = int(ends.group.get_text(PUBLISHING_KEY, 0, "the version it publishes"))
+        if publishing != update_info.version:
+            raise SyncError(
+                f"slipstream: update_weights for version {update_info.version} refused: the "
+                f"trainer publishes version {publishing} now (a call that outlived its "
+                "timeout); nothing was received"
+            )
+        self._keeper.join()  # it reads the buffer this receive overwrites
         started = time.perf_counter()
         keeps = self._keeps if self.parallel_config.tensor_parallel_size > 1 else None
         batches: list[list[tuple[str, torch.Tensor]]] = []
@@ -220,26 +253,56 @@ class SlipstreamWeightTransferEngine(
         batch = [item for b in batches for item in b]
         self._staged = _Staged(version, batch, time.perf_counter() - started)
 
-    def _keeps(self, layout: Layout) -> dict[str, Narrow]:
-        """The part of each checkpoint tensor this worker's loaders read (a tensor-parallel
-        rank's rows or columns), learnt once per layout by running them on placeholders."""
-        held = self._applied.keeps
+    def _loads(self, layout: Layout) -> Loads:
+        """What this worker's loaders do with ``layout``: the part of each checkpoint tensor
+        they read (a tensor-parallel rank's rows or columns) and the parameters they leave
+        unwritten, learnt once per layout by running them on placeholders; a layout they
+        refuse raises, naming why, before any weight is touched. Loaders that need the
+        values cannot be run so: without tensor parallelism the version is then checked
+        only against the one the model holds."""
+        held = self._applied.loads
         if held is None or held[0] != layout:
-            held = (layout, record_slices(self.model, layout))
-            self._applied.keeps = held
+            try:
+                loads = record_loads(self.model, layout)
+            except SliceRecordingError:
+                if self.parallel_config.tensor_parallel_size > 1:
+                    raise  # its parts cannot be learnt: it cannot be sent them
+                logger.warning(
+                    "slipstream: worker %d's loaders need the weights' values, so a version "
+                    "is checked only against the one the model holds",
+                    self.rank_in_engine,
+                    exc_info=True,
+                )
+                loads = Loads({}, [])
+            except Exception as e:  # the loaders' own refusal, of whatever type
+                raise SyncError(
+                    "slipstream: refused a version the model's loaders do not take, before "
+                    f"touching any weight: {type(e).__name__}: {e}"
+                ) from e
+            held = (layout, loads)
+            self._applied.loads = held
             logger.info(
                 "slipstream: worker %d reads %d of %d checkpoint tensors in part",
                 self.rank_in_engine,
-                len(held[1]),
+                len(loads.narrows),
                 len(layout),
             )
         return held[1]
 
+    def _keeps(self, layout: Layout) -> dict[str, Narrow]:
+        """The part of each checkpoint tensor this worker's loaders read."""
+        return self._loads(layout).narrows
+
     def _checked(self, batch: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """``batch`` (a whole version, views of the subscriber's host buffer), once its
-        layout is the one the model holds (refused, before any weight is touched, if not)."""
+        """``batch`` (a whole version, views of the subscriber's host buffer), once the
+        model's loaders take it whole and its layout is the one the model holds (refused,
+        before any weight is touched, if not)."""
         layout = {name: (tuple(t.shape), t.dtype) for name, t in batch}
-        problems = _differences(self._applied.layout, layout)
+        problems = list(_differences(self._applied.layout, layout))
+        if not problems:
+            unwritten = self._loads(layout).unwritten
+            if unwritten:
+                problems.append(f"no tensor of it writes the parameters {unwritten[:5]}")
         if problems:
             raise SyncError(
                 "slipstream: refused a version unlike the one the model holds, before "
@@ -249,24 +312,32 @@ class SlipstreamWeightTransferEngine(
 
     def finish_weight_update(self) -> None:
         """Load the version this session staged (nothing staged: nothing to load; a CPU
-        worker has nothing asynchronous to wait for, so no device synchronization)."""
+        worker has nothing asynchronous to wait for, so no device synchronization). A load
+        that fails part-way loads the version the model held again (:class:`_Held`) and
+        raises, which leaves vLLM's session open: the trainer closes it with another
+        ``finish_weight_update``, which has nothing staged to load. Where that cannot be
+        done (no copy yet: the first update; or it fails too), the worker holds no
+        complete version."""
         staged, self._staged = self._staged, None
-        if staged is None:
-            self._session = Session.CLOSED
-            return
+        if staged is not None:
+            self._load(staged)
+        self._session = Session.CLOSED  # vLLM closes its session once this returns
+
+    def _load(self, staged: _Staged) -> None:
         began = time.perf_counter()
-        initialize_layerwise_reload(self.model)
+        self._keeper.join()  # the copy of the held version is whole before it is needed
         try:
-            cast(Any, self.model).load_weights(staged.batch)  # vLLM's models, not nn.Module's
-        finally:  # layers left incomplete get their old tensors back: never left on meta
-            finalize_layerwise_reload(self.model, self.model_config)
+            _load(self.model, self.model_config, staged.batch)
+        except BaseException as e:
+            raise self._put_back(staged.version, e) from e
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
         self._applied.layout = {name: (tuple(t.shape), t.dtype) for name, t in staged.batch}
-        self._session = Session.CLOSED  # vLLM closes its session once this returns
+        self._hold(Holding.COMPLETE)
         self.last_update = UpdateTimings(
             staged.version, staged.received_s, time.perf_counter() - began
         )
+        self._keeper.keep(staged.version, staged.batch)
         logger.info(
             "slipstream: version %d received in %.3f s, loaded in %.3f s",
             staged.version,
@@ -274,11 +345,74 @@ class SlipstreamWeightTransferEngine(
             self.last_update.loaded_s,
         )
 
+    def _put_back(self, version: int, cause: BaseException) -> SyncError:
+        """After loading ``version`` failed part-way with ``cause``: the version the model
+        held loaded again, and the error saying so (or that the worker now holds no
+        complete version, where it could not be)."""
+        failed = f"slipstream: loading version {version} failed part-way"
+        why = f"{type(cause).__name__}: {cause}"
+        held = self._keeper.held
+        try:
+            if held is None:
+                raise SyncError("no copy of it is kept before a first update")
+            _load(self.model, self.model_config, held.batch)
+        except BaseException as e:
+            self._hold(Holding.NONE)
+            return SyncError(
+                f"{failed} and the version held could not be loaded again ({type(e).__name__}: "
+                f"{e}): this worker holds no complete version until one lands: {why}"
+            )
+        return SyncError(
+            f"{failed}; version {held.version}, which the model held, is loaded again: {why}"
+        )
+
+    def _hold(self, holding: Holding) -> None:
+        """Record what the model holds, and tell the trainer where it changed."""
+        changed, self._holding = self._holding is not holding, holding
+        if changed and self._ends is not None:
+            self._ends.group.post(holding_key(self._ends.rank), holding.value)
+
     def shutdown(self) -> None:
         """Leave the sync group (the engine keeps serving what it holds)."""
+        self._keeper.join()
         ends, self._ends = self._ends, None
         if ends is not None:
             ends.close()
+
+
+def _load(model: Any, model_config: Any, batch: list[tuple[str, torch.Tensor]]) -> None:
+    """``batch`` into ``model`` through vLLM's layerwise reload, in one ``load_weights``
+    call (vLLM's models, not ``nn.Module``'s); layers it leaves incomplete get their old
+    tensors back, never left on meta."""
+    initialize_layerwise_reload(model)
+    try:
+        model.load_weights(batch)
+    finally:
+        finalize_layerwise_reload(model, model_config)
+
+
+def _check_token(token: str) -> None:
+    """Refuse a trainer whose ``token`` is not this worker's ``SLIPSTREAM_VLLM_TOKEN`` (or
+    any trainer where the worker has none, unless ``SLIPSTREAM_VLLM_NO_TOKEN=1``)."""
+    expected = os.environ.get(TOKEN_ENV, "")
+    if not expected:
+        if os.environ.get(NO_TOKEN_ENV) == "1":
+            logger.warning(
+                "slipstream: joining a sync group without a token (%s=1): any caller that "
+                "reaches this engine's RL routes can point it at weights of its own",
+                NO_TOKEN_ENV,
+            )
+            return
+        raise PermissionError(
+            f"slipstream: init_weight_transfer_engine refused: this worker has no {TOKEN_ENV} "
+            f"(set it to the trainer's token where the engine starts, or {NO_TOKEN_ENV}=1 to "
+            "let any caller that reaches the engine point it at a sync group)"
+        )
+    if not hmac.compare_digest(expected.encode(), token.encode()):
+        raise PermissionError(
+            f"slipstream: init_weight_transfer_engine refused: its token does not match "
+            f"this worker's {TOKEN_ENV}"
+        )
 
 
 def _differences(held: Layout, new: Layout, shown: int = 5) -> Sequence[str]:

@@ -1,11 +1,15 @@
-"""Which part of each checkpoint tensor a vLLM worker reads: :func:`record_slices`.
+"""What a vLLM worker's loaders do with a checkpoint's layout: :func:`record_loads` (and
+:func:`record_slices`, its reads alone).
 
 With tensor parallelism a worker's weight loaders read only a slice of most checkpoint
 tensors (column-parallel q/k/v and gate/up take rows, row-parallel o_proj and down_proj
 take columns, vocab-parallel embeddings take rows, norms are read whole). The worker's own
 loaders say which: :func:`record_slices` runs ``model.load_weights`` once on recording
 placeholders, one per checkpoint tensor, and returns for each tensor read only in part the
-one :class:`Narrow` covering every element its loaders read.
+one :class:`Narrow` covering every element its loaders read; :func:`record_loads` also
+names the parameters no tensor of the layout writes (a layer missing from it), and the
+loaders' own error (a name they do not know, a shape they refuse) comes out of the
+recording, so a layout is known to load whole before a byte of it reaches the model.
 
 How nothing of the model is touched: for the recording, every module's parameters and
 buffers are swapped for meta tensors of the layout its loaders expect (the metadata vLLM
@@ -31,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -41,7 +45,7 @@ from torch.utils import _pytree as pytree
 from ...errors import SyncError
 from ...sync import Layout, Narrow
 
-__all__ = ["Narrow", "SliceRecordingError", "record_slices"]
+__all__ = ["Loads", "Narrow", "SliceRecordingError", "record_loads", "record_slices"]
 
 
 class SliceRecordingError(SyncError):
@@ -149,23 +153,43 @@ _GEOMETRY_ONLY = {
 }
 
 
+@dataclass
+class Loads:
+    """What a worker's loaders do with a layout: ``narrows``, the part of each checkpoint
+    tensor they read where it is not the whole (see :func:`record_slices`); ``unwritten``,
+    the model's parameters that no tensor of the layout writes an element of."""
+
+    narrows: dict[str, Narrow]
+    unwritten: list[str]
+
+
+@dataclass
+class _Recording:
+    """One recording's reads (checkpoint tensor name -> what was read of it) and writes
+    (a stand-in's storage -> elements written into it)."""
+
+    reads: dict[str, _Reads]
+    writes: dict[int, int] = field(default_factory=dict)
+
+
 class _Placeholder(torch.Tensor):
     """A checkpoint tensor as the loaders see it during a recording: a meta view
     (``_view``) of the tensor ``_name``; its view ops return placeholders, its other ops
-    record a read in ``_reads`` and run on meta. Their results are placeholders too,
-    ``_derived`` from the tensors ``_name`` names (reading one reads nothing more of them),
-    so that copying one into a tensor of the loader's own runs on meta as well."""
+    record a read in ``_rec`` (and the elements an op writes into a stand-in) and run on
+    meta. Their results are placeholders too, ``_derived`` from the tensors ``_name``
+    names (reading one reads nothing more of them), so that copying one into a tensor of
+    the loader's own runs on meta as well."""
 
     _name: str
     _view: torch.Tensor
-    _reads: dict[str, _Reads]
+    _rec: _Recording
     _derived: bool
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(
-        cls, name: str, view: torch.Tensor, reads: dict[str, _Reads], derived: bool = False
+        cls, name: str, view: torch.Tensor, rec: _Recording, derived: bool = False
     ) -> _Placeholder:
         t = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -176,14 +200,14 @@ class _Placeholder(torch.Tensor):
             device=torch.device("meta"),
             requires_grad=False,
         )
-        t._name, t._view, t._reads, t._derived = name, view, reads, derived
+        t._name, t._view, t._rec, t._derived = name, view, rec, derived
         return t
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"_Placeholder({self._name!r}, shape={tuple(self.shape)})"
 
     def _child(self, view: torch.Tensor) -> _Placeholder:
-        return _Placeholder(self._name, view, self._reads, self._derived)
+        return _Placeholder(self._name, view, self._rec, self._derived)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch's default is a plain function
@@ -198,7 +222,7 @@ class _Placeholder(torch.Tensor):
         if func.overloadpacket not in _GEOMETRY_ONLY:
             for p in held:
                 if not p._derived:
-                    p._reads[p._name].add(p._view)
+                    p._rec.reads[p._name].add(p._view)
         names = ", ".join(sorted({p._name for p in held}))
         try:
             out = func(*_on_meta(args), **_on_meta(kwargs))
@@ -207,13 +231,22 @@ class _Placeholder(torch.Tensor):
                 f"slipstream: recording the slices of {names}, a weight loader called {func}, "
                 f"which needs the tensor's values: {e}"
             ) from e
+        rec = held[0]._rec
         written = _written_argument(func, args, kwargs)
         if written is not None:
+            if isinstance(written, torch.Tensor) and not isinstance(written, _Placeholder):
+                key = _storage(written)
+                rec.writes[key] = rec.writes.get(key, 0) + written.numel()
             return written
-        reads = held[0]._reads
         return pytree.tree_map_only(
-            torch.Tensor, lambda t: _Placeholder(names, t, reads, derived=True), out
+            torch.Tensor, lambda t: _Placeholder(names, t, rec, derived=True), out
         )
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which storage ``t`` views (a meta tensor's too: each has one of its own)."""
+    key: int = t.untyped_storage()._cdata
+    return key
 
 
 def _on_meta(tree: Any) -> Any:
@@ -293,22 +326,53 @@ def _loader_layout(
 
 
 @contextmanager
-def _meta_stand_ins(model: nn.Module) -> Iterator[None]:
-    """Within: every module of ``model`` holds meta stand-ins (:func:`_loader_layout`);
-    after, its own parameter and buffer dicts again, the same objects."""
+def _meta_stand_ins(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Within: every module of ``model`` holds meta stand-ins (:func:`_loader_layout`),
+    yielded by parameter (its first name: every stand-in of it, one per module holding a
+    tied one); after, its own parameter and buffer dicts again, the same objects."""
     held: list[tuple[nn.Module, Any, Any]] = []
     memo: dict[int, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    stand_ins: dict[str, list[torch.Tensor]] = {}
     try:
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             params, buffers = _loader_layout(module, memo)
             held.append((module, module._parameters, module._buffers))
+            for name, real in module._parameters.items():
+                shell = params.get(name)
+                if real is None or shell is None:
+                    continue
+                first = names.setdefault(id(real), f"{prefix}.{name}" if prefix else name)
+                stand_ins.setdefault(first, []).append(shell)
             module._parameters = cast(Any, params)
             module._buffers = cast(Any, buffers)
-        yield
+        yield stand_ins
     finally:
         for module, params, buffers in held:
             module._parameters = params
             module._buffers = buffers
+
+
+def record_loads(model: nn.Module, specs: Layout) -> Loads:
+    """What ``model``'s loaders do with a checkpoint of ``specs`` (name -> shape, dtype):
+    the narrows of :func:`record_slices` and the parameters they write no element of.
+
+    Runs ``model.load_weights`` once, on placeholders (as :func:`record_slices` does);
+    the loaders' own error for a layout they refuse is raised as it is."""
+    rec = _Recording({name: _Reads(tuple(shape), dtype) for name, (shape, dtype) in specs.items()})
+    batch = [
+        (name, _Placeholder(name, torch.empty(shape, dtype=dtype, device="meta"), rec))
+        for name, (shape, dtype) in specs.items()
+    ]
+    with torch.no_grad(), _meta_stand_ins(model) as stand_ins:
+        cast(Any, model).load_weights(batch)  # vLLM's models, not nn.Module's
+    narrows = {name: r.narrow() for name, r in rec.reads.items()}
+    unwritten = [
+        name
+        for name, shells in stand_ins.items()
+        if shells[0].numel() and not any(rec.writes.get(_storage(t)) for t in shells)
+    ]
+    return Loads({name: n for name, n in narrows.items() if n is not None}, unwritten)
 
 
 def record_slices(model: nn.Module, specs: Layout) -> dict[str, Narrow]:
@@ -323,12 +387,4 @@ def record_slices(model: nn.Module, specs: Layout) -> dict[str, Narrow]:
     are the same objects, bytes unchanged, afterwards (meanwhile the model holds meta
     stand-ins: call it where nothing runs the model, as a worker's RPCs do). Raises
     :class:`SliceRecordingError` where a loader needs a tensor's values."""
-    reads = {name: _Reads(tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
-    batch = [
-        (name, _Placeholder(name, torch.empty(shape, dtype=dtype, device="meta"), reads))
-        for name, (shape, dtype) in specs.items()
-    ]
-    with torch.no_grad(), _meta_stand_ins(model):
-        cast(Any, model).load_weights(batch)  # vLLM's models, not nn.Module's
-    narrows = {name: r.narrow() for name, r in reads.items()}
-    return {name: n for name, n in narrows.items() if n is not None}
+    return record_loads(model, specs).narrows
