@@ -480,8 +480,9 @@ class WeightPublisher:
         """Fix the layout (names, global shapes, dtypes, ties) that streamed publishes must
         follow, from tensors shaped as the published ones will be: e.g. the model's
         ``state_dict()`` (DTensors give their global shape; meta tensors are fine, though
-        their ties cannot be seen; DTensors placed by rows are planned to be sent by shard).
-        Nothing is read from their bytes and nothing is sent."""
+        their ties cannot be seen; DTensors placed by rows or columns, :mod:`.layout.holders`,
+        are planned to be sent by shard). Nothing is read from their bytes and nothing is
+        sent."""
         specs, tensors = unique_tensors(named_items(named_tensors))
         self._plan_for(specs, self._holders(specs, tensors))
 

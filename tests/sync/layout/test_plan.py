@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from slipstream.sync.layout.plan import BucketPlan, TensorSpec, payload_offsets
 
 BUCKET = 64 * 1024
@@ -65,3 +67,100 @@ def test_payload_segments_cover_the_included_slices_once_in_payload_order():
     assert [(s.start, s.nbytes, s.slice) for s in whole] == [
         (0, payload_offsets(slices, [1] * 5)[1], None)
     ]
+
+
+def _held_by(shape, mesh_shape, placements):
+    """The bytes of a float32 tensor of ``shape`` each mesh coordinate (trainer rank, in
+    row-major order) holds, from DTensor's own arithmetic, element by element."""
+    import itertools
+
+    import torch
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    index = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    held = {}
+    coords = itertools.product(*(range(n) for n in mesh_shape))
+    for rank, coord in enumerate(coords):
+        size, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
+        box = index[tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))]
+        held[rank] = {int(e) * 4 + b for e in box.flatten().tolist() for b in range(4)}
+    return held
+
+
+def test_trainer_shards_placed_by_rows_and_columns_are_cut_into_parts_that_cover_each_byte_once():
+    """Shard(1) (a row-parallel weight's band of columns), Shard(0) x Shard(1) (dp x tp),
+    Shard(1) uneven and a replicated dimension (the replicas split a strided box by rows): every
+    byte of the
+    tensor is in exactly one part, of a trainer that holds it; the plan's slices are ranges
+    of the parts' runs, aligned in the payload; the layout round-trips through its JSON.
+    Shard of a later dimension has no holders (it is gathered)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from slipstream.sync.layout.holders import _parts
+    from slipstream.sync.layout.plan import ALIGN, layout_json, plan_from_json
+
+    cases = [
+        ((6, 10), (2,), (Shard(1),)),
+        ((6, 10), (2, 2), (Shard(0), Shard(1))),
+        ((7, 5), (2,), (Shard(1),)),
+        ((5, 6, 3), (2, 2), (Replicate(), Shard(1))),
+        ((4, 8), (4,), (Shard(0),)),
+    ]
+    for shape, mesh_shape, placements in cases:
+        spec = TensorSpec("w", shape, "float32")
+        world = int(torch.tensor(mesh_shape).prod())
+        mesh = SimpleNamespace(mesh=torch.arange(world).view(mesh_shape))
+        t: Any = SimpleNamespace(placements=placements, device_mesh=mesh)
+        parts = _parts(spec, t, {r: r for r in range(world)})
+        assert parts is not None, (shape, placements)
+        held = _held_by(shape, mesh_shape, placements)
+        seen: list[int] = []
+        for p in parts:
+            mine = [b for run in p.run_starts() for b in range(run, run + p.stop - p.start)]
+            assert set(mine) <= held[p.owner], (shape, placements, p)
+            seen += mine
+        assert sorted(seen) == list(range(spec.nbytes)), (shape, placements)
+        holders = (parts,)
+        plan = BucketPlan.build([spec], 128, list(range(world)), holders)
+        assert sum(s.nbytes for s in plan.slices) == spec.nbytes
+        for s in plan.slices:
+            owner = plan.buckets[s.bucket].owner
+            bytes_ = set(range(s.tensor_offset, s.tensor_offset + s.nbytes))
+            assert bytes_ <= held[owner] and s.bucket_offset % ALIGN == 0, (placements, s)
+        meta = layout_json(plan.specs, 128, plan.trainer_ranks, plan.holders)
+        assert plan_from_json(meta) == plan
+    mesh = SimpleNamespace(mesh=torch.arange(2))
+    later: Any = SimpleNamespace(placements=(Shard(2),), device_mesh=mesh)
+    assert _parts(TensorSpec("w", (2, 2, 4), "float32"), later, {0: 0, 1: 1}) is None
+
+
+def test_a_bucket_of_narrow_column_bands_is_closed_when_its_header_is_full():
+    """A ``Shard(1)`` part is a slice per row: rows of 64 bytes would put 131072 slices in an
+    8 MiB bucket, past a header's room; each bucket is closed at ``MAX_SLICES`` instead, the
+    next taking the rest, and the slices still cover every byte once, in each owner's
+    buckets only."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from slipstream.sync.layout.holders import _parts
+    from slipstream.sync.layout.plan import HEADER_CAP, MAX_SLICES
+
+    spec = TensorSpec("band", (70_000, 32), "float32")
+    mesh = SimpleNamespace(mesh=torch.arange(2))
+    t: Any = SimpleNamespace(placements=(Shard(1),), device_mesh=mesh)
+    parts = _parts(spec, t, {0: 0, 1: 1})
+    assert parts is not None and {p.count for p in parts} == {70_000}
+    plan = BucketPlan.build([spec], 8 * 2**20, [0, 1], (parts,))
+    assert max(b.num_slices for b in plan.buckets) == MAX_SLICES
+    assert plan.max_header_bytes <= HEADER_CAP
+    assert len(plan.slices) == 140_000 and len(plan.buckets) == 4
+    covered = sorted((s.tensor_offset, s.nbytes) for s in plan.slices)
+    assert all(n == 64 for _, n in covered)
+    assert [o for o, _ in covered] == list(range(0, spec.nbytes, 64))
+    for s in plan.slices:  # owner 0 holds the first 16 columns of each 128-byte row
+        assert (s.tensor_offset % 128 == 0) == (plan.buckets[s.bucket].owner == 0), s

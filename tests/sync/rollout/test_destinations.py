@@ -71,3 +71,44 @@ def test_a_destination_is_whole_only_when_it_holds_every_byte_in_order():
     assert not Runs.one(0, 6, 12).whole  # the first shard of rows
     assert Runs(0, 4, 4, 3, 12).whole  # every column of 3 rows
     assert not Runs(0, 2, 4, 3, 12).whole  # a band of columns
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "placements"),
+    [
+        ((6, 10), (2,), ("S1",)),
+        ((7, 5), (2,), ("S1",)),
+        ((6, 10), (2, 2), ("S0", "S1")),
+        ((5, 6, 3), (2, 2), ("R", "S1")),
+        ((7, 6, 8), (2, 2), ("S1", "S0")),
+        ((10, 16), (2, 2), ("S1", "S1")),
+        ((9,), (2, 2), ("S0", "R")),
+    ],
+)
+def test_a_shards_runs_are_its_box_of_the_tensor_in_the_shards_own_order(
+    shape, mesh_shape, placements
+):
+    """The geometry a trainer reads its own shard by and a rollout's DTensor target keeps
+    (:meth:`Runs.of_box`), on meshes of one and two dimensions: the bytes its runs pick out
+    of the tensor, one after another, are the bytes of the shard ``torch`` indexing cuts
+    from the tensor at DTensor's offset and size."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    data = full.flatten().view(torch.uint8)
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        size, offset = _compute_local_shape_and_global_offset(
+            shape, mesh_shape, list(coord), [place[p] for p in placements]
+        )
+        runs = Runs.of_box(shape, 4, tuple(offset), tuple(size))
+        assert runs is not None
+        box = full[tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))]
+        picked = [
+            data[runs.start + k * runs.stride : runs.start + k * runs.stride + runs.length]
+            for k in range(runs.count)
+        ]
+        got = torch.cat(picked) if picked else torch.empty(0, dtype=torch.uint8)
+        assert torch.equal(got, box.contiguous().flatten().view(torch.uint8)), coord
+    assert Runs.of_box((2, 4, 8), 4, (0, 0, 0), (2, 4, 4)) is None  # a band of dim 2

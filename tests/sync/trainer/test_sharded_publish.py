@@ -11,8 +11,8 @@ the network (relay, broadcast) the trainers send it only those.
 The reference is each version's full tensors, gathered by the trainers with
 ``full_tensor()`` after the publish (outside the counted window). The count: the default
 group's collective sequence number, and calls to ``DTensor.full_tensor`` and
-``DTensor.redistribute``; a DTensor placed ``Shard(1)`` (which the publisher still gathers)
-shows the count is live."""
+``DTensor.redistribute``; a DTensor placed ``Shard(2)`` of a 3-D tensor (which the publisher
+still gathers) shows the count is live."""
 
 from __future__ import annotations
 
@@ -108,8 +108,9 @@ def _trainer(rank, port, mesh_port, mesh_shape, mode, rollouts, transport):
             out["counts"].append(counter.now() - before)
             assert handle.delivered.result(timeout=60) == version
             out["full"][version] = {n: t.full_tensor().numpy().copy() for n, t in state.items()}
-        placements = [Shard(1)] * len(mesh_shape)
-        strided = {"strided": distribute_tensor(torch.arange(64.0).view(8, 8), mesh, placements)}
+        placements = [Shard(2)] * len(mesh_shape)
+        later = distribute_tensor(torch.arange(64.0).view(2, 4, 8), mesh, placements)
+        strided = {"strided": later}
         before = counter.now()
         pub.publish(strided, version=len(VERSIONS) + 1).delivered.result(timeout=60)
         out["gathered"] = counter.now() - before
@@ -235,4 +236,4 @@ def test_fsdp2_trainers_send_their_own_shards_without_a_collective_and_rollouts_
             received = out[rollout]["received"]
             assert all(0 < n <= 1.1 * kept for n in received), (kept, received)
             assert kept < 0.7 * dense, (kept, dense)
-        assert np.array_equal(out[rollout]["strided"], np.arange(64.0).reshape(8, 8)), rollout
+        assert np.array_equal(out[rollout]["strided"], np.arange(64.0).reshape(2, 4, 8)), rollout

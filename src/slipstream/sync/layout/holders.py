@@ -1,13 +1,21 @@
 """Which trainer holds, and so sends, which bytes of each published tensor: :func:`holders_of`.
 
-A DTensor placed ``Shard(0)`` and ``Replicate()`` over its mesh's dimensions (FSDP2's
-``fully_shard``, HSDP, a replicated norm) holds on each mesh coordinate a run of whole rows:
-a contiguous byte range of the tensor (its *box*). Every trainer works every coordinate's box
-out from the placements alone, with no collective; the trainers holding one box (its
-replicas) split it into parts, one each, so the box is sent once. A tensor placed any other
-way (``Shard`` of another dimension, strided or partial placements), or whose mesh holds a
-rank that is not one of the publisher's trainers, has no holders: it is gathered and sent as
-a tensor every trainer holds whole.
+A DTensor placed ``Shard(0)``, ``Shard(1)`` and ``Replicate()`` over its mesh's dimensions
+(FSDP2's ``fully_shard``, HSDP, a replicated norm, a tensor-parallel trainer's
+``ColwiseParallel`` / ``RowwiseParallel`` weights, and their mix on a ``dp x tp`` mesh)
+holds on each mesh coordinate a *box*: rows by a band of columns, every later dimension
+whole. Its bytes are :class:`.runs.Runs` (:meth:`.runs.Runs.of_box`): one contiguous range
+when the band is every column (placed by rows), else a run per row, a row apart (a strided
+box). Every trainer works every coordinate's box out from the placements alone, with no
+collective; the trainers holding one box (its replicas) split it into parts, one each (by
+elements of a contiguous box, by rows of a strided one), so the box is sent once. A part is
+a :class:`.plan.Part` (strided like its box), which the plan cuts into slices, each one range
+of the tensor's bytes, so a rollout places them as any other.
+
+A tensor placed any other way (``Shard`` of a later dimension, ``_StridedShard`` as FSDP2
+over a column-parallel weight places it, ``Partial``), or whose mesh holds a rank that is
+not one of the publisher's trainers, has no holders: it is gathered and sent as a tensor
+every trainer holds whole.
 
 Invariant: every trainer derives the same holders from the same tensors and rank map, and
 the parts of a tensor cover each of its bytes exactly once.
@@ -18,14 +26,12 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .plan import Holders, Part, TensorSpec, is_dtensor
-
-#: A box: bytes ``[start, stop)`` of a tensor.
-Box = tuple[int, int]
+from .runs import Runs
 
 
 def holders_of(
@@ -41,28 +47,26 @@ def holders_of(
     return found if any(parts is not None for parts in found) else None
 
 
-def local_offset(t: torch.Tensor, spec: TensorSpec) -> tuple[int, ...]:
+def _local_box(t: torch.Tensor, spec: TensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Where this rank's local shard of the DTensor ``t`` starts in the tensor, per
-    dimension (elements)."""
+    dimension, and its shape (elements)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     d: Any = t
     if not spec.shape:
-        return ()
-    _, offset = compute_local_shape_and_global_offset(spec.shape, d.device_mesh, d.placements)
-    return tuple(int(o) for o in offset)
+        return (), ()
+    size, offset = compute_local_shape_and_global_offset(spec.shape, d.device_mesh, d.placements)
+    return tuple(int(o) for o in offset), tuple(int(n) for n in size)
 
 
-def local_start(t: torch.Tensor, spec: TensorSpec) -> int:
-    """Where this rank's local shard of the DTensor ``t`` (one placed by rows, as those
-    :func:`holders_of` gives parts) starts in the tensor's bytes."""
-    offset = local_offset(t, spec)
-    return offset[0] * _row_bytes(spec) if offset else 0
-
-
-def _row_bytes(spec: TensorSpec) -> int:
-    rows = spec.shape[0] if spec.shape else 1
-    return spec.nbytes // rows if rows else 0
+def local_runs(t: torch.Tensor, spec: TensorSpec) -> Runs:
+    """The bytes of the tensor this rank's local shard of the DTensor ``t`` holds, in the
+    order they lie in the shard (a box placement, :func:`box_placement`)."""
+    offset, size = _local_box(t, spec)
+    runs = Runs.of_box(spec.shape, spec.torch_dtype.itemsize, offset, size)
+    if runs is None:
+        raise ValueError(f"{spec.name!r} is not placed in boxes: {cast(Any, t).placements}")
+    return runs
 
 
 def _parts(
@@ -70,25 +74,27 @@ def _parts(
 ) -> tuple[Part, ...] | None:
     d: Any = t
     placements = tuple(d.placements)
-    if not all(row_placement(p) for p in placements):
+    if not all(box_placement(p, len(spec.shape)) for p in placements):
         return None
     mesh = d.device_mesh.mesh
     members = tuple(int(r) for r in mesh.flatten().tolist())
     if any(r not in trainer_of for r in members):
         return None
-    boxes = _boxes(spec.shape, spec.nbytes, tuple(mesh.shape), members, placements)
     itemsize = spec.torch_dtype.itemsize
+    boxes = _boxes(spec.shape, itemsize, tuple(mesh.shape), members, placements)
     parts = []
-    for (start, stop), ranks in sorted(boxes.items()):
-        parts += _split(start, stop, sorted(trainer_of[r] for r in ranks), itemsize)
-    if sum(p.stop - p.start for p in parts) != spec.nbytes:
+    for box, ranks in sorted(boxes.items(), key=lambda item: item[0].start):
+        parts += _split(box, sorted(trainer_of[r] for r in ranks), itemsize)
+    if sum(p.nbytes for p in parts) != spec.nbytes:
         return None
     return tuple(parts)
 
 
-def row_placement(p: object) -> bool:
-    """Whether ``p`` keeps each coordinate's box a run of whole rows."""
-    return shard_placement(p, 0)
+def box_placement(p: object, ndim: int) -> bool:
+    """Whether ``p`` keeps each coordinate's share of an ``ndim``-d tensor a box: it
+    replicates, or shards (plainly: not strided) dimension 0, or 1 of a tensor of two or
+    more dimensions."""
+    return shard_placement(p, 0) or (ndim >= 2 and shard_placement(p, 1))
 
 
 def shard_placement(p: object, dim: int) -> bool:
@@ -101,41 +107,51 @@ def shard_placement(p: object, dim: int) -> bool:
 @functools.lru_cache(maxsize=4096)
 def _boxes(
     shape: tuple[int, ...],
-    nbytes: int,
+    itemsize: int,
     mesh_shape: tuple[int, ...],
     members: tuple[int, ...],
     placements: tuple[Any, ...],
-) -> dict[Box, list[int]]:
-    """Each non-empty box of a tensor of ``shape`` under ``placements`` on a mesh of
-    ``mesh_shape`` (``members``: its global ranks in row-major order), with the global ranks
-    that hold it."""
+) -> dict[Runs, list[int]]:
+    """Each non-empty box of a tensor of ``shape`` under ``placements`` (box placements) on
+    a mesh of ``mesh_shape`` (``members``: its global ranks in row-major order), as the
+    runs of its bytes, with the global ranks that hold it."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    row = nbytes // shape[0] if shape and shape[0] else 0
-    boxes: dict[Box, list[int]] = {}
+    boxes: dict[Runs, list[int]] = {}
     coords = itertools.product(*(range(n) for n in mesh_shape))
     for rank, coord in zip(members, coords, strict=True):
-        if not shape:
-            box = (0, nbytes)
-        else:
-            local, offset = _compute_local_shape_and_global_offset(
+        if shape:
+            size, offset = _compute_local_shape_and_global_offset(
                 shape, mesh_shape, list(coord), placements
             )
-            box = (offset[0] * row, (offset[0] + local[0]) * row)
-        if box[1] > box[0] or nbytes == 0:
+        else:
+            size, offset = (), ()
+        box = Runs.of_box(shape, itemsize, tuple(offset), tuple(size))
+        assert box is not None  # box placements cut boxes
+        if box.nbytes or not box.total:
             boxes.setdefault(box, []).append(rank)
     return boxes
 
 
-def _split(start: int, stop: int, owners: list[int], itemsize: int) -> list[Part]:
-    """``[start, stop)`` cut into one part per owner (whole elements, the last ones
-    possibly empty and then left out)."""
-    elements = (stop - start) // itemsize
-    each = -(-elements // len(owners)) * itemsize
+def _split(box: Runs, owners: list[int], itemsize: int) -> list[Part]:
+    """``box`` cut into one part per owner: by whole elements when it is one run, else by
+    whole rows (the last parts possibly empty and then left out)."""
+    if box.count == 1:
+        start, stop = box.start, box.start + box.length
+        elements = (stop - start) // itemsize
+        each = -(-elements // len(owners)) * itemsize
+        parts = []
+        for k, owner in enumerate(owners):
+            lo = min(stop, start + k * each)
+            hi = min(stop, lo + each)
+            if hi > lo or (stop == start and k == 0):
+                parts.append(Part(owner, lo, hi))
+        return parts
+    rows = -(-box.count // len(owners))
     parts = []
     for k, owner in enumerate(owners):
-        lo = min(stop, start + k * each)
-        hi = min(stop, lo + each)
-        if hi > lo or (stop == start and k == 0):
-            parts.append(Part(owner, lo, hi))
+        first, last = k * rows, min(box.count, (k + 1) * rows)
+        if last > first:
+            at = box.start + first * box.stride
+            parts.append(Part(owner, at, at + box.length, box.stride, last - first))
     return parts

@@ -10,8 +10,12 @@ When trainers hold tensors in shards (``holders``: per tensor, the :class:`Part`
 trainer holds and sends, from a DTensor's placements: :mod:`.holders`), each trainer lays its
 own parts out in a stream of its own, cut into buckets the same way; bucket ``g`` of the plan
 is then the next bucket of the trainers' streams taken in turn, so no trainer sends a byte it
-does not hold. A tensor every trainer holds whole goes, a bucket's worth at a time, to the
-trainer whose stream is shortest.
+does not hold. A part held by columns (a ``Shard(1)`` shard's band of each row) is a run per
+row, each a slice of its own starting on an ``ALIGN`` boundary: the sender packs the band,
+and every slice stays one range of the tensor's bytes; a stream's bucket takes at most
+``MAX_SLICES`` slices (its header's room), the next starting the next bucket. A tensor every
+trainer holds whole goes, a bucket's worth at a time, to the trainer whose stream is
+shortest.
 
 A bucket travels as a header (payload size, then one byte per slice: 1 if its bytes are in
 the payload) and a payload holding the included slices back to back, each on an ``ALIGN``
@@ -28,6 +32,7 @@ holders gets the same plan, with the same ``plan_id``; nothing else is exchanged
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import struct
@@ -45,6 +50,8 @@ ALIGN = 64
 HEADER_PREFIX = 8
 #: The most bytes a bucket's header may take (prefix and mask); every receiver reserves it.
 HEADER_CAP = 64 * 1024
+#: The most slices a bucket may hold (one byte of its header each).
+MAX_SLICES = HEADER_CAP - HEADER_PREFIX
 
 try:
     from torch.distributed.tensor import DTensor
@@ -110,11 +117,24 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Part:
-    """Bytes ``[start, stop)`` of a tensor, sent by trainer rank ``owner`` (which holds them)."""
+    """Bytes ``[start, stop)`` of a tensor, sent by trainer rank ``owner`` (which holds them);
+    with ``count`` > 1, that run and the ``count - 1`` after it, each ``stride`` bytes on
+    from the last (the rows of a band of columns a ``Shard(1)`` shard holds: a strided box,
+    the :class:`.runs.Runs` of :meth:`.runs.Runs.of_box`)."""
 
     owner: int
     start: int
     stop: int
+    stride: int = 0
+    count: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * self.count
+
+    def run_starts(self) -> range:
+        """Where each of its runs starts in the tensor's bytes."""
+        return range(self.start, self.start + self.count * max(self.stride, 1), max(self.stride, 1))
 
 
 #: Per tensor, the parts its trainers send (``None``: every trainer holds it whole).
@@ -297,10 +317,14 @@ def layout_json(
     }
     if holders is not None:
         meta["holders"] = [
-            None if parts is None else [[p.owner, p.start, p.stop] for p in parts]
-            for parts in holders
+            None if parts is None else [_part_json(p) for p in parts] for parts in holders
         ]
     return json.dumps(meta)
+
+
+def _part_json(p: Part) -> list[int]:
+    contiguous = [p.owner, p.start, p.stop]
+    return contiguous if p.count == 1 else [*contiguous, p.stride, p.count]
 
 
 def plan_from_json(meta: str) -> BucketPlan:
@@ -328,12 +352,14 @@ def _cut_held(
     numbered with its bucket in the plan, in bucket order; and each bucket's owner."""
     streams: dict[int, list[Slice]] = {t: [] for t in trainer_ranks}
     cursors = dict.fromkeys(trainer_ranks, 0)
+    counts: dict[tuple[int, int], int] = collections.defaultdict(int)
     for i, spec in enumerate(specs):
         parts = holders[i]
         if parts is None:
             parts = _spread(spec.nbytes, bucket_bytes, cursors)
         for part in parts:
-            cursors[part.owner] = _cut_part(i, part, cursors[part.owner], bucket_bytes, streams)
+            cursor = cursors[part.owner]
+            cursors[part.owner] = _cut_part(i, part, cursor, bucket_bytes, streams, counts)
     counts = {t: max((s.bucket + 1 for s in own), default=0) for t, own in streams.items()}
     numbering: dict[tuple[int, int], int] = {}
     owners: list[int] = []
@@ -367,20 +393,44 @@ def _spread(nbytes: int, bucket_bytes: int, cursors: dict[int, int]) -> tuple[Pa
 
 
 def _cut_part(
-    i: int, part: Part, cursor: int, bucket_bytes: int, streams: dict[int, list[Slice]]
+    i: int,
+    part: Part,
+    cursor: int,
+    bucket_bytes: int,
+    streams: dict[int, list[Slice]],
+    counts: dict[tuple[int, int], int],
 ) -> int:
-    """Lay ``part`` of tensor ``i`` out in its owner's stream from ``cursor`` (aligned up),
-    cut at that stream's bucket boundaries; return where it ends. A slice's bucket is the
-    owner's own bucket number here (renumbered in the plan by :func:`_cut_held`)."""
+    """Lay ``part`` of tensor ``i`` out in its owner's stream from ``cursor``, each of its
+    runs from an ``ALIGN`` boundary, cut at that stream's bucket boundaries (so every slice
+    is one range of the tensor's bytes, as a rollout places it, and starts aligned, as a
+    payload packs it); return where it ends. A bucket that holds ``MAX_SLICES`` slices
+    (``counts``: per owner and bucket) is full: the next slice starts the next bucket (the
+    rows of a narrow band of columns are a slice each). A slice's bucket is the owner's own
+    bucket number here (renumbered in the plan by :func:`_cut_held`)."""
     out = streams[part.owner]
-    start = align(cursor)
-    end = start + part.stop - part.start
-    if part.stop == part.start:
-        out.append(Slice(i, part.start, 0, start // bucket_bytes, start % bucket_bytes))
-    pos = start
-    while pos < end:
-        g = pos // bucket_bytes
-        stop = min(end, (g + 1) * bucket_bytes)
-        out.append(Slice(i, part.start + pos - start, stop - pos, g, pos - g * bucket_bytes))
-        pos = stop
-    return end
+    pos = align(cursor)
+    if part.nbytes == 0:
+        pos = _room(part.owner, pos, bucket_bytes, counts)
+        out.append(Slice(i, part.start, 0, pos // bucket_bytes, pos % bucket_bytes))
+        counts[(part.owner, pos // bucket_bytes)] += 1
+        return pos
+    length = part.stop - part.start
+    for run in part.run_starts():
+        pos = align(pos)
+        done = 0
+        while done < length:
+            pos = _room(part.owner, pos, bucket_bytes, counts)
+            g = pos // bucket_bytes
+            n = min(length - done, (g + 1) * bucket_bytes - pos)
+            out.append(Slice(i, run + done, n, g, pos - g * bucket_bytes))
+            counts[(part.owner, g)] += 1
+            pos += n
+            done += n
+    return pos
+
+
+def _room(owner: int, pos: int, bucket_bytes: int, counts: dict[tuple[int, int], int]) -> int:
+    """Where the next slice of ``owner``'s stream goes: ``pos``, or the start of the next
+    bucket when ``pos``'s is full."""
+    g = pos // bucket_bytes
+    return (g + 1) * bucket_bytes if counts[(owner, g)] >= MAX_SLICES else pos

@@ -148,6 +148,38 @@ class Runs:
             narrow.start * inner, narrow.length * inner, shape[narrow.dim] * inner, count, total
         )
 
+    @classmethod
+    def of_box(
+        cls,
+        shape: tuple[int, ...],
+        itemsize: int,
+        offset: tuple[int, ...],
+        size: tuple[int, ...],
+    ) -> Runs | None:
+        """The bytes of the box of ``size`` elements from ``offset`` (per dimension) of a
+        tensor of ``shape`` (row-major, ``itemsize`` bytes an element), when one set of runs
+        holds them: the box spans every dimension after its first two whole (rows by a
+        band of columns, as ``Shard(0)`` and ``Shard(1)`` placements cut a tensor: a run
+        per row of its band, or one run when the band is every column); else ``None``."""
+        total = itemsize
+        for n in shape:
+            total *= n
+        if not shape:
+            return cls.one(0, total, total)
+        if tuple(size[2:]) != tuple(shape[2:]):
+            return None
+        inner = itemsize
+        for n in shape[2:]:
+            inner *= n
+        if len(shape) == 1:
+            return cls.one(offset[0] * inner, size[0] * inner, total)
+        row = shape[1] * inner
+        start = offset[0] * row + offset[1] * inner
+        length = size[1] * inner
+        if size[0] <= 1 or size[1] == shape[1] or not length:
+            return cls.one(start, size[0] * length, total)
+        return cls(start, length, row, size[0], total)
+
     def to_list(self) -> list[int]:
         return [self.start, self.length, self.stride, self.count, self.total]
 

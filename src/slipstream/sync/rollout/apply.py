@@ -71,8 +71,8 @@ def unwritable(t: torch.Tensor) -> str | None:
     if is_dtensor(t):
         return (
             f"DTensor placed {list(cast(Any, t).placements)}: slipstream writes a DTensor's "
-            "local shard when it is a run of whole rows (Shard(0) or Replicate()) or, of a "
-            "2-D tensor, a band of columns (Shard(1))"
+            "local shard when each mesh dimension places it Shard(0), Shard(1) (of a tensor "
+            "of 2 or more dimensions) or Replicate(): rows, or rows by a band of columns"
         )
     if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         return f"a tensor subclass ({type(t).__name__}): slipstream writes plain tensors only"

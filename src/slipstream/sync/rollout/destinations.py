@@ -6,8 +6,9 @@ after another in its own bytes (a :class:`Dest`):
 - a plain tensor: one run, every byte;
 - a DTensor's local shard placed by rows (``Shard(0)`` / ``Replicate()``: a
   tensor-parallel rollout's column-parallel weight): one run, its rows' bytes;
-- a 2-D DTensor's local shard placed by columns (``Shard(1)``: a row-parallel weight): a run
-  per row, its band of columns.
+- a DTensor's local shard placed by columns (``Shard(1)``: a row-parallel weight, or by
+  rows and columns on a 2-D mesh): a run per row, its band of columns
+  (:meth:`..layout.runs.Runs.of_box`, the geometry the trainers' shards are cut by too).
 
 Invariant: a destination writes only the bytes of a slice that fall in its runs, each at its
 place in its own bytes, and never through a pointer other than its own tensor's.
@@ -22,7 +23,7 @@ import torch
 
 from ...core.buffers import as_bytes
 from ...core.copy import copy_in_slices, copy_to_address
-from ..layout.holders import local_offset, local_start, row_placement, shard_placement
+from ..layout.holders import box_placement, local_runs
 from ..layout.plan import Slice, TensorSpec, is_dtensor
 from ..layout.runs import Runs, rows_of
 
@@ -71,26 +72,17 @@ def _copy(dest: torch.Tensor, at: int, src: torch.Tensor) -> None:
 
 
 def placed(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor whose local shard a destination here can hold: a run of
-    whole rows (``Shard(0)`` / ``Replicate()``), or of a 2-D tensor a band of columns
-    (``Shard(1)`` / ``Replicate()``)."""
+    """Whether ``t`` is a DTensor whose local shard a destination here can hold: a box
+    (:func:`..layout.holders.box_placement`: rows, or rows by a band of columns)."""
     if not is_dtensor(t):
         return False
-    placements = cast(Any, t).placements
-    return all(row_placement(p) for p in placements) or (
-        t.dim() == 2 and all(shard_placement(p, 1) for p in placements)
-    )
+    return all(box_placement(p, t.dim()) for p in cast(Any, t).placements)
 
 
 def destination(t: torch.Tensor, local: torch.Tensor, spec: TensorSpec) -> Dest:
     """Where target ``t`` (its bytes, or its local shard's, ``local``: contiguous) takes the
     bytes of the sent tensor ``spec``."""
     data = as_bytes(local.detach())
-    if not is_dtensor(t) or all(row_placement(p) for p in cast(Any, t).placements):
-        start = local_start(t, spec) if is_dtensor(t) else 0
-        return Dest(data, Runs.one(start, data.numel(), spec.nbytes))
-    itemsize = spec.torch_dtype.itemsize
-    row = spec.shape[1] * itemsize
-    band = local.shape[1] * itemsize
-    rows = spec.shape[0] if band else 0
-    return Dest(data, Runs(local_offset(t, spec)[1] * itemsize, band, row, rows, spec.nbytes))
+    if not is_dtensor(t):
+        return Dest(data, Runs.one(0, data.numel(), spec.nbytes))
+    return Dest(data, local_runs(t, spec))

@@ -2,8 +2,9 @@
 
 :class:`BucketSources` walks the plan's buckets in order and materialises only the tensors
 the current bucket needs. A DTensor the plan has holders for (:mod:`..layout.holders`) is read
-from this rank's own shard, which holds every byte this rank sends of it: no collective, no
-full tensor. Any other DTensor is gathered (``full_tensor``) when its first bucket comes up
+from this rank's own shard, which holds every byte this rank sends of it (a slice's bytes
+lie at its place in the shard's runs: rows, or a band of each row): no collective, no full
+tensor. Any other DTensor is gathered (``full_tensor``) when its first bucket comes up
 and dropped after its last, so at most the tensors of one bucket (plus one that spans
 several) are ever gathered at once, never the whole model. Every trainer rank walks the same
 buckets in the same order, so those gathers (collectives on the user's mesh, run on the
@@ -27,8 +28,9 @@ import torch
 from ...core.buffers import as_bytes, byte_view, memory_at
 from ...core.checksum import checksum
 from ...core.copy import copy_in_slices, copy_to_address
-from ..layout.holders import local_start
+from ..layout.holders import local_runs
 from ..layout.plan import BucketPlan, Slice, align, is_dtensor
+from ..layout.runs import Runs
 from ..layout.segments import Segment, sent_separately
 
 
@@ -40,8 +42,8 @@ class BucketSources:
         self.tensors = tensors
         self.rank = rank
         self._live: dict[int, torch.Tensor] = {}
-        #: where each live tensor starts in its tensor's bytes (a shard's start; else 0)
-        self._start: dict[int, int] = {}
+        #: the bytes of its tensor each live shard holds (a tensor held whole: not here)
+        self._runs: dict[int, Runs] = {}
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
 
@@ -58,7 +60,7 @@ class BucketSources:
                 if self.plan.parts_of(i, self.rank):
                     local = cast(Any, t).to_local()
                     self._live[i] = local.detach().contiguous()
-                    self._start[i] = local_start(t, self.plan.specs[i])
+                    self._runs[i] = local_runs(t, self.plan.specs[i])
             elif is_dtensor(t):
                 full = cast(Any, t).full_tensor()
                 self.gathered_bytes += self.plan.specs[i].nbytes
@@ -80,12 +82,16 @@ class BucketSources:
             i = s.tensor
             if self.plan.last_bucket[i] == g and i in self._live:
                 del self._live[i]
-                if self._start.pop(i, None) is None and is_dtensor(self.tensors[i]):
+                if self._runs.pop(i, None) is None and is_dtensor(self.tensors[i]):
                     self.gathered_bytes -= self.plan.specs[i].nbytes
 
     def slice_bytes(self, s: Slice) -> torch.Tensor:
-        start = s.tensor_offset - self._start.get(s.tensor, 0)
-        return as_bytes(self._live[s.tensor])[start : start + s.nbytes]
+        data = as_bytes(self._live[s.tensor])
+        runs = self._runs.get(s.tensor)
+        if runs is None:
+            return data[s.tensor_offset : s.tensor_offset + s.nbytes]
+        lo, hi = runs.local_range(s)  # a slice of a part lies in one run of its shard's
+        return data[lo:hi]
 
     def finish(self) -> None:
         """Nothing is left to read: every tensor was given up front."""
