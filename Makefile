@@ -85,6 +85,7 @@ bench: setup
 	$(BIN)/python benchmarks/sync_streaming.py --out benchmarks/results/sync_streaming.json
 	$(BIN)/python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
 	$(BIN)/python benchmarks/sync_sharded.py --compare rollouts --out benchmarks/results/sync_sharded_rollouts.json
+	$(BIN)/python benchmarks/sync_sharded.py --trainers tp --out benchmarks/results/sync_sharded_tp.json
 	$(BIN)/python benchmarks/demo_publish.py --baseline ab3776b --out benchmarks/results/demo_publish.json
 	$(BIN)/python benchmarks/fsdp.py --out benchmarks/results/fsdp.json
 	$(BIN)/python benchmarks/hf.py --out benchmarks/results/hf.json
@@ -99,6 +100,7 @@ report: setup
 		benchmarks/results/object_store.json benchmarks/results/sync.json \
 		benchmarks/results/sync_realistic.json benchmarks/results/sync_streaming.json \
 		benchmarks/results/sync_sharded.json benchmarks/results/sync_sharded_rollouts.json \
+		benchmarks/results/sync_sharded_tp.json \
 		benchmarks/results/demo_publish.json \
 		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \

@@ -21,6 +21,10 @@ last version of each peer is checked on the rollouts, every byte of each rank's 
 against the value its trainer wrote, and each rank's bytes received per version are
 reported against its shards' bytes.
 
+``--trainers tp`` places the trainers' DTensors as a tensor-parallel trainer's (as the
+rollouts' below: o and down ``Shard(1)``, each trainer its band of columns, the rest
+``Shard(0)``), where the default (``fsdp``) places every one ``Shard(0)``.
+
 ``--compare rollouts`` (``--transport relay`` by default there) compares the rollouts'
 side instead, both peers' trainers sending their own shards: ``full``: each rollout rank
 receives every tensor whole into a plain module (what a rollout unaware of its own
@@ -31,6 +35,8 @@ python benchmarks/sync_sharded.py --compare rollouts \
     --out benchmarks/results/sync_sharded_rollouts.json
 
 python benchmarks/sync_sharded.py --out benchmarks/results/sync_sharded.json
+
+python benchmarks/sync_sharded.py --trainers tp --out benchmarks/results/sync_sharded_tp.json
 """
 
 from __future__ import annotations
@@ -87,11 +93,15 @@ def trainer(rank: int, group, args: argparse.Namespace) -> dict:
         timeout=timedelta(seconds=600),
     )
     mesh = init_device_mesh("cpu", (TRAINERS,))
+    dims = {n: trainer_dim(args, n, s) for n, s in shapes(args).items()}
     local = {
-        n: torch.empty((s[0] // TRAINERS, *s[1:]), dtype=torch.bfloat16)
+        n: torch.empty([k // TRAINERS if d == dims[n] else k for d, k in enumerate(s)])
         for n, s in shapes(args).items()
     }
-    state = {n: DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for n, t in local.items()}
+    local = {n: t.to(torch.bfloat16) for n, t in local.items()}
+    state = {
+        n: DTensor.from_local(t, mesh, [Shard(dims[n])], run_check=False) for n, t in local.items()
+    }
     results = {
         mode: measure(rank, group, args, mode, local, state) for mode in ("direct", "cached")
     }
@@ -145,6 +155,11 @@ def measure(
 ROW_PARALLEL = (".o", ".down")
 
 
+def trainer_dim(args: argparse.Namespace, name: str, shape: tuple[int, ...]) -> int:
+    """The dimension the trainers split tensor ``name`` on."""
+    return 1 if args.trainers == "tp" and split_dim(name, shape) == 1 else 0
+
+
 def split_dim(name: str, shape: tuple[int, ...]) -> int | None:
     """The dimension the rollouts split tensor ``name`` on (``None``: replicated)."""
     if len(shape) == 1:
@@ -177,18 +192,24 @@ def plain_target(sizes: dict[str, tuple[int, ...]]) -> nn.Module:
     return target
 
 
-def exact(target: nn.Module, sizes: dict, names: dict, version: int, tp: int) -> bool:
+def exact(
+    args: argparse.Namespace, target: nn.Module, sizes: dict, names: dict, version: int, tp: int
+) -> bool:
     """Whether every byte of this rank's shards (of every tensor of a plain target) holds
-    what its trainer wrote: trainer t's rows are ``[t * half, (t + 1) * half)`` of every
-    tensor."""
+    what its trainer wrote: trainer t's part of the dimension the trainers split a tensor on
+    (:func:`trainer_dim`) is ``[t * half, (t + 1) * half)``."""
     ok = True
     for n, s in sizes.items():
         t = target.get_buffer(names[n])
+        dim = trainer_dim(args, n, s)
+        index = torch.arange(s[dim]) >= s[dim] // TRAINERS
+        along = [1] * len(s)
+        along[dim] = -1
+        want = (index.to(torch.bfloat16) + value(version, 0)).view(along).expand(s)
+        if hasattr(t, "to_local"):
+            want = want.chunk(2, split_dim(n, s))[tp]
         local = t.to_local() if hasattr(t, "to_local") else t
-        by_rows = split_dim(n, s) == 0 and local.shape[0] != s[0]
-        rows = torch.arange(s[0]).chunk(2)[tp] if by_rows else torch.arange(s[0])
-        want = (rows >= s[0] // TRAINERS).to(torch.bfloat16) + value(version, 0)
-        ok &= bool((local == want.view(-1, *([1] * (len(s) - 1)))).all())
+        ok &= bool((local == want).all())
     return ok
 
 
@@ -228,7 +249,8 @@ def rollout(rank: int, group, args: argparse.Namespace) -> dict:
                 assert subs[peer].receive(targets[peer], name_map=names) == version
                 received[peer].append(subs[peer].bytes_received - before)
         for peer in peers:
-            out["checked"][f"{mode} {peer}"] = exact(targets[peer], sizes, names, version, tp)
+            checked = exact(args, targets[peer], sizes, names, version, tp)
+            out["checked"][f"{mode} {peer}"] = checked
             out["received"][f"{mode} {peer}"] = median(received[peer])
             subs[peer].close()
     box = targets[peers[-1]]
@@ -256,6 +278,7 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare", choices=sorted(PEERS), default="trainers")
+    parser.add_argument("--trainers", choices=("fsdp", "tp"), default="fsdp")
     parser.add_argument("--transport", default=None, help="auto; relay with --compare rollouts")
     parser.add_argument("--out", default="benchmarks/results/sync_sharded.json")
     args = parser.parse_args()
@@ -282,11 +305,14 @@ def main() -> None:
         "rollouts": ("sync_sharded_rollouts", "TP rollouts sent their own bytes vs every byte"),
     }
     name, title = titles[args.compare]
+    placed = "Shard(0)"
+    if args.trainers == "tp":
+        name, placed = f"{name}_tp", "Shard(0), o and down Shard(1)"
     result = Result(
         name,
-        f"{title}: 2 FSDP trainers, 2 TP rollouts",
+        f"{title}: 2 {args.trainers.upper()} trainers, 2 TP rollouts",
         setup={
-            "weights": f"{total / MiB:.0f} MiB bf16 in {len(shapes(args))} DTensors, Shard(0)",
+            "weights": f"{total / MiB:.0f} MiB bf16 in {len(shapes(args))} DTensors, {placed}",
             "bucket": f"{args.bucket_mib} MiB",
             "repeats": args.repeats,
             "transport": out[0]["direct"]["transport"],
@@ -320,6 +346,11 @@ def main() -> None:
             result.floor(claim, ratio, "<= 1.1", ratio <= 1.1)
         ratio = max(med["own"]["delivered"]) / max(med["full"]["delivered"])
         result.notes.append(f"{mode}: own bytes delivered / every byte delivered: {ratio:.3f}")
+    if args.trainers == "tp":
+        result.notes.append(
+            "The trainers hold o and down by columns (Shard(1)): the sharded peer sends each "
+            "trainer's band of them as a slice per row, which both sides handle one by one."
+        )
     if args.compare == "trainers":
         result.notes.append(
             "The gather peer is the publisher with its holders turned off: the path every "
