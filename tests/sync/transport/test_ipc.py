@@ -39,6 +39,41 @@ def test_a_shared_host_buffer_is_the_same_memory_in_another_process():
     assert buf[:4].tolist() == [5, 5, 9, 9]  # the other process's write is seen here
 
 
+def _open_after_manager_timeouts(rank, port, description, timeouts):
+    """Open the buffer in this process, torch's shared-memory manager timing out on the
+    first ``timeouts`` tries (as it does on a loaded host)."""
+    real = reductions.rebuild_storage_filename
+    calls = []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) <= timeouts:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return real(*args)
+
+    reductions.rebuild_storage_filename = flaky
+    try:
+        buf = SharedBuffer(**json.loads(description)).open()
+    except SyncError as exc:
+        return {"error": str(exc), "tries": len(calls)}
+    buf[:2] = 5
+    return {"seen": buf[2:4].tolist(), "tries": len(calls)}
+
+
+def test_a_host_buffers_open_is_tried_again_when_the_manager_times_out():
+    """Two timeouts of torch's shared-memory manager, then an open: the buffer is the
+    owner's memory; three in a row fail the open, naming the buffer."""
+    buf = shared_buffer(4096, torch.device("cpu"))
+    buf.fill_(9)
+    twice = json.dumps(dataclasses.asdict(describe(buf)))
+    out = spawn(_open_after_manager_timeouts, 1, twice, 2, timeout=60)[0]
+    assert out == {"seen": [9, 9], "tries": 3}
+    assert buf[:4].tolist() == [5, 5, 9, 9]
+    thrice = json.dumps(dataclasses.asdict(describe(buf)))
+    out = spawn(_open_after_manager_timeouts, 1, thrice, 3, timeout=60)[0]
+    assert out["tries"] == 3 and "could not open a shared cpu buffer of 4096 bytes" in out["error"]
+
+
 def weights(version: int) -> dict[str, torch.Tensor]:
     """Tensors of several dtypes and sizes, most larger than a bucket, new every version."""
     g = torch.Generator().manual_seed(version)

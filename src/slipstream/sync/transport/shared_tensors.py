@@ -48,16 +48,36 @@ class SharedBuffer:
         device = torch.device(self.device)
         try:
             if device.type == "cpu":
-                manager, handle = (bytes.fromhex(str(h)) for h in self.handle)
-                storage = reductions.rebuild_storage_filename(
-                    torch.UntypedStorage, manager, handle, self.nbytes
-                )
-                return torch.empty(0, dtype=torch.uint8).set_(storage)
+                return _open_host(self.nbytes, self.handle)
             return _open_ipc(device, self.nbytes, self.handle)
         except (RuntimeError, OSError) as exc:
             raise SyncError(
                 f"could not open a shared {self.device} buffer of {self.nbytes} bytes: {exc}"
             ) from exc
+
+
+#: How many times a host buffer's open is tried while torch's shared-memory manager does
+#: not answer in time (its socket's own timeout, which a loaded host can outlast).
+MANAGER_TRIES = 3
+MANAGER_TIMED_OUT = "Shared memory manager connection has timed out"
+
+
+def _open_host(nbytes: int, handle: list[object]) -> torch.Tensor:
+    """A host buffer opened through torch's shared-memory manager, tried again where the
+    manager's connection timed out: that fails before anything is mapped, so no reference
+    is taken twice."""
+    manager, name = (bytes.fromhex(str(h)) for h in handle)
+    tries = 1
+    while True:
+        try:
+            storage = reductions.rebuild_storage_filename(
+                torch.UntypedStorage, manager, name, nbytes
+            )
+            return torch.empty(0, dtype=torch.uint8).set_(storage)
+        except RuntimeError as exc:
+            if MANAGER_TIMED_OUT not in str(exc) or tries >= MANAGER_TRIES:
+                raise
+            tries += 1
 
 
 def describe(buffer: torch.Tensor) -> SharedBuffer:
