@@ -352,14 +352,14 @@ def _cut_held(
     numbered with its bucket in the plan, in bucket order; and each bucket's owner."""
     streams: dict[int, list[Slice]] = {t: [] for t in trainer_ranks}
     cursors = dict.fromkeys(trainer_ranks, 0)
-    counts: dict[tuple[int, int], int] = collections.defaultdict(int)
+    filled: dict[tuple[int, int], int] = collections.defaultdict(int)  # slices per bucket
     for i, spec in enumerate(specs):
         parts = holders[i]
         if parts is None:
             parts = _spread(spec.nbytes, bucket_bytes, cursors)
         for part in parts:
             cursor = cursors[part.owner]
-            cursors[part.owner] = _cut_part(i, part, cursor, bucket_bytes, streams, counts)
+            cursors[part.owner] = _cut_part(i, part, cursor, bucket_bytes, streams, filled)
     counts = {t: max((s.bucket + 1 for s in own), default=0) for t, own in streams.items()}
     numbering: dict[tuple[int, int], int] = {}
     owners: list[int] = []
