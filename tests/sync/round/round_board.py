@@ -1,5 +1,7 @@
 """An in-process stand-in for the part of a :class:`~slipstream.sync.group.SyncGroup` a
-round uses when it is given up, on a :class:`Board` that logs what happens in order."""
+round uses when it is given up, on a :class:`Board` that logs what happens in order; a
+trainer's :class:`Sender` that sends nothing, and :func:`fail`, a round's step that
+raises."""
 
 from __future__ import annotations
 
@@ -46,3 +48,21 @@ class Group:
 
     def drop_subgroup(self, ranks: list[int], tag: str = "", broken: bool = False) -> None:
         self.board.log.append(f"transport of {self.rank} cut")
+
+
+class Sender:
+    """A trainer's transport with nothing in flight."""
+
+    bytes_sent = 0
+
+    def close(self) -> None:
+        pass
+
+
+def fail(error: BaseException):
+    """A step of a round that raises ``error``."""
+
+    def step() -> None:
+        raise error
+
+    return step

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from round_board import Board, Group
+from round_board import Board, Group, Sender, fail
 
 from slipstream.errors import PeerDiedError, SyncError
 from slipstream.sync.round.protocol import (
@@ -37,13 +37,6 @@ START = RoundStart(ROUND, "plan", 0, [1, 2])
 OFFER = TransportOffer("relay", "cached", ReceiverShape(1024, 2, 4096, None))
 
 
-class Sender:
-    bytes_sent = 0
-
-    def close(self) -> None:
-        pass
-
-
 def rollout(rank: int, board: Board) -> RolloutRound:
     group: Any = Group(rank, board)
     return RolloutRound(group, [0], {0: OFFER}, 5.0)
@@ -54,13 +47,6 @@ def trainer(board: Board) -> TrainerRound:
     rnd = TrainerRound(group, [0], [1, 2], OFFER, 5.0, RolloutVersions([1, 2]))
     rnd.sender = Sender()  # type: ignore[assignment]
     return rnd
-
-
-def fail(error: BaseException):
-    def step() -> None:
-        raise error
-
-    return step
 
 
 def frozen(rank: int, waiter: int) -> PeerDiedError:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from round_board import Board, Group
+from round_board import Board, Group, Sender, fail
 
 from slipstream.errors import SyncError
 from slipstream.sync import LayoutMismatch
@@ -36,26 +36,12 @@ START = RoundStart(ROUND, "plan", 0, [2, 3])
 MISMATCH = "'b3' is [1002] float32, the layout has [1003] float32"
 
 
-class Sender:
-    bytes_sent = 0
-
-    def close(self) -> None:
-        pass
-
-
 def trainer(rank: int, board: Board) -> TrainerRound:
     offer = TransportOffer("broadcast", "direct", ReceiverShape(1024, 2, 4096, None))
     group: Any = Group(rank, board)
     rnd = TrainerRound(group, [0, 1], [2, 3], offer, 5.0, RolloutVersions([2, 3]))
     rnd.sender = Sender()  # type: ignore[assignment]
     return rnd
-
-
-def fail(error: BaseException):
-    def step() -> None:
-        raise error
-
-    return step
 
 
 def test_a_trainers_own_mismatch_is_posted_before_its_cut_and_raised_over_a_posted_refusal():
