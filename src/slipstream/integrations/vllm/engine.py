@@ -313,7 +313,7 @@ class SlipstreamWeightTransferEngine(
     def finish_weight_update(self) -> None:
         """Load the version this session staged (nothing staged: nothing to load; a CPU
         worker has nothing asynchronous to wait for, so no device synchronization). A load
-        that fails part-way loads the version the model held again (:class:`_Held`) and
+        that fails part-way loads the version the model held again (:class:`.held.HeldCopy`) and
         raises, which leaves vLLM's session open: the trainer closes it with another
         ``finish_weight_update``, which has nothing staged to load. Where that cannot be
         done (no copy yet: the first update; or it fails too), the worker holds no
@@ -327,7 +327,7 @@ class SlipstreamWeightTransferEngine(
         began = time.perf_counter()
         self._keeper.join()  # the copy of the held version is whole before it is needed
         try:
-            _load(self.model, self.model_config, staged.batch)
+            _reload(self.model, self.model_config, staged.batch)
         except BaseException as e:
             raise self._put_back(staged.version, e) from e
         if self.device.type != "cpu":
@@ -355,7 +355,7 @@ class SlipstreamWeightTransferEngine(
         try:
             if held is None:
                 raise SyncError("no copy of it is kept before a first update")
-            _load(self.model, self.model_config, held.batch)
+            _reload(self.model, self.model_config, held.batch)
         except BaseException as e:
             self._hold(Holding.NONE)
             return SyncError(
@@ -380,7 +380,7 @@ class SlipstreamWeightTransferEngine(
             ends.close()
 
 
-def _load(model: Any, model_config: Any, batch: list[tuple[str, torch.Tensor]]) -> None:
+def _reload(model: Any, model_config: Any, batch: list[tuple[str, torch.Tensor]]) -> None:
     """``batch`` into ``model`` through vLLM's layerwise reload, in one ``load_weights``
     call (vLLM's models, not ``nn.Module``'s); layers it leaves incomplete get their old
     tensors back, never left on meta."""
