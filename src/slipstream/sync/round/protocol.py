@@ -58,7 +58,12 @@ def encode(message: object) -> str:
 
 def decode(cls: type[_M], text: bytes | str) -> _M:
     """The ``cls`` message in ``text``; fields it does not know are ignored."""
-    raw: dict[str, Any] = json.loads(text)
+    return from_fields(cls, json.loads(text))
+
+
+def from_fields(cls: type[_M], raw: dict[str, Any]) -> _M:
+    """The ``cls`` message of the fields ``raw`` (a decoded message's); fields it does not
+    know are ignored."""
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in raw.items() if k in names})
 
@@ -117,6 +122,13 @@ class RoundStart:
     routed: bool = False
     """The trainers send each member its own bytes, point to point (some member keeps only
     part of this plan's tensors): no relay, no broadcast."""
+    requests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each member's :class:`Request`, as the lead read it: every other trainer reads them
+    here, in the one key it waits on, not from one key per member."""
+
+    def member_requests(self) -> dict[int, Request]:
+        """Each member's request (by rank), as the lead read it."""
+        return {int(r): from_fields(Request, raw) for r, raw in self.requests.items()}
 
     def absent_ranks(self) -> dict[int, str]:
         """Rollout rank -> why it was left out of this round (JSON keys are strings)."""

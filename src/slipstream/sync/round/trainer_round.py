@@ -14,6 +14,7 @@ rank's transport belongs to exactly one epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,10 +104,7 @@ class TrainerRound:
         for r in start.absent:
             self.rollout_versions.record(int(r), None)
         if not requests:  # the lead read them while gathering the round
-            requests = {
-                r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-                for r in start.members
-            }
+            requests = start.member_requests()
         if start.epoch != self._epoch:
             self.guarded(k, start, lambda: self._enter_epoch(start))
         self.routes = None
@@ -192,6 +190,7 @@ class TrainerRound:
             {str(r): w for r, w in absent.items()},
             lives,
             routed=routed,
+            requests={str(r): dataclasses.asdict(asked_by[r]) for r in members},
         )
         self.group.post(Keys.round(k), encode(start))
         self.group.post(Keys.NEXT_ROUND, str(k + 1))
