@@ -180,6 +180,21 @@ class Ack:
     version it refused after draining the round."""
 
 
+def ack_line(rank: int, ack: Ack) -> str:
+    """Rollout ``rank``'s ``ack`` as a line of :meth:`Keys.acks`."""
+    return json.dumps({"rank": rank, **dataclasses.asdict(ack)}) + "\n"
+
+
+def ack_lines(raw: bytes) -> dict[int, Ack]:
+    """Each member's acknowledgement in :meth:`Keys.acks`' lines, by rank."""
+    found = {}
+    for line in raw.decode().splitlines():
+        if line.strip():
+            fields = json.loads(line)
+            found[int(fields["rank"])] = from_fields(Ack, fields)
+    return found
+
+
 @dataclass
 class Probe:
     """A trainer asks each rollout to read ``bytes`` at ``addr`` in process ``pid`` or, when
@@ -329,6 +344,12 @@ class Keys:
     @staticmethod
     def abort(k: int) -> str:
         return store_key("round", k, "abort")
+
+    @staticmethod
+    def acks(k: int) -> str:
+        """Round ``k``'s acknowledgements, one line per member (:func:`ack_line`), appended
+        as each is posted: a trainer reads every member's in one request."""
+        return store_key("round", k, "acks")
 
     @staticmethod
     def ack(rollout: int, k: int) -> str:
