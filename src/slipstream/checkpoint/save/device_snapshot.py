@@ -18,8 +18,9 @@ Invariants: a layout's snapshot is gathered into only by the one save that holds
 released once that save's drain has ended (landed, failed or never begun) with no copy of it
 left queued; once released, its buffer goes back to the device's caching allocator unless
 ``SaveOptions.keep_device_snapshot`` (so by default it holds no device memory between
-saves); a save whose snapshot does not fit ``SaveOptions.device_snapshot_bytes``, or
-whose tensors span several accelerators, stages the usual way, and the saver says so once.
+saves); a save whose snapshot does not fit ``SaveOptions.device_snapshot_bytes`` (nor
+``SaveOptions.staging_budget_bytes``, where one is set), or whose tensors span several
+accelerators, stages the usual way, and the saver says so once.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class DeviceSnapshots:
         if limit is not None and nbytes > limit:
             self._say_why_not(
                 f"it needs {nbytes} bytes on {device}, over the {limit} bytes it may take "
-                "(SaveOptions.device_snapshot_bytes)"
+                "(SaveOptions.device_snapshot_bytes, capped by staging_budget_bytes)"
             )
             return None
         try:
@@ -185,13 +186,16 @@ class DeviceSnapshots:
 
     def _limit(self, device: torch.device) -> int | None:
         """The bytes a snapshot may take on ``device``: the option, or half of what the
-        device has free now (no limit for host memory)."""
-        if self.options.device_snapshot_bytes is not None:
-            return self.options.device_snapshot_bytes
-        if not streams.is_accelerator(device):
-            return None
-        free, _ = torch.accelerator.get_memory_info(device)
-        return free // 2
+        device has free now (no limit for host memory); never more than the staging
+        budget, which a save over it streams through instead (:mod:`.part_ring`)."""
+        budget = self.options.staging_budget_bytes
+        limit = self.options.device_snapshot_bytes
+        if limit is None and streams.is_accelerator(device):
+            free, _ = torch.accelerator.get_memory_info(device)
+            limit = free // 2
+        if budget is not None:
+            limit = budget if limit is None else min(limit, budget)
+        return limit
 
     def _say_why_not(self, why: str) -> None:
         """Log, once per saver at WARNING (then at DEBUG), why a save stages straight to
