@@ -126,6 +126,12 @@ class CheckpointSaver:
         return self._stager.pool.live_bytes
 
     @property
+    def staging_peak_bytes(self) -> int:
+        """The most host bytes the staging buffers have held at once (at most
+        ``SaveOptions.staging_budget_bytes``, where one is set)."""
+        return self._stager.pool.peak_bytes
+
+    @property
     def snapshot_allocations(self) -> int:
         """Device snapshot buffers allocated so far (see ``SaveOptions.device_snapshot``): a
         save of a layout already snapshotted reuses its buffer."""

@@ -23,7 +23,7 @@ from ...core import tracing
 from ...core.buffers import byte_view
 from ...core.checksum import BlockChecksums, block_checksums, checksum
 from ...core.threads import lower_thread_priority
-from ...errors import PeerTimeoutError
+from ...errors import CheckpointError, PeerTimeoutError, SlipstreamError
 from ..format.index import ValueEntry
 from ..storage import DataWriter
 from .job import SaveJob
@@ -102,7 +102,8 @@ class RankWriter:
                         cuts = range(0, len(data), self.options.write_piece_bytes)
                         written = [
                             self._io_pool.submit(
-                                out.write_at,
+                                _write_at,
+                                out,
                                 part.start + at,
                                 data[at : at + self.options.write_piece_bytes],
                             )
@@ -137,6 +138,19 @@ class RankWriter:
 
     def close(self) -> None:
         self._io_pool.shutdown(wait=True)
+
+
+def _write_at(out: DataWriter, offset: int, data: memoryview) -> None:
+    """``out.write_at``, its failure naming the file and the bytes (the backend's own
+    errors, which do, as they are)."""
+    try:
+        out.write_at(offset, data)
+    except SlipstreamError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"writing bytes [{offset}, {offset + len(data)}) of {out.path} failed: {exc!r}"
+        ) from exc
 
 
 def _give_back_when_written(ring: PartRing, k: int, writes: list[Future[None]]) -> None:

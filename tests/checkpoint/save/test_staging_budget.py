@@ -1,0 +1,274 @@
+"""Saves larger than ``SaveOptions.staging_budget_bytes``: they stream through the budget's
+part-sized slots (save/part_ring.py) instead of being refused.
+
+The budget here is 256 KiB, so parts are 64 KiB and the state (about 1.6 MB) takes some
+25 parts: records larger than a part (split across several, one of them strided), records
+smaller than one, frames and padding across part ends. Checkpoints are read back by
+``ss.load`` and by DCP's own ``dcp.load`` and compared with the state as it was saved; the
+data file is compared byte for byte with an unbudgeted save's. Orderings are forced with
+gated or failing writes (:class:`FaultStorage`), never with sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from fault_storage import FaultStorage
+
+import slipstream as ss
+from slipstream.checkpoint import CheckpointSaver, SaveOptions
+from slipstream.checkpoint.save.options import STREAM_SLOTS
+from slipstream.checkpoint.save.part_ring import part_bytes
+from slipstream.checkpoint.save.record_copy import flat_range
+from slipstream.checkpoint.storage import LocalStorage, MemoryStorage
+from slipstream.core.checksum import BlockChecksums, block_checksums
+from slipstream.errors import CheckpointError
+
+GATE_TIMEOUT = 10.0
+BUDGET = 256 * 1024
+PART = part_bytes(BUDGET)
+DATA_FILE = "__0_0.distcp"
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(300_000, generator=g),  # 1.2 MB: many parts
+        "m": torch.randn(300, 200, generator=g).t(),  # strided, split across parts
+        "h": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "c": torch.randn(5000, dtype=torch.complex64, generator=g),
+        "n": torch.arange(10),
+        "e": torch.empty(0),
+        "step": 3,
+        "opt": {"lr": 0.5},
+    }
+
+
+def _clone(state: dict) -> dict:
+    return {
+        k: (v.clone() if torch.is_tensor(v) else dict(v) if isinstance(v, dict) else v)
+        for k, v in state.items()
+    }
+
+
+def _blank(state: dict) -> dict:
+    return {
+        k: (torch.zeros_like(v) if torch.is_tensor(v) else {"lr": 0.0} if k == "opt" else 0)
+        for k, v in state.items()
+    }
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if torch.is_tensor(v):
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def _image_bytes(state: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+
+
+@pytest.fixture
+def saver():
+    s = CheckpointSaver(options=SaveOptions(staging_budget_bytes=BUDGET))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_a_save_over_the_budget_streams_and_loads_back_exactly(tmp_path, saver, backend):
+    state = _state()
+    assert _image_bytes(state) > 5 * BUDGET  # many parts
+    where = (
+        str(tmp_path / "ck")
+        if backend == "local"
+        else MemoryStorage(f"memory://budget-{uuid.uuid4().hex[:8]}/ck")
+    )
+    saver.save(state, where).upload_completion.result(60)
+    assert 0 < saver.staging_peak_bytes <= BUDGET  # within the budget, not one part over
+    got = _blank(state)
+    ss.load(got, where)
+    _assert_same(got, state)
+    if backend == "local":
+        by_dcp = _blank(state)
+        dcp.load(by_dcp, checkpoint_id=str(tmp_path / "ck"))
+        _assert_same(by_dcp, state)
+
+
+def test_the_streamed_file_is_the_unbudgeted_one_byte_for_byte(tmp_path, saver):
+    state = _state()
+    saver.save(state, tmp_path / "streamed").upload_completion.result(60)
+    whole = CheckpointSaver()
+    try:
+        whole.save(state, tmp_path / "whole").upload_completion.result(60)
+        assert whole.staging_peak_bytes > _image_bytes(state)  # held whole
+    finally:
+        whole.close()
+    streamed = (tmp_path / "streamed" / DATA_FILE).read_bytes()
+    assert streamed == (tmp_path / "whole" / DATA_FILE).read_bytes()
+
+
+def test_saves_of_one_layout_reuse_one_buffer_of_the_budget(tmp_path, saver):
+    state = _state()
+    for i in range(3):
+        state["w"].add_(1)
+        state["step"] = i
+        saver.save(state, tmp_path / f"s{i}").upload_completion.result(60)
+    assert saver.staging_allocations == 1
+    assert saver.staging_peak_bytes == saver.staging_bytes == STREAM_SLOTS * PART
+    got = _blank(state)
+    ss.load(got, tmp_path / "s2")
+    _assert_same(got, state)
+
+
+def test_staging_completion_waits_for_the_last_part_and_the_state_is_free_after_it(tmp_path):
+    """With writes held, staging stops once every slot holds a part (the rest of the state
+    is still unread), so ``staging_completion`` is not resolved; once writes go on it
+    resolves, and a mutation right after it does not reach the checkpoint."""
+    storage = FaultStorage(LocalStorage(tmp_path / "ck"))
+    slots_full = threading.Event()
+    writes: list[int] = []
+
+    def count(_writer, _name, start, _end) -> None:
+        writes.append(start)
+        if len(writes) == STREAM_SLOTS:
+            slots_full.set()
+
+    storage.faults.hook("write", count)
+    gate = storage.faults.gate("write")
+    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=BUDGET, io_threads=8))
+    try:
+        state = _state()
+        want = _clone(state)
+        response = saver.save(state, storage)
+        assert slots_full.wait(GATE_TIMEOUT), "the first parts were never written"
+        assert not response.staging_completion.done()  # parts beyond the slots unstaged
+        gate.set()
+        response.staging_completion.result(60)
+        for v in state.values():
+            if torch.is_tensor(v):
+                v.zero_()
+        response.upload_completion.result(60)
+    finally:
+        saver.close()
+    got = _blank(want)
+    ss.load(got, tmp_path / "ck")
+    _assert_same(got, want)
+
+
+def test_a_save_within_the_budget_stages_whole_as_before(tmp_path):
+    """Within the budget: one buffer the size of the image, and ``staging_completion``
+    resolves while every write is still held."""
+    storage = FaultStorage(LocalStorage(tmp_path / "ck"))
+    gate = storage.faults.gate("write")
+    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=64 * BUDGET))
+    try:
+        state = _state()
+        response = saver.save(state, storage)
+        response.staging_completion.result(60)
+        assert not response.upload_completion.done()
+        gate.set()
+        response.upload_completion.result(60)
+        assert _image_bytes(state) < saver.staging_bytes < 2 * _image_bytes(state)
+    finally:
+        saver.close()
+    got = _blank(state)
+    ss.load(got, tmp_path / "ck")
+    _assert_same(got, state)
+
+
+def test_a_failed_part_write_fails_the_save_naming_the_file_and_commits_nothing(tmp_path):
+    storage = FaultStorage(LocalStorage(tmp_path / "ck"))
+
+    def disk_full(_writer, _name, start, _end) -> None:
+        if start == 3 * PART:
+            raise OSError(28, "No space left on device")
+
+    storage.faults.hook("write", disk_full)
+    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=BUDGET))
+    try:
+        response = saver.save(_state(), storage)
+        named = rf"bytes \[{3 * PART}, {4 * PART}\) of .*ck/{DATA_FILE}.*No space left"
+        with pytest.raises(CheckpointError, match=named):
+            response.upload_completion.result(60)
+        with pytest.raises(CheckpointError, match="No space left"):
+            response.staging_completion.result(60)  # the part's slot never came back
+        assert not (tmp_path / "ck" / ".metadata").exists()
+        assert not (tmp_path / "ck" / DATA_FILE).exists()
+        storage.faults.clear()
+        state = _state(1)
+        saver.save(state, tmp_path / "next").upload_completion.result(60)
+    finally:
+        saver.close()
+    got = _blank(state)
+    ss.load(got, tmp_path / "next")
+    _assert_same(got, state)
+
+
+def test_a_budget_under_one_page_per_slot_is_refused_naming_the_option():
+    with pytest.raises(ValueError, match=r"SaveOptions.staging_budget_bytes=8192: .*16384"):
+        SaveOptions(staging_budget_bytes=8192)
+    SaveOptions(staging_budget_bytes=STREAM_SLOTS * 4096)
+
+
+def test_a_device_snapshot_never_exceeds_the_budget(tmp_path, caplog):
+    """On CPU a device snapshot is host memory: over the budget there is none, the save
+    streams from the state; within it the snapshot is taken as before."""
+    state = _state()
+    over = CheckpointSaver(options=SaveOptions(device_snapshot=True, staging_budget_bytes=BUDGET))
+    try:
+        with caplog.at_level("WARNING", logger="slipstream"):
+            over.save(state, tmp_path / "over").upload_completion.result(60)
+        assert over.snapshot_allocations == 0
+        assert over.staging_peak_bytes <= BUDGET
+        assert "capped by staging_budget_bytes" in caplog.text
+    finally:
+        over.close()
+    within = CheckpointSaver(
+        options=SaveOptions(device_snapshot=True, staging_budget_bytes=64 * BUDGET)
+    )
+    try:
+        within.save(state, tmp_path / "within").upload_completion.result(60)
+        assert within.snapshot_allocations == 1
+    finally:
+        within.close()
+    for name in ("over", "within"):
+        got = _blank(state)
+        ss.load(got, tmp_path / name)
+        _assert_same(got, state)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 5000, (1 << 20) * 3 + 17])
+def test_block_checksums_fed_in_pieces_equal_the_one_shot_ones(nbytes):
+    data = memoryview(random.Random(nbytes).randbytes(nbytes))
+    rng = random.Random(1)
+    cuts = sorted({0, nbytes, *(rng.randrange(nbytes + 1) for _ in range(6))})
+    sums = BlockChecksums(nbytes)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        sums.update(data[a:b])
+    assert sums.result() == block_checksums(data)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(24 * 5 * 7).reshape(24, 5, 7).permute(2, 0, 1),
+        torch.arange(300).reshape(20, 15)[:, ::2],
+        torch.arange(100)[::3],
+        torch.arange(60).reshape(3, 4, 5),
+    ],
+)
+def test_flat_range_views_are_the_flattened_elements(tensor):
+    n = tensor.numel()
+    for lo, hi in [(0, n), (1, n - 1), (3, 4), (n // 3, 2 * n // 3), (5, 5)]:
+        views = flat_range(tensor, lo, hi)
+        got = torch.cat([v.reshape(-1) for v in views]) if views else torch.empty(0)
+        assert torch.equal(got, tensor.flatten()[lo:hi].to(got.dtype)), (lo, hi)
