@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import uuid
 
 import pytest
@@ -272,3 +273,30 @@ def test_flat_range_views_are_the_flattened_elements(tensor):
         views = flat_range(tensor, lo, hi)
         got = torch.cat([v.reshape(-1) for v in views]) if views else torch.empty(0)
         assert torch.equal(got, tensor.flatten()[lo:hi].to(got.dtype)), (lo, hi)
+
+
+def test_an_upload_failing_before_its_first_write_stops_a_streaming_stage(tmp_path):
+    """The upload fails (its storage cannot be prepared) once the stager holds its slots:
+    the stager, which only the writer could free, fails with it instead of waiting for
+    slots until the save's timeout (600 s here)."""
+    storage = FaultStorage(LocalStorage(tmp_path / "ck"))
+    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=BUDGET))
+
+    def fail_once_staging_holds_its_slots(*_args) -> None:
+        for _ in range(1000):  # the stager allocates its ring as it starts
+            if saver.staging_bytes:
+                break
+            time.sleep(0.01)
+        raise OSError("the bucket is gone")
+
+    storage.faults.hook("prepare", fail_once_staging_holds_its_slots)
+    try:
+        response = saver.save(_state(), storage)
+        with pytest.raises(CheckpointError, match="the bucket is gone"):
+            response.upload_completion.result(60)
+        with pytest.raises(CheckpointError):
+            response.staging_completion.result(60)
+        assert saver.staging_bytes == STREAM_SLOTS * PART
+    finally:
+        saver.close()
+    assert not (tmp_path / "ck" / ".metadata").exists()

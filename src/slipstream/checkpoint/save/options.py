@@ -29,7 +29,7 @@ class SaveOptions:
     before it takes the next part: memory traded for time, since ``staging_completion`` (the
     moment the caller may change its state) then waits for the writes of all but the last
     few parts. At least ``STREAM_SLOTS`` pages (4096 bytes each). A device snapshot never
-    takes more than the budget either. docs/checkpoint.md, "Staging under a memory budget"."""
+    takes more than the budget either. docs/save-cost.md, "Staging under a memory budget"."""
     pin_memory: bool | None = None
     """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
     device_snapshot: bool | None = None

@@ -358,6 +358,8 @@ class CheckpointSaver:
             self._upload_and_commit(job)
         except BaseException as exc:
             job.abandoned = exc
+            if job.ring is not None:  # a streaming stager waits for slots this frees
+                job.ring.fail(exc)
             if not job.staging_ended.wait(job.timeout):
                 logger.warning(
                     "staging of the failed save to %s did not end within %s s; its buffer is "

@@ -37,7 +37,7 @@ from ...errors import CheckpointError
 from .device_snapshot import DeviceSnapshots
 from .job import SaveJob
 from .layout import LocalLayout
-from .options import SaveOptions
+from .options import STREAM_SLOTS, SaveOptions
 from .part_ring import PartPlan, PartRing, fill_part, part_bytes, plan_parts
 from .plan import RecordPlan
 from .record_copy import copy_records, record_source
@@ -74,11 +74,15 @@ class Stager:
         :mod:`.device_snapshot`); False when the save stages from the state instead."""
         return self._snapshots.gather(job, devices)
 
-    def _buffer(self, job: SaveJob) -> torch.Tensor:
+    def _prepare_pool(self, job: SaveJob) -> None:
+        """Decide pinning on the first save; free the buffers of other layouts."""
         if self._pool.allocations == 0:
             pin = self.options.pin_memory
             self._pool.pin = (job.device is not None) if pin is None else pin
         self._drop_stale(job.fingerprint)
+
+    def _buffer(self, job: SaveJob) -> torch.Tensor:
+        self._prepare_pool(job)
         try:
             buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
         except StagingBudgetError as exc:
@@ -110,18 +114,14 @@ class Stager:
         one pool buffer of ``STREAM_SLOTS`` parts (at most the budget)."""
         budget = self.options.staging_budget_bytes
         assert budget is not None, "only a save over a budget streams"
-        if self._pool.allocations == 0:
-            pin = self.options.pin_memory
-            self._pool.pin = (job.device is not None) if pin is None else pin
-        self._drop_stale(job.fingerprint)
+        self._prepare_pool(job)
         part = part_bytes(budget)
         parts = self._parts.get(job.fingerprint)
         if parts is None:
             parts = self._parts[job.fingerprint] = plan_parts(
                 job.plan.records, job.plan.image_bytes, part
             )
-        slots = min(len(parts), budget // part)
-        buf = self._pool.acquire(job.fingerprint, slots * part)
+        buf = self._pool.acquire(job.fingerprint, STREAM_SLOTS * part)
         return PartRing(buf, parts, f"{job.storage.url}/{job.file}")
 
     def stage(self, job: SaveJob) -> None:
@@ -135,13 +135,10 @@ class Stager:
         has finished.
         """
         try:
-            if job.abandoned is not None:
-                raise CheckpointError(
-                    f"staging of {job.storage.url} skipped: the save already failed "
-                    f"({job.abandoned})"
-                )
+            _skip_if_abandoned(job)
             if self.streams(job):
                 job.ring = self._ring(job)
+                _skip_if_abandoned(job)  # the upload fails the ring only once it is set
             else:
                 job.buffer = self._buffer(job)
             job.progress.advance(0)
@@ -241,6 +238,13 @@ class Stager:
         self._tail_copier.shutdown(wait=True)
         self._pool.clear()
         self._snapshots.clear()
+
+
+def _skip_if_abandoned(job: SaveJob) -> None:
+    if job.abandoned is not None:
+        raise CheckpointError(
+            f"staging of {job.storage.url} skipped: the save already failed ({job.abandoned})"
+        )
 
 
 def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[RecordPlan]]:

@@ -59,7 +59,11 @@ class RankWriter:
         where = f"{job.storage.url}/{job.file}"
         job.progress.wait_for(0, job.timeout, f"a staging buffer for {where}")
         if job.ring is not None:
-            return self._write_streamed(job, job.ring, where)
+            try:
+                return self._write_streamed(job, job.ring, where)
+            except BaseException as exc:
+                job.ring.fail(exc)  # staging may be waiting for a slot
+                raise
         plan = job.plan
         assert job.buffer is not None, "staging sets the buffer before the watermark's 0"
         image = byte_view(job.buffer)
@@ -89,7 +93,8 @@ class RankWriter:
     def _write_streamed(self, job: SaveJob, ring: PartRing, where: str) -> WriteReport:
         """Write a streamed save part by part as each is staged, hash each part's record
         bytes, give each slot back once written and hashed; then the values, as
-        :meth:`write` does. A failure also fails the ring, so staging stops at once."""
+        :meth:`write` does (whose caller fails the ring on a failure, so that staging
+        stops at once)."""
         image_bytes = job.plan.image_bytes
         sums = {rec.chunk.record_key: BlockChecksums(rec.nbytes) for rec in job.plan.records}
         with job.storage.open_writer(job.file, image_bytes) as out:
@@ -118,8 +123,7 @@ class RankWriter:
                 finally:
                     _join_writes(writes, job.timeout, where)
                 out.finish()
-            except BaseException as exc:
-                ring.fail(exc)
+            except BaseException:
                 out.abort()
                 raise
         records = {key: s.result() for key, s in sums.items()}
