@@ -157,19 +157,22 @@ def test_a_device_snapshot_over_its_budget_stages_from_the_state(tmp_path):
     _assert_same(got, state)
 
 
-def test_a_save_over_the_staging_budget_streams_from_the_device_through_pinned_slots(tmp_path):
-    """Over ``staging_budget_bytes`` there is no device snapshot: the save streams from the
-    device tensors (strided and split across parts) into pinned slots of the budget, and
-    stages what queued kernels write."""
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_a_save_over_the_staging_budget_streams_through_pinned_slots(tmp_path, snapshot):
+    """Over ``staging_budget_bytes`` a save streams into pinned slots of the budget: with a
+    device snapshot (device memory, not the budget's) drained part by part, or without one
+    from the device tensors (strided and split across parts); either way it stages what
+    queued kernels write."""
     budget = 1 << 20
     state = _state()
-    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=budget))
+    options = SaveOptions(staging_budget_bytes=budget, device_snapshot=snapshot)
+    saver = CheckpointSaver(options=options)
     try:
         torch.cuda._sleep(SPIN_CYCLES)
         state["big"].add_(1)  # queued behind the spin: the saver must stage it
         want = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
         saver.save(state, tmp_path / "ck").result(timeout=60)
-        assert saver.snapshot_allocations == 0
+        assert saver.snapshot_allocations == int(snapshot)
         assert saver.staging_pinned is True
         assert saver.staging_peak_bytes <= budget
     finally:

@@ -28,8 +28,11 @@ class SaveOptions:
     through :data:`STREAM_SLOTS` part-sized slots of the budget, each written and given back
     before it takes the next part: memory traded for time, since ``staging_completion`` (the
     moment the caller may change its state) then waits for the writes of all but the last
-    few parts. At least ``STREAM_SLOTS`` pages (4096 bytes each). A device snapshot never
-    takes more than the budget either. docs/save-cost.md, "Staging under a memory budget"."""
+    few parts. At least ``STREAM_SLOTS`` pages (4096 bytes each). A device snapshot drains
+    through the slots too (on an accelerator ``staging_completion`` still comes at the
+    call); one in host memory (on CPU) is no larger than the budget unless
+    ``device_snapshot_bytes`` says otherwise. docs/save-cost.md, "Staging under a memory
+    budget"."""
     pin_memory: bool | None = None
     """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
     device_snapshot: bool | None = None
@@ -43,7 +46,8 @@ class SaveOptions:
     device_snapshot_bytes: int | None = None
     """Most bytes the device snapshot may take; a save it does not fit stages straight to
     the host buffer, and the saver logs that once. ``None``: half of the memory the device
-    has free when a layout is first saved (no limit for a snapshot in host memory)."""
+    has free when a layout is first saved (for a snapshot in host memory,
+    ``staging_budget_bytes``, or no limit without one)."""
     keep_device_snapshot: bool = False
     """Keep the device snapshot's buffer between saves, for the next save of the layout to
     gather into (no allocation per save). ``False`` (the default): the buffer goes back to

@@ -11,10 +11,11 @@ ways, advancing the job's watermark as bytes land so that writing starts before 
   waits on the event recorded at the call; on CPU, ``memmove`` in slices), then
   ``staging_completion`` resolves.
 
-A save larger than ``SaveOptions.staging_budget_bytes`` is not held whole: it streams from
-the state through the few part-sized slots of one reused buffer of the budget's size
-(:mod:`.part_ring`), each part staged once the writer has given its slot back, and
-``staging_completion`` resolves once the last part is staged.
+A save larger than ``SaveOptions.staging_budget_bytes`` is not held whole: it streams
+through the few part-sized slots of one reused buffer of the budget's size
+(:mod:`.part_ring`), each part staged once the writer has given its slot back. From the
+state, ``staging_completion`` then resolves once the last part is staged; a device
+snapshot drains into the slots the same way (its ``staging_completion`` came at the call).
 
 Invariant: a save's buffer is not handed to another save until :meth:`Stager.release`
 (the saver releases it once both the save's staging and its writes have ended, failed or
@@ -145,12 +146,14 @@ class Stager:
             side = None
             if job.device is not None:
                 side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
-            if job.ring is not None:
-                assert job.device_snapshot is None, "a snapshot is never over the budget"
-                self._stream(job, job.ring, side)
-                return
             if job.device_snapshot is not None:
-                self._snapshots.drain(job, side)
+                if job.ring is not None:
+                    self._snapshots.drain_parts(job, job.ring, side)
+                else:
+                    self._snapshots.drain(job, side)
+                return
+            if job.ring is not None:
+                self._stream(job, job.ring, side)
                 return
             streams.wait_event(side, job.ready_event)
             head: list[RecordPlan] = job.plan.records
