@@ -94,7 +94,8 @@ class RankWriter:
         """Write a streamed save part by part as each is staged, hash each part's record
         bytes, give each slot back once written and hashed; then the values, as
         :meth:`write` does (whose caller fails the ring on a failure, so that staging
-        stops at once)."""
+        stops at once). Hashing here runs alongside staging: a slot cannot wait for
+        staging to end before it is given back."""
         image_bytes = job.plan.image_bytes
         sums = {rec.chunk.record_key: BlockChecksums(rec.nbytes) for rec in job.plan.records}
         with job.storage.open_writer(job.file, image_bytes) as out:
