@@ -28,7 +28,7 @@ from slipstream.checkpoint import CheckpointSaver, SaveOptions
 from slipstream.checkpoint.save.options import STREAM_SLOTS
 from slipstream.checkpoint.save.part_ring import part_bytes
 from slipstream.checkpoint.save.record_copy import flat_range
-from slipstream.checkpoint.storage import LocalStorage, MemoryStorage
+from slipstream.checkpoint.storage import DataWriter, LocalStorage, MemoryStorage
 from slipstream.core.checksum import BlockChecksums, block_checksums
 from slipstream.errors import CheckpointError
 
@@ -402,3 +402,53 @@ def test_a_streamed_save_to_s3_loads_back(s3_bucket):
     got = _blank(state)
     ss.load(got, url)
     _assert_same(got, state)
+
+
+class _WholeImageOnly(DataWriter):
+    """A backend's writer from before ``write_at``: it takes whole images only."""
+
+    def __init__(self, inner: DataWriter) -> None:
+        self.inner, self.path = inner, inner.path
+
+    def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
+        return self.inner.pieces(piece_bytes)
+
+    def write(self, start: int, end: int) -> None:
+        self.inner.write(start, end)
+
+    def append(self, data: memoryview, offset: int) -> None:
+        self.inner.append(data, offset)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _WholeImageStorage(LocalStorage):
+    def child(self, name: str) -> _WholeImageStorage:
+        return _WholeImageStorage(self.path / name)
+
+    def open_writer(self, name: str, image: memoryview | int) -> DataWriter:
+        return _WholeImageOnly(super().open_writer(name, image))
+
+
+def test_a_backend_without_write_at_refuses_a_streamed_save_naming_the_option(tmp_path):
+    saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=BUDGET))
+    try:
+        storage = _WholeImageStorage(tmp_path / "ck")
+        response = saver.save(_state(), storage)
+        with pytest.raises(CheckpointError, match="_WholeImageOnly cannot .*staging_budget_bytes"):
+            response.upload_completion.result(60)
+        assert not (tmp_path / "ck" / ".metadata").exists()
+        state = {"w": torch.ones(1000)}  # within the budget: written as a whole image
+        saver.save(state, _WholeImageStorage(tmp_path / "small")).upload_completion.result(60)
+    finally:
+        saver.close()
+    got = {"w": torch.zeros(1000)}
+    ss.load(got, tmp_path / "small")
+    assert torch.equal(got["w"], state["w"])
