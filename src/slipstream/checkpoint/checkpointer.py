@@ -32,7 +32,7 @@ from ..core.control_plane import ranks_text
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
-from .agreement import LoadAgreement, agreement_for
+from .agreement import agreement_for
 from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
@@ -389,14 +389,7 @@ class Checkpointer:
         in :attr:`last_load_tier`."""
         target = state_dict if isinstance(state_dict, dict) else state_dict.state_dict()
         if self.local_tier is None:
-            agreement = agreement_for(self._saver.channel)
-            timeout = self._saver.options.timeout
-            chosen = self._agreed_newest(agreement, timeout) if step is None else step
-            step = agreement.run(
-                f"load of step {chosen} under {self.root}",
-                lambda: self._load_durable(target, chosen, strict, trusted),
-                timeout,
-            )
+            step = self._load_agreed(target, step, strict, trusted)
             tier: Literal["local", "durable"] = "durable"
         else:
             step, tier = self._load_two_tier(target, step, strict, trusted)
@@ -407,22 +400,25 @@ class Checkpointer:
         self.last_load_tier = tier
         return step
 
-    def _agreed_newest(self, agreement: LoadAgreement, timeout: float | None) -> int:
-        """The newest step every rank sees committed, the same on every rank (a rank whose
-        listing lags, or that was given another copy of the root, makes every rank load
-        the newest step it sees too; the difference is logged)."""
-        newest = agreement.values(
-            f"listing of the committed steps under {self.root}",
-            lambda: max(self.steps(), default=None),
-            timeout,
-        )
-        empty = [r for r, s in enumerate(newest) if s is None]
-        if empty:
-            raise CheckpointError(
-                f"no committed checkpoint under {self.root} (as listed by {ranks_text(empty)})"
+    def _load_agreed(
+        self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
+    ) -> int:
+        """Load ``step`` (``None``: the newest step every rank sees committed) from the
+        durable tier, every rank the same step, agreed in one round: without a step, each
+        rank loads the newest it lists, and only where ranks list different newest steps (a
+        lagging listing, another copy of the root; the difference is logged) do they all
+        load, in a second round, the newest that every rank sees."""
+        agreement = agreement_for(self._saver.channel)
+        timeout = self._saver.options.timeout
+        if step is None:
+            loaded, newest = agreement.same(
+                f"load of the newest step under {self.root}",
+                lambda: self._load_durable(target, self._newest(), strict, trusted),
+                timeout,
             )
-        step = min(newest)
-        if max(newest) != step:
+            if newest is None:
+                return int(loaded)
+            step = int(min(newest))
             logger.warning(
                 "ranks see different newest steps under %s (%s); every rank loads step %d, "
                 "the newest that every rank sees",
@@ -430,7 +426,22 @@ class Checkpointer:
                 ", ".join(f"rank {r}: {s}" for r, s in enumerate(newest)),
                 step,
             )
-        return int(step)
+        chosen = step
+        return agreement.run(
+            f"load of step {chosen} under {self.root}",
+            lambda: self._load_durable(target, chosen, strict, trusted),
+            timeout,
+        )
+
+    def _newest(self) -> int:
+        """The newest step this rank lists committed."""
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(
+                f"no committed checkpoint under {self.root} "
+                f"(as listed by {ranks_text([self._saver.rank])})"
+            )
+        return steps[-1]
 
     def _load_durable(
         self, target: dict[str, Any], step: int, strict: bool, trusted: Trusted
