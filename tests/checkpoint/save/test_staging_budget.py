@@ -20,6 +20,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import copy_state
 from dist_utils import run_workers
 from fault_storage import FaultStorage
 
@@ -49,13 +50,6 @@ def _state(seed: int = 0) -> dict:
         "e": torch.empty(0),
         "step": 3,
         "opt": {"lr": 0.5},
-    }
-
-
-def _clone(state: dict) -> dict:
-    return {
-        k: (v.clone() if torch.is_tensor(v) else dict(v) if isinstance(v, dict) else v)
-        for k, v in state.items()
     }
 
 
@@ -156,7 +150,7 @@ def test_staging_completion_waits_for_the_last_part_and_the_state_is_free_after_
     saver = CheckpointSaver(options=SaveOptions(staging_budget_bytes=BUDGET, io_threads=8))
     try:
         state = _state()
-        want = _clone(state)
+        want = copy_state(state)
         response = saver.save(state, storage)
         assert slots_full.wait(GATE_TIMEOUT), "the first parts were never written"
         assert not response.staging_completion.done()  # parts beyond the slots unstaged
@@ -268,7 +262,7 @@ def test_a_device_snapshot_over_the_budget_drains_through_its_slots(tmp_path):
     saver = CheckpointSaver(options=options)
     try:
         state = _state()
-        want = _clone(state)
+        want = copy_state(state)
         response = saver.save(state, storage)
         response.staging_completion.result(60)  # resolved by the gather, writes still held
         assert not response.upload_completion.done()

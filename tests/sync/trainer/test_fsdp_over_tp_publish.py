@@ -11,7 +11,6 @@ gathered by the trainers with ``full_tensor()`` after the publish (outside the c
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from dist_utils import free_port
@@ -26,6 +25,7 @@ from test_tp_trainer_publish import (
     _rollout_ranks,
     _tp_model,
     _tp_trainer_plan,
+    check_rollouts,
 )
 from torch.distributed.tensor import Replicate
 
@@ -98,17 +98,4 @@ def test_fsdp_over_tensor_parallel_trainers_send_their_own_shards(mode, transpor
     assert out[0]["placements"]["2.weight"] == "(Shard(dim=0),)", out[0]["placements"]
     for trainer in range(WORLD):
         assert out[trainer]["counts"] == [0] * len(VERSIONS), (trainer, out[trainer]["counts"])
-    full = out[0]["full"]
-    for rollout in members:
-        tp_rank = rollout - WORLD - 1
-        for version in VERSIONS:
-            got = out[rollout][version]
-            assert set(got) == set(full[version]), (rollout, version)
-            for name, t in full[version].items():
-                dim = TP_SPLIT.get(name) if tp_rank >= 0 else None
-                want = t if dim is None else np.array_split(t, 2, axis=dim)[tp_rank]
-                assert np.array_equal(got[name], want), (rollout, version, name)
-        if tp_rank >= 0:  # its own shards and the replicated tensors, nothing more
-            kept = sum(a.nbytes for a in out[rollout][VERSIONS[-1]].values())
-            received = out[rollout]["received"]
-            assert all(0 < n <= 1.1 * kept for n in received), (kept, received)
+    check_rollouts(out, WORLD, TP_SPLIT.get)
