@@ -29,7 +29,7 @@ from .agreement import agreement_for
 from .format.names import METADATA_FILE
 from .format.safe_types import Trust, Trusted
 from .hf import load as hf_load
-from .load import loader
+from .load import collective, loader
 from .save.job import AsyncSaveResponse
 from .save.options import SaveOptions
 from .save.saver import CheckpointSaver
@@ -295,12 +295,12 @@ def load_state(
         )
         return
 
-    def load_here() -> None:
+    def prepare() -> loader.PlannedLoad | None:
         storage = resolve_storage(location, storage_options)
         if hf_load.is_hf_directory(storage):
             hf_load.load_hf(state_dict, storage, strict=strict)
-            return
-        loader.load(
+            return None
+        return loader.open_plan(
             state_dict,
             storage,
             strict=strict,
@@ -311,7 +311,8 @@ def load_state(
 
     saver = _saver(process_group, no_dist)
     where = location.url if isinstance(location, Storage) else str(location)
-    agreement_for(saver.channel).run(f"load of {where}", load_here, saver.options.timeout)
+    agreement = agreement_for(saver.channel)
+    collective.load(agreement, f"load of {where}", prepare, saver.options.timeout)
 
 
 def load(

@@ -18,7 +18,6 @@ save to write over, and :meth:`Checkpointer.close` deletes what is left of them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -36,7 +35,7 @@ from .agreement import LoadAgreement, agreement_for
 from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
-from .load import loader
+from .load import collective, loader
 from .save.commit import uncommit
 from .save.job import AsyncSaveResponse
 from .save.messages import SkipDecision, Topics
@@ -392,11 +391,8 @@ class Checkpointer:
             agreement = agreement_for(self._saver.channel)
             timeout = self._saver.options.timeout
             chosen = self._agreed_newest(agreement, timeout) if step is None else step
-            step = agreement.run(
-                f"load of step {chosen} under {self.root}",
-                lambda: self._load_durable(target, chosen, strict, trusted),
-                timeout,
-            )
+            self._load_durable(agreement, target, chosen, strict, trusted)
+            step = chosen
             tier: Literal["local", "durable"] = "durable"
         else:
             step, tier = self._load_two_tier(target, step, strict, trusted)
@@ -433,14 +429,23 @@ class Checkpointer:
         return int(step)
 
     def _load_durable(
-        self, target: dict[str, Any], step: int, strict: bool, trusted: Trusted
-    ) -> int:
-        """Load ``step`` from the durable tier into ``target``, on this rank; returns it."""
-        if not self._step(step).exists(METADATA_FILE):
-            raise self._not_committed(step, max(self.steps()[-1:], default=None))
-        loader.load(target, self._step(step), strict=strict, trusted=trusted)
+        self,
+        agreement: LoadAgreement,
+        target: dict[str, Any],
+        step: int,
+        strict: bool,
+        trusted: Trusted,
+    ) -> None:
+        """Load ``step`` from the durable tier into ``target``, every rank together."""
+
+        def prepare() -> loader.PlannedLoad:
+            if not self._step(step).exists(METADATA_FILE):
+                raise self._not_committed(step, max(self.steps()[-1:], default=None))
+            return loader.open_plan(target, self._step(step), strict=strict, trusted=trusted)
+
+        what = f"load of step {step} under {self.root}"
+        collective.load(agreement, what, prepare, self._saver.options.timeout)
         logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
-        return step
 
     def _load_two_tier(
         self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
@@ -489,10 +494,8 @@ class Checkpointer:
             if candidate in durable:
                 attempted = True
                 try:
-                    agreement_for(self._saver.channel).run(
-                        f"load of step {candidate} under {self.root}",
-                        functools.partial(self._load_durable, target, candidate, strict, trusted),
-                        self._saver.options.timeout,
+                    self._load_durable(
+                        agreement_for(self._saver.channel), target, candidate, strict, trusted
                     )
                 except CheckpointError as exc:
                     tried.append(f"step {candidate} from {self.root}: {exc}")
