@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_utils import run_workers
 from fault_storage import Faults, FaultStorage
 from torch.distributed.device_mesh import init_device_mesh
@@ -190,13 +191,15 @@ def _hsdp(rank: int, world: int, root: str, out: str) -> None:
     ss.save({n: distribute_tensor(_full(n), mesh, placements) for n in FULL}, root)
     faults = Faults()
     counted = _Counted(faults)
+    groups_before = len(dist.distributed_c10d._world.pg_names)
     target = {n: distribute_tensor(torch.zeros(FULL[n]), mesh, placements) for n in FULL}
     ss.load(target, FaultStorage(resolve_storage(root), faults))
+    made = len(dist.distributed_c10d._world.pg_names) - groups_before
     local = {}
     for n, t in target.items():
         assert isinstance(t, DTensor)
         local[n] = t.to_local().clone()
-    _dump(out, rank, (mesh.get_coordinate(), local, counted.take()))
+    _dump(out, rank, (mesh.get_coordinate(), local, counted.take(), made))
 
 
 def test_hsdp_replica_groups_read_each_byte_once(tmp_path):
@@ -204,12 +207,13 @@ def test_hsdp_replica_groups_read_each_byte_once(tmp_path):
     out.mkdir()
     run_workers(_hsdp, WORLD, str(tmp_path / "ckpt"), str(out), timeout=120)
     results = _results(out)
-    for coordinate, local, _ in results:
+    for coordinate, local, _, made in results:
         for n in FULL:
             want = _full(n).chunk(2, dim=0)[coordinate[1]]
             assert torch.equal(local[n], want), (coordinate, n)
+        assert made == 1, f"{coordinate}: {made} groups made for one read-once load"
     size = _read_alone(str(tmp_path / "ckpt"), {n: torch.zeros(FULL[n]) for n in FULL})
-    _assert_read_once([nbytes for _, _, nbytes in results], size, "HSDP")
+    _assert_read_once([nbytes for _, _, nbytes, _ in results], size, "HSDP")
 
 
 _EIO = OSError(errno.EIO, "Input/output error (injected)", "__0_0.distcp")
@@ -263,3 +267,25 @@ def test_a_rank_whose_storage_fails_fails_the_load_on_every_rank(tmp_path):
         _, message = got
         assert "rank 2" in message and "Input/output error" in message, (rank, message)
         assert data.name in message, (rank, message)
+
+
+def _sharded(rank: int, world: int, root: str, out: str) -> None:
+    """FSDP-like: every rank loads only its own rows, which no other rank wants."""
+    mesh = init_device_mesh("cpu", (world,))
+    ss.save({n: distribute_tensor(_full(n), mesh, [Shard(0)]) for n in FULL}, root)
+    groups_before = len(dist.distributed_c10d._world.pg_names)
+    target = {n: distribute_tensor(torch.zeros(FULL[n]), mesh, [Shard(0)]) for n in FULL}
+    ss.load(target, root)
+    local = {n: t.to_local().clone() for n, t in target.items() if isinstance(t, DTensor)}
+    made = len(dist.distributed_c10d._world.pg_names) - groups_before
+    _dump(out, rank, (local, made))
+
+
+def test_a_load_whose_ranks_share_no_bytes_makes_no_group(tmp_path):
+    out = tmp_path / "got"
+    out.mkdir()
+    run_workers(_sharded, WORLD, str(tmp_path / "ckpt"), str(out), timeout=120)
+    for rank, (local, made) in enumerate(_results(out)):
+        for n in FULL:
+            assert torch.equal(local[n], _full(n).chunk(WORLD, dim=0)[rank]), (rank, n)
+        assert made == 0, f"rank {rank} made {made} process group(s) for a load sharing nothing"
