@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ...core import tracing
 from ...core.copy import copy_bytes
 from ...errors import CorruptCheckpointError
 from ..agreement import LoadAgreement
@@ -138,8 +139,9 @@ def _alone(planned: PlannedLoad | None, started: float) -> None:
         return
 
     def work() -> None:
-        nbytes = planned.read()
-        planned.finish()
+        with tracing.span("slipstream.load", url=planned.reader.path):
+            nbytes = planned.read()
+            planned.finish()
         log_loaded(planned.reader.path, nbytes, time.perf_counter() - started)
 
     _verified(planned, work)
@@ -165,14 +167,17 @@ def _read_part(
         return _Part(group, share, hosts, 0)
     own = [_own_request(hosts[r.want], r.lo, r.hi) for r in share.reads]
     own += [r for r in planned.reads if r.out is None]
-    return _Part(group, share, hosts, _verified(planned, lambda: planned.read(reads=own)))
+    with tracing.span("slipstream.load", url=planned.reader.path, shared=mode.value):
+        nbytes = _verified(planned, lambda: planned.read(reads=own))
+    return _Part(group, share, hosts, nbytes)
 
 
 def _exchange(planned: PlannedLoad | None, part: _Part, where: str) -> int:
     hosts, share = part.hosts, part.share
     sends = [(t, _view(hosts[t.source], t.lo, t.hi)) for t in share.sends]
     receives = [(t, _view(hosts[t.dest], t.lo, t.hi)) for t in share.receives]
-    received = exchange.move(part.group, sends, receives, where)
+    with tracing.span("slipstream.load.exchange", sends=len(sends), receives=len(receives)):
+        received = exchange.move(part.group, sends, receives, where)
     for t in share.copies:
         copy_bytes(_view(hosts[t.dest], t.lo, t.hi), _view(hosts[t.source], t.lo, t.hi))
     if planned is not None:
