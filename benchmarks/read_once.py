@@ -43,6 +43,7 @@ from slipstream.checkpoint.agreement import agreement_for  # noqa: E402
 from slipstream.checkpoint.api import _saver  # noqa: E402
 from slipstream.checkpoint.load import loader  # noqa: E402
 from slipstream.checkpoint.storage import DataWriter, Storage, resolve_storage  # noqa: E402
+from slipstream.core import tracing  # noqa: E402
 
 MIB = 1 << 20
 BUCKET = "slipstream-read-once"
@@ -135,15 +136,30 @@ def total(n: int) -> int:
     return int(t)
 
 
+def exchange_seconds(since_us: float) -> float:
+    """Seconds this rank spent in read-once exchanges that began after ``since_us`` (the
+    trace's clock: ``time.monotonic_ns`` in microseconds)."""
+    return (
+        sum(
+            e["dur"]
+            for e in tracing.trace_events()
+            if e["name"] == "slipstream.load.exchange" and e["ts"] >= since_us
+        )
+        / 1e6
+    )
+
+
 def load_once(
     way: str, location: str, local_dir: str | None, want: dict[str, torch.Tensor]
-) -> tuple[float, int, int]:
-    """One load on every rank: (slowest rank's seconds, bytes all ranks read, most any read)."""
+) -> tuple[float, int, int, float]:
+    """One load on every rank: (slowest rank's seconds, bytes all ranks read, most any read,
+    slowest rank's seconds in the exchange)."""
     storage = CountingStorage(resolve_storage(location))
     target = {k: torch.zeros_like(v) for k, v in want.items()}
     if local_dir is not None and dist.get_rank() == 0:
         drop_page_cache([local_dir])
     dist.barrier()
+    since = time.monotonic_ns() / 1000
     start = time.perf_counter()
     if way == TODAY:
         saver = _saver(None)
@@ -158,7 +174,7 @@ def load_once(
             raise AssertionError(f"rank {dist.get_rank()}: {way} loaded {k} wrong from {location}")
     most = torch.tensor([mine], dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return slowest(seconds), total(mine), int(most)
+    return slowest(seconds), total(mine), int(most), slowest(exchange_seconds(since))
 
 
 def run_rank(opts: argparse.Namespace, locations: dict[str, tuple[str, str | None]]) -> dict:
@@ -176,9 +192,12 @@ def run_rank(opts: argparse.Namespace, locations: dict[str, tuple[str, str | Non
     return got
 
 
-def worker(rank: int, opts: argparse.Namespace, port: int, env: dict, locations, queue) -> None:
+def worker(
+    rank: int, opts: argparse.Namespace, port: int, env: dict, locations, workdir: Path, queue
+) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
+    tracing.start(workdir / f"trace.{rank}.json")  # the exchange's spans, read back per load
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.ranks
     )
@@ -214,7 +233,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> tuple[dict, int]:
         queue = ctx.Queue()
         port = free_port()
         procs = [
-            ctx.Process(target=worker, args=(r, opts, port, env, locations, queue))
+            ctx.Process(target=worker, args=(r, opts, port, env, locations, workdir, queue))
             for r in range(opts.ranks)
         ]
         for p in procs:
@@ -253,6 +272,7 @@ def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
             [
                 "way",
                 "load s (slowest rank)",
+                "of which exchange s",
                 "read from storage (x checkpoint)",
                 "most one rank read (x)",
             ],
@@ -262,8 +282,9 @@ def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
             seconds = median([r[0] for r in runs[way]])
             read = median([r[1] for r in runs[way]]) / nbytes
             most = median([r[2] for r in runs[way]]) / nbytes
+            moving = median([r[3] for r in runs[way]])
             medians[way] = (seconds, read)
-            table.rows.append([way, fmt(seconds), fmt(read), fmt(most)])
+            table.rows.append([way, fmt(seconds), fmt(moving), fmt(read), fmt(most)])
         result.tables.append(table)
         speedup = medians[TODAY][0] / medians[READ_ONCE][0]
         read = medians[READ_ONCE][1]

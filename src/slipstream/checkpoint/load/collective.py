@@ -213,7 +213,7 @@ def load(
         return _summary(planned)
 
     try:
-        mode = sharing(agreement.values(f"planning of the {what}", plan, timeout))
+        mode = sharing(agreement.values(what, plan, timeout))
         planned = held[0] if held else None
         if mode is Sharing.ALONE:
             agreement.run(what, lambda: _alone(planned, started), timeout)
