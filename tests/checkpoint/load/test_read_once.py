@@ -289,3 +289,28 @@ def test_a_load_whose_ranks_share_no_bytes_makes_no_group(tmp_path):
         for n in FULL:
             assert torch.equal(local[n], _full(n).chunk(WORLD, dim=0)[rank]), (rank, n)
         assert made == 0, f"rank {rank} made {made} process group(s) for a load sharing nothing"
+
+
+def _subgroups(rank: int, world: int, root: str, out: str) -> None:
+    """Ranks {0, 1} and {2, 3}, each a group of the job's own, load as two replica pairs."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    faults = Faults()
+    counted = _Counted(faults)
+    target = _blank()
+    ss.load(target, FaultStorage(resolve_storage(root), faults), process_group=pairs[rank // 2])
+    _dump(out, rank, (target, counted.take()))
+
+
+def test_replicas_in_a_group_of_their_own_read_once_between_them(tmp_path):
+    ckpt = _saved_alone(tmp_path / "ckpt")
+    out = tmp_path / "got"
+    out.mkdir()
+    run_workers(_subgroups, WORLD, str(ckpt), str(out), timeout=120)
+    results = _results(out)
+    size = _read_alone(str(ckpt), _blank())
+    for rank, (target, _) in enumerate(results):
+        _assert_exact(target, _state(), f"rank {rank}")
+    for pair in ((0, 1), (2, 3)):
+        read = [results[r][1] for r in pair]
+        assert size <= sum(read) <= 1.05 * size, (pair, read, size)
+        assert all(0.4 * size <= n <= 0.6 * size for n in read), (pair, read, size)
