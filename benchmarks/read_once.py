@@ -52,7 +52,7 @@ READ_ONCE = "read-once"
 WAYS = (TODAY, READ_ONCE)
 SHUFFLE_SEED = 56
 STORAGE_OPTIONS = {"client_options": {"timeout": "600s"}}
-"""One GET may take long: today's way has 4 x 16 ranged GETs of up to 64 MiB in flight at
+"""On S3 one GET may take long: today's way has 4 x 16 ranged GETs of up to 64 MiB in flight at
 once, more than one moto server on a shared host answers within the default 30 s."""
 RESULT_TIMEOUT_S = 3600
 
@@ -158,7 +158,8 @@ def load_once(
 ) -> tuple[float, int, int, float]:
     """One load on every rank: (slowest rank's seconds, bytes all ranks read, most any read,
     slowest rank's seconds in the exchange)."""
-    storage = CountingStorage(resolve_storage(location, STORAGE_OPTIONS))
+    options = None if local_dir is not None else STORAGE_OPTIONS
+    storage = CountingStorage(resolve_storage(location, options))
     target = {k: torch.zeros_like(v) for k, v in want.items()}
     if local_dir is not None and dist.get_rank() == 0:
         drop_page_cache([local_dir])
