@@ -24,12 +24,12 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 from ..errors import CheckpointError, UnsafeCheckpointError
-from . import dcp_compat
+from . import collective_load, dcp_compat
 from .agreement import agreement_for
 from .format.names import METADATA_FILE
 from .format.safe_types import Trust, Trusted
 from .hf import load as hf_load
-from .load import collective, loader
+from .load import loader
 from .save.job import AsyncSaveResponse
 from .save.options import SaveOptions
 from .save.saver import CheckpointSaver
@@ -312,7 +312,7 @@ def load_state(
     saver = _saver(process_group, no_dist)
     where = location.url if isinstance(location, Storage) else str(location)
     agreement = agreement_for(saver.channel)
-    collective.load(agreement, f"load of {where}", prepare, saver.options.timeout)
+    collective_load.load(agreement, f"load of {where}", prepare, saver.options.timeout)
 
 
 def load(

@@ -31,11 +31,12 @@ from ..core.control_plane import ranks_text
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
+from . import collective_load
 from .agreement import LoadAgreement, agreement_for
 from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
-from .load import collective, loader
+from .load import loader
 from .save.commit import uncommit
 from .save.job import AsyncSaveResponse
 from .save.messages import SkipDecision, Topics
@@ -444,7 +445,7 @@ class Checkpointer:
             return loader.open_plan(target, self._step(step), strict=strict, trusted=trusted)
 
         what = f"load of step {step} under {self.root}"
-        collective.load(agreement, what, prepare, self._saver.options.timeout)
+        collective_load.load(agreement, what, prepare, self._saver.options.timeout)
         logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
 
     def _load_two_tier(

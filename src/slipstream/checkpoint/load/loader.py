@@ -6,7 +6,7 @@ as reads, each straight into the destination tensor's memory whenever the range 
 contiguous on both sides (the usual case, including ``Shard(0)`` resharding);
 :mod:`.reader` carries them out through the storage backend. This module runs no
 collective: each rank plans what it needs alone, so N -> M ranks costs no planning. Where
-several ranks of a collective load need the same bytes, :mod:`.collective` splits those
+several ranks of a collective load need the same bytes, :mod:`..collective_load` splits those
 reads among them.
 
 Checks that need no data (missing/unexpected keys, dtype, global shape, committed
@@ -272,7 +272,8 @@ def open_plan(
     extensions: ExtensionRegistry | None = None,
 ) -> PlannedLoad:
     """:func:`load`'s checks and plan, nothing read into ``state_dict`` yet: the caller
-    carries it out (:mod:`.collective`) and closes its reader; arguments as for :func:`load`."""
+    carries it out (:mod:`..collective_load`) and closes its reader; arguments as for
+    :func:`load`."""
     reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted), extensions)
     try:
         return plan_load(reader, state_dict, strict=strict, cast=cast)

@@ -1,18 +1,18 @@
 """A load every rank of a group runs together, each saved byte read from storage once.
 
-The load runs in rounds of the group's :class:`~..agreement.LoadAgreement`, so a rank
+The load runs in rounds of the group's :class:`~.agreement.LoadAgreement`, so a rank
 that fails any round fails it on every rank, and no rank is ever left waiting on a peer
 that has already given up:
 
 1. **Plan.** Every rank checks its state dict against the checkpoint and plans its reads
-   (:func:`.loader.open_plan`), then posts a summary: a digest of its reads and, per
+   (:func:`.load.loader.open_plan`), then posts a summary: a digest of its reads and, per
    file, the range they span. Where at most one rank reads anything, or no two ranks'
    ranges meet, the load goes on as every rank alone (round 2 reads and fills; no
    process group is made).
-2. **Read.** Otherwise the ranks take slipstream's gloo group (:mod:`.exchange`) and learn
+2. **Read.** Otherwise the ranks take slipstream's gloo group (:mod:`.load.exchange`) and learn
    every rank's reads: from their own plan where every digest is equal (DDP replicas
    plan the same reads), else through one ``all_gather_object`` of each rank's wanted
-   ranges. Every rank computes the same assignment (:mod:`.read_once`) and reads its
+   ranges. Every rank computes the same assignment (:mod:`.load.read_once`) and reads its
    part from storage, verifying checksums as every load does.
 3. **Exchange.** Once every rank has read its part, the parts are sent to the ranks that
    want them, and each rank fills its state dict.
@@ -33,14 +33,23 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ...core import tracing
-from ...core.copy import copy_bytes
-from ...errors import CorruptCheckpointError
-from ..agreement import LoadAgreement
-from . import exchange
-from .loader import PlannedLoad, log_loaded
-from .read_once import Piece, RankShare, Want, assign, digest, hulls, hulls_overlap, share_of
-from .reader import ReadRequest
+from ..core import tracing
+from ..core.copy import copy_bytes
+from ..errors import CorruptCheckpointError
+from .agreement import LoadAgreement
+from .load import exchange
+from .load.loader import PlannedLoad, log_loaded
+from .load.read_once import (
+    Piece,
+    RankShare,
+    Want,
+    assign,
+    digest,
+    hulls,
+    hulls_overlap,
+    share_of,
+)
+from .load.reader import ReadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +133,7 @@ class _Part:
 
 def _verified(planned: PlannedLoad, work: Callable[[], _T]) -> _T:
     """``work()``, a checkpoint that turns out corrupt reported as gone where it was
-    deleted meanwhile (as :func:`.loader.load_from` reports it)."""
+    deleted meanwhile (as :func:`.load.loader.load_from` reports it)."""
     try:
         return work()
     except CorruptCheckpointError as exc:
