@@ -162,7 +162,7 @@ def _read_part(
     global_ranks: Sequence[int],
     timeout: float | None,
 ) -> _Part:
-    group = exchange.exchange_group(sorted(global_ranks), timeout)
+    group = exchange.exchange_group(global_ranks, timeout)
     me = dist.get_rank(group)
     hosts = _host_reads(planned)
     wants = [h.want for h in hosts]
@@ -227,10 +227,13 @@ def load(
         if mode is Sharing.ALONE:
             agreement.run(what, lambda: _alone(planned, started), timeout)
             return
-        part = agreement.run(
-            what, lambda: _read_part(planned, mode, channel.global_ranks, timeout), timeout
-        )
-        received = agreement.run(what, lambda: _exchange(planned, part, what), timeout)
+        ranks = sorted(channel.global_ranks)
+        try:
+            part = agreement.run(what, lambda: _read_part(planned, mode, ranks, timeout), timeout)
+            received = agreement.run(what, lambda: _exchange(planned, part, what), timeout)
+        except Exception:
+            exchange.forget_group(ranks)  # every rank raised here: the agreement's invariant
+            raise
         if planned is not None:
             logger.info(
                 "%s: read %.3f GiB from storage, %.3f GiB from %d peer(s) (%s)",

@@ -220,17 +220,23 @@ _EIO = OSError(errno.EIO, "Input/output error (injected)", "__0_0.distcp")
 
 
 def _failing(rank: int, world: int, root: str, out: str, bad_rank: int) -> None:
-    """Every rank loads as a replica; ``bad_rank``'s storage (``-1``: none) fails its reads."""
+    """Every rank loads as a replica; ``bad_rank``'s storage (``-1``: none) fails its reads.
+    Then, the fault cleared, every rank loads again: what each load gave is reported."""
     faults = Faults()
     if rank == bad_rank:
         faults.fail("read", _EIO, when=lambda name: name.endswith(".distcp"))
     storage = FaultStorage(resolve_storage(root), faults)
-    try:
-        ss.load(_blank(), storage)
-    except CheckpointError as exc:
-        _dump(out, rank, (type(exc).__name__, str(exc)))
-    else:
-        _dump(out, rank, None)
+    outcomes = []
+    for _ in range(2):
+        target = _blank()
+        try:
+            ss.load(target, storage)
+        except CheckpointError as exc:
+            outcomes.append((type(exc).__name__, str(exc)))
+        else:
+            outcomes.append(target)
+        faults.clear()
+    _dump(out, rank, outcomes)
 
 
 def _saved_alone(root: Path) -> Path:
@@ -249,24 +255,26 @@ def test_a_corrupt_file_fails_the_load_on_every_rank_naming_it(tmp_path):
     out = tmp_path / "got"
     out.mkdir()
     run_workers(_failing, WORLD, str(ckpt), str(out), -1, timeout=60)
-    for rank, got in enumerate(_results(out)):
-        assert got is not None, f"rank {rank} loaded a corrupt checkpoint"
-        kind, message = got
-        assert kind == CorruptCheckpointError.__name__, (rank, message)
-        assert data.name in message and "checksum mismatch" in message, (rank, message)
+    for rank, outcomes in enumerate(_results(out)):
+        for got in outcomes:  # the second load fails the same way, without hanging
+            assert isinstance(got, tuple), f"rank {rank} loaded a corrupt checkpoint"
+            kind, message = got
+            assert kind == CorruptCheckpointError.__name__, (rank, message)
+            assert data.name in message and "checksum mismatch" in message, (rank, message)
 
 
-def test_a_rank_whose_storage_fails_fails_the_load_on_every_rank(tmp_path):
+def test_a_rank_whose_storage_fails_fails_the_load_on_every_rank_and_the_next_loads(tmp_path):
     ckpt = _saved_alone(tmp_path / "ckpt")
     (data,) = ckpt.glob("*.distcp")
     out = tmp_path / "got"
     out.mkdir()
     run_workers(_failing, WORLD, str(ckpt), str(out), 2, timeout=60)
-    for rank, got in enumerate(_results(out)):
-        assert got is not None, f"rank {rank} returned from a load rank 2 failed"
-        _, message = got
+    for rank, (failed, again) in enumerate(_results(out)):
+        assert isinstance(failed, tuple), f"rank {rank} returned from a load rank 2 failed"
+        _, message = failed
         assert "rank 2" in message and "Input/output error" in message, (rank, message)
         assert data.name in message, (rank, message)
+        _assert_exact(again, _state(), f"rank {rank}, loading again once rank 2 reads")
 
 
 def _sharded(rank: int, world: int, root: str, out: str) -> None:

@@ -5,7 +5,9 @@ using the job's: its collectives run on the caller's thread, during a load every
 the group calls together, so they can never interleave with the job's own collectives or
 run from a background thread. A group is made once per set of ranks of one world (the
 default group's store names the world: a job that destroys and re-creates its process
-groups gets a new one) and only by a load whose ranks share bytes.
+groups gets a new one) and only by a load whose ranks share bytes; a shared load that
+fails drops it on every rank (:func:`forget_group`), so none reuses a group a failure may
+have left mid-collective.
 
 Invariant: every wait on a peer is bounded by the load's timeout (the group's), and a
 transfer that fails or times out raises naming the peer and the bytes.
@@ -52,6 +54,16 @@ def exchange_group(global_ranks: Sequence[int], timeout: float | None) -> dist.P
     with _groups_lock:
         _groups[ranks] = (store, group)
     return group
+
+
+def forget_group(global_ranks: Sequence[int]) -> None:
+    """Drop (and destroy) the group over ``global_ranks``, after a load that may have left
+    it with a collective half done; the next load that shares bytes makes a new one. Every
+    rank calls it together (each saw the same load fail), so all make the new one."""
+    with _groups_lock:
+        found = _groups.pop(tuple(global_ranks), None)
+    if found is not None and found[0] is dist.distributed_c10d._get_default_store():
+        dist.destroy_process_group(found[1])
 
 
 def gather_objects(group: dist.ProcessGroup, own: Any) -> list[Any]:
