@@ -94,6 +94,7 @@ bench: setup
 	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
 	$(BIN)/python benchmarks/read_once.py --out benchmarks/results/read_once.json
 	$(BIN)/python benchmarks/vllm_sync.py --out benchmarks/results/vllm_sync.json
+	$(BIN)/python benchmarks/scale.py --before benchmarks/results/scale_before.json --out benchmarks/results/scale.json
 	$(MAKE) report
 
 report: setup
@@ -106,7 +107,7 @@ report: setup
 		benchmarks/results/fsdp.json benchmarks/results/hf.json benchmarks/results/gpu.json \
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
 		benchmarks/results/two_tier.json benchmarks/results/vllm_sync.json \
-		benchmarks/results/read_once.json \
+		benchmarks/results/scale.json benchmarks/results/read_once.json \
 		--out BENCHMARKS.md
 
 # The device check on a host with a CUDA device: the CUDA tests, a profiler trace of the

@@ -389,11 +389,7 @@ class Checkpointer:
         in :attr:`last_load_tier`."""
         target = state_dict if isinstance(state_dict, dict) else state_dict.state_dict()
         if self.local_tier is None:
-            agreement = agreement_for(self._saver.channel)
-            timeout = self._saver.options.timeout
-            chosen = self._agreed_newest(agreement, timeout) if step is None else step
-            self._load_durable(agreement, target, chosen, strict, trusted)
-            step = chosen
+            step = self._load_agreed(target, step, strict, trusted)
             tier: Literal["local", "durable"] = "durable"
         else:
             step, tier = self._load_two_tier(target, step, strict, trusted)
@@ -404,30 +400,42 @@ class Checkpointer:
         self.last_load_tier = tier
         return step
 
-    def _agreed_newest(self, agreement: LoadAgreement, timeout: float | None) -> int:
-        """The newest step every rank sees committed, the same on every rank (a rank whose
-        listing lags, or that was given another copy of the root, makes every rank load
-        the newest step it sees too; the difference is logged)."""
-        newest = agreement.values(
-            f"listing of the committed steps under {self.root}",
-            lambda: max(self.steps(), default=None),
-            timeout,
-        )
-        empty = [r for r, s in enumerate(newest) if s is None]
-        if empty:
+    def _load_agreed(
+        self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
+    ) -> int:
+        """Load ``step`` (``None``: the newest step every rank sees committed) from the
+        durable tier, every rank the same step. Without a step, the ranks first agree on it
+        in one round: each posts the newest it lists, and where they differ (a lagging
+        listing, another copy of the root; the difference is logged) every rank loads the
+        newest that every rank sees. The load then runs its own rounds
+        (:mod:`.collective_load`), which need every rank planning the same step."""
+        agreement = agreement_for(self._saver.channel)
+        timeout = self._saver.options.timeout
+        if step is None:
+            own, newest = agreement.same(
+                f"load of the newest step under {self.root}", self._newest, timeout
+            )
+            step = int(own if newest is None else min(newest))
+            if newest is not None:
+                logger.warning(
+                    "ranks see different newest steps under %s (%s); every rank loads step "
+                    "%d, the newest that every rank sees",
+                    self.root,
+                    ", ".join(f"rank {r}: {s}" for r, s in enumerate(newest)),
+                    step,
+                )
+        self._load_durable(agreement, target, step, strict, trusted)
+        return step
+
+    def _newest(self) -> int:
+        """The newest step this rank lists committed."""
+        steps = self.steps()
+        if not steps:
             raise CheckpointError(
-                f"no committed checkpoint under {self.root} (as listed by {ranks_text(empty)})"
+                f"no committed checkpoint under {self.root} "
+                f"(as listed by {ranks_text([self._saver.rank])})"
             )
-        step = min(newest)
-        if max(newest) != step:
-            logger.warning(
-                "ranks see different newest steps under %s (%s); every rank loads step %d, "
-                "the newest that every rank sees",
-                self.root,
-                ", ".join(f"rank {r}: {s}" for r, s in enumerate(newest)),
-                step,
-            )
-        return int(step)
+        return steps[-1]
 
     def _load_durable(
         self,

@@ -6,7 +6,8 @@ that has already given up:
 
 1. **Plan.** Every rank checks its state dict against the checkpoint and plans its reads
    (:func:`.load.loader.open_plan`), then posts a summary: a digest of its reads and, per
-   file, the range they span. Where at most one rank reads anything, or no two ranks'
+   file, the range they span (where every rank's is the same, as replicas' are, the
+   verdict says only that). Where at most one rank reads anything, or no two ranks'
    ranges meet, the load goes on as every rank alone (round 2 reads and fills; no
    process group is made).
 2. **Read.** Otherwise the ranks take slipstream's gloo group (:mod:`.load.exchange`) and learn
@@ -222,7 +223,8 @@ def load(
         return _summary(planned)
 
     try:
-        mode = sharing(agreement.values(what, plan, timeout))
+        own, summaries = agreement.same(what, plan, timeout)
+        mode = sharing([own] * channel.world_size if summaries is None else summaries)
         planned = held[0] if held else None
         if mode is Sharing.ALONE:
             agreement.run(what, lambda: _alone(planned, started), timeout)

@@ -1,19 +1,22 @@
 """The control plane: small messages between ranks through a ``torch.distributed`` store.
 
 Checkpoint coordination, the sync group and the shared-memory handshake all wait for keys
-that other ranks write. They wait here, one way:
+that other ranks write. They wait here:
 
 - **Keys** are built by :func:`store_key` from their parts, never written inline.
-- **Polling, not blocking.** A store client runs one request at a time, so a thread
-  blocked in the store's ``wait`` would hold up every other thread using that client;
-  :func:`wait_for_keys` polls ``check`` with a pause that starts short and doubles up to a
-  cap (a key that comes at once is seen within a millisecond; a long wait costs a few
-  dozen round trips a second, each of which also wakes the store's server thread).
+- **Polling** (:func:`wait_for_keys`, the sync group's): a store client runs one request
+  at a time, so a thread blocked in the store's ``wait`` would hold up every other thread
+  using that client; it polls ``check`` with a pause that starts short and doubles up to a
+  cap (a key that comes at once is seen within a millisecond).
+- **Blocking on a client of its own** (:mod:`.store_watch`, checkpoints'): one request
+  however long the wait, and no other thread held up.
 - **A deadline, and liveness.** A wait ends at its deadline, and earlier as soon as a rank
-  it is still waiting for is found dead (a :data:`DeadRanks` callable, e.g. a
-  :class:`LivenessWatch` over :class:`Heartbeat` counters, which also takes a death notice
-  posted by a process that saw the rank's connection drop); either way it raises one error
-  type, :class:`~slipstream.errors.MissingRanksError` (its subclass
+  it is still waiting for is found dead: a polling wait asks a :data:`DeadRanks` callable
+  (e.g. a :class:`LivenessWatch` over :class:`Heartbeat` counters, which also takes a death
+  notice posted by a process that saw the rank's connection drop); a blocking one is ended
+  by its process's :class:`~.store_watch.StoreWatch`, which beats, looks at every
+  waited-for rank in one request, and posts in a dead rank's place that it died. Either
+  way the error is one type, :class:`~slipstream.errors.MissingRanksError` (its subclass
   :class:`~slipstream.errors.PeerDiedError` for the dead), naming the ranks, what was
   awaited and for how long.
 
@@ -78,7 +81,8 @@ def wait_for_keys(
     drop_dead: bool = False,
     look_every: float = LIVENESS_EVERY_SECONDS,
 ) -> dict[int, str]:
-    """Wait until every ``keys[rank]`` exists in ``store``.
+    """Wait until every ``keys[rank]`` exists in ``store``: one ``check`` of all of them per
+    poll; each key on its own only when a look or the deadline needs to know which are missing.
 
     ``what`` says what is awaited and ``waiter`` who waits, for the error. Every
     ``look_every`` seconds, ``dead`` (when given) is asked about the ranks still missing (a
@@ -94,13 +98,17 @@ def wait_for_keys(
     pause = POLL_FIRST_SECONDS
     next_look = start + look_every
     while True:
-        for rank, key in list(pending.items()):
-            if store.check([key]):
-                del pending[rank]
-        if not pending:
+        if not pending or store.check(list(pending.values())):
             return dropped
         now = time.monotonic()
-        if dead is not None and now >= next_look:
+        looking = dead is not None and now >= next_look
+        if looking or deadline.expired():  # which ones are still missing, one by one
+            for rank, key in list(pending.items()):
+                if store.check([key]):
+                    del pending[rank]
+            if not pending:
+                return dropped
+        if dead is not None and looking:
             next_look = now + look_every
             found = dead(sorted(pending))
             if found and not drop_dead:
@@ -157,38 +165,6 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(10 * self._interval)
-
-
-class SharedHeartbeats:
-    """One :class:`Heartbeat` per (store, key) in this process, however many holders need
-    it: :meth:`acquire` starts it on the first holder (on a store client of its own) and
-    :meth:`release` stops it when the last one lets go. So a process beats once for every
-    channel of a job, and a rank that beat for any of them is judged by every watcher,
-    even on a channel it never opened."""
-
-    def __init__(self, interval: float) -> None:
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._beats: dict[tuple[int, str], tuple[dist.Store, Heartbeat, int]] = {}
-
-    def acquire(self, store: dist.Store, key: str) -> None:
-        with self._lock:
-            found = self._beats.get((id(store), key))
-            if found is None:
-                beat = Heartbeat(own_client(store), key, self._interval)
-                self._beats[(id(store), key)] = (store, beat, 1)
-            else:
-                self._beats[(id(store), key)] = (found[0], found[1], found[2] + 1)
-
-    def release(self, store: dist.Store, key: str) -> None:
-        with self._lock:
-            found = self._beats.pop((id(store), key), None)
-            if found is None:
-                return
-            if found[2] > 1:
-                self._beats[(id(store), key)] = (found[0], found[1], found[2] - 1)
-                return
-        found[1].close()
 
 
 class LivenessWatch:

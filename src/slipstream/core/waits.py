@@ -28,3 +28,7 @@ class Deadline:
 
     def expired(self) -> bool:
         return self._end is not None and time.monotonic() >= self._end
+
+    def remaining(self) -> float | None:
+        """Seconds left (never below zero), or ``None`` for no deadline."""
+        return None if self._end is None else max(self._end - time.monotonic(), 0.0)

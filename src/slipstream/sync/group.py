@@ -299,6 +299,11 @@ class SyncGroup:
         result: bytes = self._call(lambda: self.store.compare_set(key, "", text), f"writing {key}")
         return result
 
+    def append(self, key: str, text: str) -> None:
+        """Append ``text`` to ``key`` (made empty when absent)."""
+        store = cast(Any, self.store)
+        self._call(lambda: store.append(key, text.encode()), f"appending to {key}")
+
     def set_json(self, key: str, value: object) -> None:
         self._call(lambda: self.store.set(key, json.dumps(value)), f"writing {key}")
 

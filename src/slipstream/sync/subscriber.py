@@ -243,7 +243,6 @@ class WeightSubscriber:
         partial = network and sink.keeps_part()
         k, start = self._rounds.join(held, delta_base, wants, partial)
         version = start.version
-        ack_key = Keys.ack(self.rank, k)
         base_tokens = self._tokens if self._token_plan == start.plan else {}
         self._forget_tokens()
         items = self._items
@@ -297,7 +296,7 @@ class WeightSubscriber:
         except BaseException as exc:
             items.clear()
             broken = self._rounds.state is EpochState.BROKEN  # the transport was let go
-            self._rounds.ack(ack_key, Ack(self.version, str(exc)[:2000], broken))
+            self._rounds.ack_round(k, Ack(self.version, str(exc)[:2000], broken))
             if stopped:
                 return None
             raise
@@ -312,7 +311,7 @@ class WeightSubscriber:
         if rnd.tokens is not None and len(rnd.tokens) == len(plan.buckets) and whole:
             self._tokens, self._token_plan, self._delta_version = rnd.tokens, plan.plan_id, version
         self._hold(version, held_key)
-        self._rounds.ack(ack_key, Ack(version))
+        self._rounds.ack_round(k, Ack(version))
         self._log("received", version, received_before, started)
         return version
 

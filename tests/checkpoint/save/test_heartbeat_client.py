@@ -12,14 +12,18 @@ import torch.distributed as dist
 
 from slipstream.checkpoint.save import channel as channel_module
 from slipstream.checkpoint.save.channel import RankChannel
-from slipstream.core.control_plane import SharedHeartbeats
+from slipstream.core.store_watch import StoreWatch, StoreWatches
 
 BLOCK_S = 3.0
 """How long the other thread's ``store.get`` blocks on the shared client."""
 
 
 def test_beats_go_on_while_another_thread_blocks_on_the_shared_client(monkeypatch):
-    monkeypatch.setattr(channel_module, "BEATS", SharedHeartbeats(0.05))
+    fast = StoreWatches(
+        lambda store: StoreWatch(store, channel_module.alive_key, "deaths", 0.05, 0.05, 3.0),
+        linger=0.0,
+    )
+    monkeypatch.setattr(channel_module, "WATCHES", fast)
     store = dist.TCPStore(
         "127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=BLOCK_S)
     )

@@ -89,11 +89,11 @@ def _held_by(shape, mesh_shape, placements):
 
 def test_trainer_shards_placed_by_rows_and_columns_are_cut_into_parts_that_cover_each_byte_once():
     """Shard(1) (a row-parallel weight's band of columns), Shard(0) x Shard(1) (dp x tp),
-    Shard(1) uneven and a replicated dimension (the replicas split a strided box by rows): every
-    byte of the
+    Shard(1) uneven and a replicated dimension (the replicas split a strided box by runs),
+    Shard(2) of a head or expert dimension, alone and under Shard(0): every byte of the
     tensor is in exactly one part, of a trainer that holds it; the plan's slices are ranges
     of the parts' runs, aligned in the payload; the layout round-trips through its JSON.
-    Shard of a later dimension has no holders (it is gathered)."""
+    Shards of two dimensions past the first have no holders (they are gathered)."""
     from types import SimpleNamespace
 
     import torch
@@ -108,6 +108,9 @@ def test_trainer_shards_placed_by_rows_and_columns_are_cut_into_parts_that_cover
         ((7, 5), (2,), (Shard(1),)),
         ((5, 6, 3), (2, 2), (Replicate(), Shard(1))),
         ((4, 8), (4,), (Shard(0),)),
+        ((3, 4, 10), (2,), (Shard(2),)),
+        ((5, 4, 6), (2, 2), (Shard(0), Shard(2))),
+        ((3, 4, 6), (2, 2), (Replicate(), Shard(2))),
     ]
     for shape, mesh_shape, placements in cases:
         spec = TensorSpec("w", shape, "float32")
@@ -132,9 +135,9 @@ def test_trainer_shards_placed_by_rows_and_columns_are_cut_into_parts_that_cover
             assert bytes_ <= held[owner] and s.bucket_offset % ALIGN == 0, (placements, s)
         meta = layout_json(plan.specs, 128, plan.trainer_ranks, plan.holders)
         assert plan_from_json(meta) == plan
-    mesh = SimpleNamespace(mesh=torch.arange(2))
-    later: Any = SimpleNamespace(placements=(Shard(2),), device_mesh=mesh)
-    assert _parts(TensorSpec("w", (2, 2, 4), "float32"), later, {0: 0, 1: 1}) is None
+    mesh = SimpleNamespace(mesh=torch.arange(4).view(2, 2))
+    later: Any = SimpleNamespace(placements=(Shard(1), Shard(2)), device_mesh=mesh)
+    assert _parts(TensorSpec("w", (2, 4, 4), "float32"), later, {r: r for r in range(4)}) is None
 
 
 def test_a_bucket_of_narrow_column_bands_is_closed_when_its_header_is_full():

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from slipstream.sync.layout.holders import box_placements
 from slipstream.sync.layout.plan import Slice
 from slipstream.sync.layout.runs import Runs, gather
 from slipstream.sync.rollout.destinations import Dest
@@ -83,6 +84,11 @@ def test_a_destination_is_whole_only_when_it_holds_every_byte_in_order():
         ((7, 6, 8), (2, 2), ("S1", "S0")),
         ((10, 16), (2, 2), ("S1", "S1")),
         ((9,), (2, 2), ("S0", "R")),
+        ((4, 6, 10), (2,), ("S2",)),
+        ((5, 6, 9), (2, 2), ("S0", "S2")),
+        ((7, 6, 9), (2, 2), ("S2", "R")),
+        ((3, 5, 4, 6), (2, 2), ("S2", "S2")),
+        ((2, 3, 8), (2, 2), ("S2", "S0")),
     ],
 )
 def test_a_shards_runs_are_its_box_of_the_tensor_in_the_shards_own_order(
@@ -95,7 +101,7 @@ def test_a_shards_runs_are_its_box_of_the_tensor_in_the_shards_own_order(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    place = {"S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "R": Replicate()}
     full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     data = full.flatten().view(torch.uint8)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
@@ -111,4 +117,19 @@ def test_a_shards_runs_are_its_box_of_the_tensor_in_the_shards_own_order(
         ]
         got = torch.cat(picked) if picked else torch.empty(0, dtype=torch.uint8)
         assert torch.equal(got, box.contiguous().flatten().view(torch.uint8)), coord
-    assert Runs.of_box((2, 4, 8), 4, (0, 0, 0), (2, 4, 4)) is None  # a band of dim 2
+    assert box_placements([place[p] for p in placements], len(shape))
+
+
+def test_a_box_cut_on_two_dimensions_past_the_first_is_not_one_set_of_runs():
+    """Bands of dimensions 1 and 2 under a spanned dimension 0 are runs at two distances:
+    no single set of runs holds them, and such placements are not taken for boxes (their
+    tensors are gathered)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    assert Runs.of_box((2, 4, 8), 4, (0, 0, 0), (2, 2, 4)) is None
+    assert Runs.of_box((2, 4, 8), 4, (0, 0, 0), (2, 4, 4)) == Runs(0, 16, 32, 8, 256)
+    assert Runs.of_box((1, 4, 8), 4, (0, 2, 4), (1, 2, 4)) == Runs(80, 16, 32, 2, 128)
+    assert not box_placements([Shard(1), Shard(2)], 3)
+    assert not box_placements([Shard(2)], 2)
+    assert not box_placements([Partial(), Replicate()], 2)
+    assert box_placements([Shard(2), Shard(0)], 3)

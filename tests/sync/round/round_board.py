@@ -5,6 +5,8 @@ raises."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class Board:
     """The store the round's ranks share, and the order things happened in. A key in
@@ -42,6 +44,17 @@ class Group:
 
     def get_text(self, key: str, rank: int, what: str, timeout: float | None = None) -> str:
         return self.board.keys[key]
+
+    def read(self, key: str) -> bytes:
+        return self.board.keys[key].encode()
+
+    def append(self, key: str, text: str) -> None:
+        self.board.keys[key] = self.board.keys.get(key, "") + text
+
+    def wait_keys(self, keys: dict[int, str], what: str, *args: Any, **kwargs: Any) -> dict:
+        missing = sorted(r for r, k in keys.items() if k not in self.board.keys)
+        assert not missing, f"ranks {missing} never posted {what}"
+        return {}
 
     def dead(self, ranks: list[int]) -> dict[int, str]:
         return {}

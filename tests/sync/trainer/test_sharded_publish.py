@@ -11,8 +11,8 @@ the network (relay, broadcast) the trainers send it only those.
 The reference is each version's full tensors, gathered by the trainers with
 ``full_tensor()`` after the publish (outside the counted window). The count: the default
 group's collective sequence number, and calls to ``DTensor.full_tensor`` and
-``DTensor.redistribute``; a DTensor placed ``Shard(2)`` of a 3-D tensor (which the publisher
-still gathers) shows the count is live."""
+``DTensor.redistribute``; a DTensor placed ``Partial()`` (which the publisher gathers: its
+``full_tensor`` sums the ranks' parts) shows the count is live."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _rollout_ranks(world: int, rollouts: str) -> list[int]:
 def _trainer(rank, port, mesh_port, mesh_shape, mode, rollouts, transport):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
 
     world = prod(mesh_shape)
     members = _rollout_ranks(world, rollouts)
@@ -108,8 +108,8 @@ def _trainer(rank, port, mesh_port, mesh_shape, mode, rollouts, transport):
             out["counts"].append(counter.now() - before)
             assert handle.delivered.result(timeout=60) == version
             out["full"][version] = {n: t.full_tensor().numpy().copy() for n, t in state.items()}
-        placements = [Shard(2)] * len(mesh_shape)
-        later = distribute_tensor(torch.arange(64.0).view(2, 4, 8), mesh, placements)
+        parts = torch.arange(64.0).view(2, 4, 8) / world  # each rank's part of the sum
+        later = DTensor.from_local(parts, mesh, [Partial()] * len(mesh_shape), run_check=False)
         strided = {"strided": later}
         before = counter.now()
         pub.publish(strided, version=len(VERSIONS) + 1).delivered.result(timeout=60)

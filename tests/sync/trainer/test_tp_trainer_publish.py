@@ -3,7 +3,8 @@ parallelized with ``ColwiseParallel`` / ``RowwiseParallel`` over a 1-D mesh of 2
 ``Shard(0)`` and ``Shard(1)``, an embedding ``Shard(1)``, a replicated bias, plain norms),
 and DTensors on a 2 x 2 mesh placed ``[Shard(0), Shard(1)]``, ``[Replicate(), Shard(0)]``,
 ``[Replicate(), Shard(1)]``, ``[Shard(1), Shard(0)]`` of a 3-D tensor, ``[Shard(1),
-Shard(1)]``, uneven, bf16 and wholly replicated ones. No collective runs on the trainers'
+Shard(1)]``, ``[Shard(0), Shard(2)]`` and ``[Shard(2), Replicate()]`` (a head or expert
+dimension), uneven, bf16 and wholly replicated ones. No collective runs on the trainers'
 mesh during a publish, in ``direct`` and ``cached`` mode, and after each version a plain
 rollout holds every tensor and a tensor-parallel rollout (2 ranks, placed so that most of
 its shards cut the trainers' across: a band of columns of a shard of rows, rows of a band)
@@ -15,8 +16,8 @@ are cut into the trainers' shards (``distribute_tensor`` with no source rank: ea
 keeps its own chunk, no collective), and cut for the tensor-parallel rollout with numpy.
 The count: calls of ``DTensor.full_tensor`` and ``DTensor.redistribute``, of
 ``torch.distributed``'s gathers, broadcasts and reductions on the trainers' groups, and
-those groups' collective sequence numbers; a DTensor placed ``Shard(2)`` (which the
-publisher still gathers) shows the count is live."""
+those groups' collective sequence numbers; a DTensor placed ``Partial()`` (which the
+publisher gathers: its ``full_tensor`` sums the ranks' parts) shows the count is live."""
 
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ MESH_2D = {
     "f": ((33,), torch.float32, (Shard(0), Replicate()), 0),
     "g": ((6, 40), torch.bfloat16, (Shard(0), Shard(1)), 1),
     "h": ((5, 5), torch.float32, (Replicate(), Replicate()), None),
+    "j": ((4, 6, 10), torch.float32, (Shard(0), Shard(2)), 2),
+    "k": ((3, 5, 8), torch.float32, (Shard(2), Replicate()), 1),
     "i": ((20,), torch.float32, None, None),
 }
 
@@ -196,7 +199,7 @@ def _set_version(model: nn.Module, shapes: dict, mesh, version: int) -> dict:
 
 def _trainer(rank, port, mesh_port, case, mode, transport):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
 
     mesh_shape = (2,) if case == "tp" else (2, 2)
     world = prod(mesh_shape)
@@ -221,9 +224,9 @@ def _trainer(rank, port, mesh_port, case, mode, transport):
             assert handle.delivered.result(timeout=60) == version
             out["counts"].append(counter.now() - before)
         out["peak_gathered"] = pub.peak_gathered_bytes
-        later = torch.arange(64.0).view(2, 4, 8)
-        placements = [Shard(2)] * len(mesh_shape)
-        gathered = {"later": distribute_tensor(later, mesh, placements, src_data_rank=None)}
+        later = torch.arange(64.0).view(2, 4, 8) / world  # each rank's part of the sum
+        placements = [Partial()] * len(mesh_shape)
+        gathered = {"later": DTensor.from_local(later, mesh, placements, run_check=False)}
         before = counter.now()
         pub.publish(gathered, version=len(VERSIONS) + 1).delivered.result(timeout=60)
         out["gathered"] = counter.now() - before

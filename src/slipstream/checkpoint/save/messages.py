@@ -223,3 +223,37 @@ class SkipDecision:
                 "skip", bool
             )
         )
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """Rank 0's answer to one rank's layout on a layout's first save: what that rank writes
+    (its records, its file's size, the plain values it owns) and its layout's fingerprint;
+    the rest of the plan (every rank's records, the tensors' metadata) stays on rank 0,
+    which alone commits."""
+
+    world_size: int
+    fingerprint: str
+    image_bytes: int
+    records: list[list[Any]]
+    """Each record as ``[fqn, dtype, shape, offsets, sizes, replicated, offset, length,
+    data_offset, nbytes]``."""
+    values: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, what: str) -> PlanView:
+        f = Fields(decode_json(text, what, CheckpointError), what, CheckpointError)
+        records = f.get("records", list)
+        for i, rec in enumerate(records):
+            if not (isinstance(rec, list) and len(rec) == 10):
+                raise f.fail("records", f"entry {i} is not a record of 10 fields")
+        return cls(
+            f.get("world_size", int),
+            f.get("fingerprint", str),
+            f.get("image_bytes", int),
+            records,
+            [str(v) for v in f.get("values", list)],
+        )

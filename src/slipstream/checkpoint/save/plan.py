@@ -21,7 +21,7 @@ from ...errors import CheckpointError
 from ..format.names import data_file_name
 from ..format.records import tensor_frame
 from .layout import ChunkSpec
-from .messages import LayoutDescription
+from .messages import LayoutDescription, PlanView
 
 RECORD_ALIGN = 64
 
@@ -84,6 +84,69 @@ class SavePlan:
 
     def my_values(self) -> list[str]:
         return [fqn for fqn, owner in self.value_owner.items() if owner == self.rank]
+
+    def view_of(self, rank: int) -> PlanView:
+        """What ``rank`` needs of this plan to write its part (see :func:`plan_from_view`)."""
+        records = [
+            [
+                r.chunk.fqn,
+                r.chunk.dtype,
+                list(r.chunk.global_shape),
+                list(r.chunk.offsets),
+                list(r.chunk.sizes),
+                r.chunk.replicated,
+                r.offset,
+                r.length,
+                r.data_offset,
+                r.nbytes,
+            ]
+            for r in self.records_by_rank[rank]
+        ]
+        values = [fqn for fqn, owner in self.value_owner.items() if owner == rank]
+        return PlanView(
+            self.world_size,
+            self.fingerprints[rank],
+            self.image_bytes_by_rank[rank],
+            records,
+            values,
+        )
+
+
+def plan_from_view(rank: int, view: PlanView) -> SavePlan:
+    """``rank``'s plan from rank 0's :class:`PlanView`: its own records, file size, values
+    and fingerprint, exactly as in rank 0's plan; the other ranks' parts empty (only rank 0
+    commits, from its own whole plan)."""
+    others: list[RecordPlan] = []  # one empty list for every other rank: never appended to
+    records_by_rank = [others] * view.world_size
+    image_bytes = [0] * view.world_size
+    fingerprints = [""] * view.world_size
+    records_by_rank[rank] = [
+        RecordPlan(
+            chunk=ChunkSpec(
+                str(fqn), str(dtype), tuple(shape), tuple(offsets), tuple(sizes), bool(replicated)
+            ),
+            file=data_file_name(rank),
+            offset=int(offset),
+            length=int(length),
+            data_offset=int(data_offset),
+            nbytes=int(nbytes),
+        )
+        for fqn, dtype, shape, offsets, sizes, replicated, offset, length, data_offset, nbytes in (
+            view.records
+        )
+    ]
+    image_bytes[rank] = view.image_bytes
+    fingerprints[rank] = view.fingerprint
+    return SavePlan(
+        rank=rank,
+        world_size=view.world_size,
+        fingerprints=fingerprints,
+        records_by_rank=records_by_rank,
+        image_bytes_by_rank=image_bytes,
+        value_owner=dict.fromkeys(view.values, rank),
+        tensor_meta={},
+        paths={},
+    )
 
 
 def _align(n: int) -> int:

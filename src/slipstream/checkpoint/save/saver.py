@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -59,9 +60,16 @@ from .channel import RankChannel
 from .commit import CommitTemplate, build_index, build_metadata, publish
 from .job import AsyncSaveResponse, SaveJob
 from .layout import LayoutSignature, LocalLayout, ValueSerializer, local_layout
-from .messages import CommitOutcome, LayoutDescription, LayoutReport, Topics, WriteReport
+from .messages import (
+    CommitOutcome,
+    LayoutDescription,
+    LayoutReport,
+    PlanView,
+    Topics,
+    WriteReport,
+)
 from .options import SaveOptions
-from .plan import SavePlan, make_save_plan
+from .plan import SavePlan, make_save_plan, plan_from_view
 from .snapshot import StagedState
 from .staging import Stager
 from .writer import RankWriter
@@ -69,6 +77,71 @@ from .writer import RankWriter
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_PLANS = 8
+"""Layouts whose plan this process keeps, per group and store."""
+
+PlanKey = tuple[tuple[int, ...], LayoutSignature]
+_plans: weakref.WeakKeyDictionary[
+    dist.Store, dict[PlanKey, tuple[SavePlan, dict[int, CommitTemplate]]]
+]
+_plans = weakref.WeakKeyDictionary()
+"""The plans this process made, by store (a process group made anew, with a store of its
+own, plans again; a store gone takes its plans with it), then by group and layout."""
+_plans_lock = threading.Lock()
+
+
+def cached_plan(
+    channel: RankChannel, signature: LayoutSignature
+) -> tuple[SavePlan, dict[int, CommitTemplate]] | None:
+    """The plan this process made for ``signature`` in ``channel``'s group on its store, by
+    any saver (a new ``Checkpointer`` beside ``ss.async_save`` plans nothing again)."""
+    with _plans_lock:
+        return _plans.get(channel.store, {}).get((tuple(channel.global_ranks), signature))
+
+
+def _keep_plan(
+    channel: RankChannel, signature: LayoutSignature, plan: SavePlan
+) -> tuple[SavePlan, dict[int, CommitTemplate]]:
+    group = tuple(channel.global_ranks)
+    with _plans_lock:
+        kept = _plans.setdefault(channel.store, {})
+        mine = [k for k in kept if k[0] == group]
+        if len(mine) >= MAX_CACHED_PLANS:
+            del kept[mine[0]]
+        found = kept[(group, signature)] = (plan, {})
+        return found
+
+
+def exchange_plan(
+    channel: RankChannel, layout: LocalLayout, seq: int, where: str, deadline: Deadline
+) -> SavePlan:
+    """The plan of a layout's first save, made once, by rank 0: every rank posts its
+    layout, rank 0 gathers them, plans, and posts each rank its part of the plan
+    (:class:`PlanView`), which is all a rank other than 0 waits for and reads. A rank's
+    error (or rank 0's, planning) fails the save on every rank, naming it."""
+    whole: list[SavePlan] = []
+
+    def decide(reports: list[LayoutReport]) -> list[str]:
+        errors = [f"rank {r}: {m.error}" for r, m in enumerate(reports) if m.error]
+        if errors:
+            raise CheckpointError(f"save to {where} failed; " + "; ".join(errors))
+        descriptions = [m.description for m in reports if m.description is not None]
+        fingerprints = [m.fingerprint for m in reports if m.fingerprint is not None]
+        plan = make_save_plan(0, descriptions, fingerprints)
+        whole.append(plan)
+        return [plan.view_of(r).to_json() for r in range(plan.world_size)]
+
+    text = channel.exchange(
+        Topics.layout(seq),
+        LayoutReport(layout.fingerprint(), LayoutDescription.of(layout)),
+        LayoutReport.from_json,
+        decide,
+        deadline,
+        "send their state dict layout for planning",
+        per_rank=True,
+    )
+    if channel.rank == 0:
+        return whole[0]
+    return plan_from_view(channel.rank, PlanView.from_json(text, f"rank 0's plan for {where}"))
 
 
 class CheckpointSaver:
@@ -94,7 +167,6 @@ class CheckpointSaver:
         )
         self._stager = Stager(self.channel.rank, self.options, priority)
         self._writer = RankWriter(self.options, priority)
-        self._plans: dict[LayoutSignature, tuple[SavePlan, dict[int, CommitTemplate]]] = {}
         self._serialize_values = ValueSerializer()
         self._seq = 0
         self._last: AsyncSaveResponse | None = None
@@ -273,26 +345,28 @@ class CheckpointSaver:
             layout = local_layout(state_dict)
         values = self._serialize_values(layout.values)
         signature = layout.signature
-        cached = self._plans.get(signature)
+        cached = cached_plan(self.channel, signature)
         if cached is None:
-            plan = self._make_plan(layout, seq, storage.url, Deadline(timeout))
-            cached = (plan, {})
-            if len(self._plans) >= MAX_CACHED_PLANS:
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[signature] = cached
+            plan = exchange_plan(self.channel, layout, seq, storage.url, Deadline(timeout))
+            self.plans_made += 1
+            cached = _keep_plan(self.channel, signature, plan)
         plan, templates = cached
         return layout, values, plan, templates
 
     def _announce_failure(self, seq: int, exc: BaseException) -> None:
         """Tell the other ranks that this rank's part of save ``seq`` failed before it was
         queued, so that they fail at once naming this rank instead of waiting for it until
-        their timeout: ranks planning read it as this rank's layout, rank 0 as its write
-        report, and when this is rank 0, every rank as the commit's outcome."""
+        their timeout: rank 0 planning reads it as this rank's layout, and as its write
+        report; when this is rank 0, every rank reads it as the plan's verdict (for a save
+        that plans) and as the commit's outcome."""
         error = f"{type(exc).__name__}: {exc}"
-        self.channel.post(Topics.layout(seq), LayoutReport(error=error))
         self.channel.post(Topics.written(seq), WriteReport(None, error=error))
         if self.rank == 0:
+            failed = CheckpointError(f"save failed; rank 0: {error}")
+            self.channel.fail_exchange(Topics.layout(seq), failed)
             self.channel.post(Topics.commit(seq), CommitOutcome(f"rank 0: {error}"))
+        else:
+            self.channel.post(Topics.layout(seq), LayoutReport(error=error))
 
     def wait_previous(self, timeout: float | None = None) -> None:
         """Block until the previous save has finished (its outcome is on its own futures),
@@ -307,23 +381,6 @@ class CheckpointSaver:
                 raise CheckpointError(
                     f"the previous save did not finish within {timeout} s"
                 ) from exc
-
-    def _make_plan(self, layout: LocalLayout, seq: int, where: str, deadline: Deadline) -> SavePlan:
-        channel = self.channel
-        fingerprint = layout.fingerprint()
-        topic = Topics.layout(seq)
-        channel.post(topic, LayoutReport(fingerprint, LayoutDescription.of(layout)))
-        msgs = channel.gather(
-            topic, LayoutReport.from_json, deadline, "send their state dict layout for planning"
-        )
-        errors = [f"rank {r}: {m.error}" for r, m in enumerate(msgs) if m.error]
-        if errors:
-            raise CheckpointError(f"save to {where} failed; " + "; ".join(errors))
-        descriptions = [m.description for m in msgs if m.description is not None]
-        fingerprints = [m.fingerprint for m in msgs if m.fingerprint is not None]
-        plan = make_save_plan(channel.rank, descriptions, fingerprints)
-        self.plans_made += 1
-        return plan
 
     def _stage(self, job: SaveJob) -> None:
         """Stage ``job``; a failure fails ``staging_completion`` only: the upload thread
@@ -449,6 +506,7 @@ class CheckpointSaver:
                 deadline,
                 f"commit checkpoint {job.storage.url}",
             )
+        self.channel.forget(Topics.written(job.seq), [self.rank])  # rank 0 has read it
         if outcome.error is not None:
             if outcome.dead:
                 raise PeerDiedError(outcome.error)
@@ -496,10 +554,8 @@ class CheckpointSaver:
                 dead=isinstance(exc, PeerDiedError),
             )
         channel.post(Topics.commit(job.seq), outcome)
-        channel.forget(topic)
         if job.seq > 0:
             channel.forget(Topics.commit(job.seq - 1), [0])
-            channel.forget(Topics.layout(job.seq - 1))
 
     def _after_publish(self, job: SaveJob, kept: set[str]) -> None:
         """Once committed, a save succeeds whatever happens next: deleting the files of the

@@ -1,19 +1,21 @@
 """Which trainer holds, and so sends, which bytes of each published tensor: :func:`holders_of`.
 
-A DTensor placed ``Shard(0)``, ``Shard(1)`` and ``Replicate()`` over its mesh's dimensions
-(FSDP2's ``fully_shard``, HSDP, a replicated norm, a tensor-parallel trainer's
-``ColwiseParallel`` / ``RowwiseParallel`` weights, and their mix on a ``dp x tp`` mesh)
-holds on each mesh coordinate a *box*: rows by a band of columns, every later dimension
+A DTensor placed ``Shard(0)``, ``Shard(k)`` of one other dimension ``k`` and
+``Replicate()`` over its mesh's dimensions (FSDP2's ``fully_shard``, HSDP, a replicated norm,
+a tensor-parallel trainer's ``ColwiseParallel`` / ``RowwiseParallel`` weights, expert or
+head dimensions cut further in, and their mix on a ``dp x tp`` mesh) holds on each mesh
+coordinate a *box*: a band of rows by a band of dimension ``k``, every other dimension
 whole. Its bytes are :class:`.runs.Runs` (:meth:`.runs.Runs.of_box`): one contiguous range
-when the band is every column (placed by rows), else a run per row, a row apart (a strided
-box). Every trainer works every coordinate's box out from the placements alone, with no
-collective; the trainers holding one box (its replicas) split it into parts, one each (by
-elements of a contiguous box, by rows of a strided one), so the box is sent once. A part is
+when it cuts only rows, else a run per step of the dimensions before ``k``, equally far
+apart (a strided box). Every trainer works every coordinate's box out from the placements
+alone, with no collective; the trainers holding one box (its replicas) split it into parts,
+one each (by elements of a contiguous box, by runs of a strided one), so the box is sent
+once. A part is
 a :class:`.plan.Part` (strided like its box), which the plan cuts into slices, each one range
 of the tensor's bytes, so a rollout places them as any other.
 
-A tensor placed any other way (``Shard`` of a later dimension, ``_StridedShard`` as FSDP2
-over a column-parallel weight places it, ``Partial``), or whose mesh holds a rank that is
+A tensor placed any other way (``Shard`` of two dimensions past the first, ``_StridedShard``
+as FSDP2 over a column-parallel weight places it, ``Partial``), or whose mesh holds a rank that is
 not one of the publisher's trainers, has no holders: it is gathered and sent as a tensor
 every trainer holds whole.
 
@@ -61,7 +63,7 @@ def _local_box(t: torch.Tensor, spec: TensorSpec) -> tuple[tuple[int, ...], tupl
 
 def local_runs(t: torch.Tensor, spec: TensorSpec) -> Runs:
     """The bytes of the tensor this rank's local shard of the DTensor ``t`` holds, in the
-    order they lie in the shard (a box placement, :func:`box_placement`)."""
+    order they lie in the shard (box placements, :func:`box_placements`)."""
     offset, size = _local_box(t, spec)
     runs = Runs.of_box(spec.shape, spec.torch_dtype.itemsize, offset, size)
     if runs is None:
@@ -74,7 +76,7 @@ def _parts(
 ) -> tuple[Part, ...] | None:
     d: Any = t
     placements = tuple(d.placements)
-    if not all(box_placement(p, len(spec.shape)) for p in placements):
+    if not box_placements(placements, len(spec.shape)):
         return None
     mesh = d.device_mesh.mesh
     members = tuple(int(r) for r in mesh.flatten().tolist())
@@ -90,18 +92,17 @@ def _parts(
     return tuple(parts)
 
 
-def box_placement(p: object, ndim: int) -> bool:
-    """Whether ``p`` keeps each coordinate's share of an ``ndim``-d tensor a box: it
-    replicates, or shards (plainly: not strided) dimension 0, or 1 of a tensor of two or
-    more dimensions."""
-    return shard_placement(p, 0) or (ndim >= 2 and shard_placement(p, 1))
-
-
-def shard_placement(p: object, dim: int) -> bool:
-    """Whether ``p`` replicates, or shards (plainly: not strided) dimension ``dim``."""
+def box_placements(placements: Sequence[object], ndim: int) -> bool:
+    """Whether ``placements`` keep each coordinate's share of an ``ndim``-d tensor a box
+    of one set of runs (:meth:`.runs.Runs.of_box`): each replicates or shards (plainly:
+    not strided) a dimension of the tensor, and those sharded are dimension 0 and at most
+    one other."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return isinstance(p, Replicate) or (type(p) is Shard and p.dim == dim)
+    if not all(isinstance(p, Replicate) or type(p) is Shard for p in placements):
+        return False
+    dims = {cast(Any, p).dim for p in placements if type(p) is Shard}
+    return all(0 <= d < ndim for d in dims) and len(dims - {0}) <= 1
 
 
 @functools.lru_cache(maxsize=4096)

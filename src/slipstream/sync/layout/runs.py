@@ -15,6 +15,7 @@ them in that order, so what a trainer sends is what the rollout lands there, byt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
@@ -158,27 +159,28 @@ class Runs:
     ) -> Runs | None:
         """The bytes of the box of ``size`` elements from ``offset`` (per dimension) of a
         tensor of ``shape`` (row-major, ``itemsize`` bytes an element), when one set of runs
-        holds them: the box spans every dimension after its first two whole (rows by a
-        band of columns, as ``Shard(0)`` and ``Shard(1)`` placements cut a tensor: a run
-        per row of its band, or one run when the band is every column); else ``None``."""
-        total = itemsize
-        for n in shape:
-            total *= n
-        if not shape:
+        holds them: a run per step of the dimensions before the last one the box cuts (each
+        run: its band of that dimension, every later dimension whole), which are equally
+        far apart when, from the first of them the box spans more than one step of, every
+        dimension up to that last cut one is whole (as ``Shard(0)`` plus ``Shard(k)`` of one
+        other dimension ``k`` cut a tensor); one run when no earlier dimension spans more
+        than a step; else ``None``."""
+        strides = [itemsize] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        total = strides[0] * shape[0] if shape else itemsize
+        cut = [d for d in range(len(shape)) if size[d] != shape[d]]
+        if not cut:
             return cls.one(0, total, total)
-        if tuple(size[2:]) != tuple(shape[2:]):
+        last = cut[-1]
+        start = sum(o * s for o, s in zip(offset, strides, strict=True))
+        length = size[last] * strides[last]
+        spans = [d for d in range(last) if size[d] > 1]
+        if not spans or not length:
+            return cls.one(start, length * prod(size[:last]), total)
+        if any(size[d] != shape[d] for d in range(spans[0] + 1, last)):
             return None
-        inner = itemsize
-        for n in shape[2:]:
-            inner *= n
-        if len(shape) == 1:
-            return cls.one(offset[0] * inner, size[0] * inner, total)
-        row = shape[1] * inner
-        start = offset[0] * row + offset[1] * inner
-        length = size[1] * inner
-        if size[0] <= 1 or size[1] == shape[1] or not length:
-            return cls.one(start, size[0] * length, total)
-        return cls(start, length, row, size[0], total)
+        return cls(start, length, strides[last - 1], prod(size[spans[0] : last]), total)
 
     def to_list(self) -> list[int]:
         return [self.start, self.length, self.stride, self.count, self.total]

@@ -6,8 +6,9 @@ after another in its own bytes (a :class:`Dest`):
 - a plain tensor: one run, every byte;
 - a DTensor's local shard placed by rows (``Shard(0)`` / ``Replicate()``: a
   tensor-parallel rollout's column-parallel weight): one run, its rows' bytes;
-- a DTensor's local shard placed by columns (``Shard(1)``: a row-parallel weight, or by
-  rows and columns on a 2-D mesh): a run per row, its band of columns
+- a DTensor's local shard placed by a later dimension (``Shard(1)``: a row-parallel
+  weight; ``Shard(k)`` of a head or expert dimension; with rows too on a 2-D mesh): a run
+  per step of the dimensions before it, its band of that dimension
   (:meth:`..layout.runs.Runs.of_box`, the geometry the trainers' shards are cut by too).
 
 Invariant: a destination writes only the bytes of a slice that fall in its runs, each at its
@@ -23,7 +24,7 @@ import torch
 
 from ...core.buffers import as_bytes
 from ...core.copy import copy_in_slices, copy_to_address
-from ..layout.holders import box_placement, local_runs
+from ..layout.holders import box_placements, local_runs
 from ..layout.plan import Slice, TensorSpec, is_dtensor
 from ..layout.runs import Runs, rows_of
 
@@ -73,10 +74,11 @@ def _copy(dest: torch.Tensor, at: int, src: torch.Tensor) -> None:
 
 def placed(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor whose local shard a destination here can hold: a box
-    (:func:`..layout.holders.box_placement`: rows, or rows by a band of columns)."""
+    (:func:`..layout.holders.box_placements`: a band of rows by a band of one other
+    dimension)."""
     if not is_dtensor(t):
         return False
-    return all(box_placement(p, t.dim()) for p in cast(Any, t).placements)
+    return box_placements(cast(Any, t).placements, t.dim())
 
 
 def destination(t: torch.Tensor, local: torch.Tensor, spec: TensorSpec) -> Dest:

@@ -58,7 +58,12 @@ def encode(message: object) -> str:
 
 def decode(cls: type[_M], text: bytes | str) -> _M:
     """The ``cls`` message in ``text``; fields it does not know are ignored."""
-    raw: dict[str, Any] = json.loads(text)
+    return from_fields(cls, json.loads(text))
+
+
+def from_fields(cls: type[_M], raw: dict[str, Any]) -> _M:
+    """The ``cls`` message of the fields ``raw`` (a decoded message's); fields it does not
+    know are ignored."""
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return cls(**{k: v for k, v in raw.items() if k in names})
 
@@ -117,6 +122,13 @@ class RoundStart:
     routed: bool = False
     """The trainers send each member its own bytes, point to point (some member keeps only
     part of this plan's tensors): no relay, no broadcast."""
+    requests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each member's :class:`Request`, as the lead read it: every other trainer reads them
+    here, in the one key it waits on, not from one key per member."""
+
+    def member_requests(self) -> dict[int, Request]:
+        """Each member's request (by rank), as the lead read it."""
+        return {int(r): from_fields(Request, raw) for r, raw in self.requests.items()}
 
     def absent_ranks(self) -> dict[int, str]:
         """Rollout rank -> why it was left out of this round (JSON keys are strings)."""
@@ -166,6 +178,21 @@ class Ack:
     broken: bool = False
     """The rollout's transfer broke (it let the round's transport go), as opposed to a
     version it refused after draining the round."""
+
+
+def ack_line(rank: int, ack: Ack) -> str:
+    """Rollout ``rank``'s ``ack`` as a line of :meth:`Keys.acks`."""
+    return json.dumps({"rank": rank, **dataclasses.asdict(ack)}) + "\n"
+
+
+def ack_lines(raw: bytes) -> dict[int, Ack]:
+    """Each member's acknowledgement in :meth:`Keys.acks`' lines, by rank."""
+    found = {}
+    for line in raw.decode().splitlines():
+        if line.strip():
+            fields = json.loads(line)
+            found[int(fields["rank"])] = from_fields(Ack, fields)
+    return found
 
 
 @dataclass
@@ -317,6 +344,12 @@ class Keys:
     @staticmethod
     def abort(k: int) -> str:
         return store_key("round", k, "abort")
+
+    @staticmethod
+    def acks(k: int) -> str:
+        """Round ``k``'s acknowledgements, one line per member (:func:`ack_line`), appended
+        as each is posted: a trainer reads every member's in one request."""
+        return store_key("round", k, "acks")
 
     @staticmethod
     def ack(rollout: int, k: int) -> str:

@@ -21,7 +21,17 @@ from ..group import STORE_HOST, SyncGroup
 from ..transport.network import Receiver
 from .culprits import in_transfer, post_abort, read_abort, who_broke
 from .negotiation import build_receiver, epoch_tag
-from .protocol import Ack, Keys, Request, RoundAbort, RoundStart, TransportOffer, decode, encode
+from .protocol import (
+    Ack,
+    Keys,
+    Request,
+    RoundAbort,
+    RoundStart,
+    TransportOffer,
+    ack_line,
+    decode,
+    encode,
+)
 from .state import EpochState
 
 _T = TypeVar("_T")
@@ -167,5 +177,14 @@ class RolloutRound:
     def ack(self, key: str, ack: Ack) -> None:
         try:
             self.group.post(key, encode(ack))
+        except (RuntimeError, SyncError):
+            pass
+
+    def ack_round(self, k: int, ack: Ack) -> None:
+        """Acknowledge round ``k``: under this rank's key, and as a line of the round's
+        acknowledgements (what the trainers read)."""
+        self.ack(Keys.ack(self.rank, k), ack)
+        try:
+            self.group.append(Keys.acks(k), ack_line(self.rank, ack))
         except (RuntimeError, SyncError):
             pass

@@ -14,6 +14,7 @@ rank's transport belongs to exactly one epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,17 @@ from ..layout.runs import Routes, Runs
 from ..transport.network import Sender
 from .culprits import post_abort, read_abort, read_ack, refusals, refused_here, who_broke
 from .negotiation import NETWORK_TRANSPORTS, build_sender, epoch_tag
-from .protocol import Keys, Request, RoundStart, TransportOffer, Wants, decode, encode
+from .protocol import (
+    Ack,
+    Keys,
+    Request,
+    RoundStart,
+    TransportOffer,
+    Wants,
+    ack_lines,
+    decode,
+    encode,
+)
 from .state import EpochState
 from .versions import RolloutVersions
 
@@ -103,10 +114,7 @@ class TrainerRound:
         for r in start.absent:
             self.rollout_versions.record(int(r), None)
         if not requests:  # the lead read them while gathering the round
-            requests = {
-                r: decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-                for r in start.members
-            }
+            requests = start.member_requests()
         if start.epoch != self._epoch:
             self.guarded(k, start, lambda: self._enter_epoch(start))
         self.routes = None
@@ -192,7 +200,9 @@ class TrainerRound:
             {str(r): w for r, w in absent.items()},
             lives,
             routed=routed,
+            requests={str(r): dataclasses.asdict(asked_by[r]) for r in members},
         )
+        self.group.append(Keys.acks(k), "")  # there before any member reads the round
         self.group.post(Keys.round(k), encode(start))
         self.group.post(Keys.NEXT_ROUND, str(k + 1))
         return start, {r: asked_by[r] for r in members}
@@ -233,12 +243,15 @@ class TrainerRound:
         if self.group.has(Keys.abort(k)):
             abort = read_abort(self.group, k, self.leader)
             raise abort.as_error(k)
-        for r in self._members:
-            if r not in self._acked_whole and self.group.has(Keys.ack(r, k)):
-                ack = read_ack(self.group, r, k)
+        for r, ack in self._acks(k).items():
+            if r in self._members and r not in self._acked_whole:
                 if ack.broken:
                     raise SyncError(f"rollout rank {r}'s transfer broke: {ack.error}")
                 self._acked_whole.add(r)
+
+    def _acks(self, k: int) -> dict[int, Ack]:
+        """Round ``k``'s acknowledgements posted so far, by member: one request."""
+        return ack_lines(self.group.read(Keys.acks(k)))
 
     def guarded(self, k: int, start: RoundStart, step: Callable[[], Any]) -> Any:
         """Run one step of round ``k``; when it fails, give the round up for everyone."""
@@ -305,8 +318,9 @@ class TrainerRound:
         """Wait until every send left and every member acknowledged round ``k``."""
         self.guarded(k, start, lambda: self._await_acks(k, start))
         errors = []
+        acks = self._acks(k)
         for r in start.members:
-            ack = read_ack(self.group, r, k)
+            ack = acks.get(r) or read_ack(self.group, r, k)  # its line may have failed
             self.rollout_versions.record(r, ack.holds)
             if ack.error:
                 errors.append(f"rollout rank {r}: {ack.error}")
