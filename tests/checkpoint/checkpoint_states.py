@@ -138,6 +138,15 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
     return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
+def copy_state(state: dict) -> dict:
+    """A copy of a flat state: its tensors cloned, its dicts copied, other values as they are
+    (what a save must write, whatever happens to ``state`` after the call)."""
+    return {
+        k: (v.clone() if torch.is_tensor(v) else dict(v) if isinstance(v, dict) else v)
+        for k, v in state.items()
+    }
+
+
 def blank_like(value):
     """A state dict of the same structure whose tensors and values hold something else."""
     if isinstance(value, dict):

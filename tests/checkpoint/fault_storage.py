@@ -133,7 +133,7 @@ class FaultStorage(Storage):
         self.faults.hit("prepare", self.url, self.inner)
         self.inner.prepare()
 
-    def open_writer(self, name: str, image: memoryview) -> DataWriter:
+    def open_writer(self, name: str, image: memoryview | int) -> DataWriter:
         self.faults.hit("open", name, self.inner, image)
         return _FaultWriter(self.inner.open_writer(name, image), name, self.faults)
 
@@ -192,6 +192,10 @@ class _FaultWriter(DataWriter):
     def write(self, start: int, end: int) -> None:
         self.faults.hit("write", self.name, self.inner, start, end)
         self.inner.write(start, end)
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        self.faults.hit("write", self.name, self.inner, offset, offset + len(data))
+        self.inner.write_at(offset, data)
 
     def append(self, data: memoryview, offset: int) -> None:
         self.faults.hit("append", self.name, self.inner, data, offset)

@@ -1,4 +1,4 @@
-"""The Python snippets of docs/checkpoint.md run as written."""
+"""The Python snippets of docs/checkpoint.md and docs/save-cost.md run as written."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import re
 
 import torch
 
+import slipstream as ss
+
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "checkpoint.md"
+SAVE_COST = DOC.with_name("save-cost.md")
 
 
-def _snippet(section: str) -> str:
-    text = DOC.read_text()
+def _snippet(section: str, doc: pathlib.Path = DOC) -> str:
+    text = doc.read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", body, re.S)
     assert match, f"no python snippet under '## {section}'"
@@ -46,3 +49,13 @@ def test_options_snippet_counts_one_staging_buffer_and_every_staging_start(tmp_p
     assert namespace["started"] == ["staging"] * 3
     assert sorted(p.name for p in (tmp_path / "options-demo").iterdir()) == ["0", "1", "2"]
     assert all((tmp_path / "options-demo" / s / ".metadata").is_file() for s in "012")
+
+
+def test_staging_budget_snippet_streams_a_save_within_its_budget(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    code = _snippet("Staging under a memory budget", SAVE_COST)
+    exec(compile(code, str(SAVE_COST), "exec"), namespace)
+    got = {"w": torch.zeros(1_000_000), "step": 0}
+    ss.load(got, tmp_path / "budget-demo")
+    assert torch.equal(got["w"], namespace["state"]["w"]) and got["step"] == 3

@@ -113,6 +113,8 @@ class StagingPool:
         self._in_use: set[Hashable] = set()
         self._lock = threading.Lock()
         self.allocations = 0
+        self.peak_bytes = 0
+        """The most bytes the pool has held at once."""
 
     @property
     def live_bytes(self) -> int:
@@ -143,6 +145,7 @@ class StagingPool:
                 buf = allocate_host(nbytes, self.pin)
                 self._buffers[key] = buf
                 self.allocations += 1
+                self.peak_bytes = max(self.peak_bytes, live + nbytes)
             self._in_use.add(key)
             return buf
 

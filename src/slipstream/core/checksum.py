@@ -38,3 +38,46 @@ def block_checksums(data: memoryview, block_bytes: int = BLOCK_BYTES) -> list[in
     if n == 0:
         return [checksum(b"")]
     return [checksum(data[i : i + block_bytes]) for i in range(0, n, block_bytes)]
+
+
+class BlockChecksums:
+    """:func:`block_checksums` of ``nbytes`` of data that arrive in consecutive pieces
+    (a record staged a part at a time): blocks cut across pieces are hashed incrementally.
+
+    Invariant: once :meth:`update` has been fed every byte in order, :meth:`result` equals
+    ``block_checksums`` of the whole data."""
+
+    def __init__(self, nbytes: int, block_bytes: int = BLOCK_BYTES) -> None:
+        self.nbytes = nbytes
+        self.block_bytes = block_bytes
+        self.fed = 0
+        self._sums: list[int] = []
+        self._partial: xxhash.xxh3_64 | None = None
+
+    def update(self, data: memoryview) -> None:
+        """Hash the next ``len(data)`` bytes of the data."""
+        if self.fed + len(data) > self.nbytes:
+            raise ValueError(f"{self.fed + len(data)} bytes fed to checksums of {self.nbytes}")
+        pos = 0
+        while pos < len(data):
+            in_block = self.fed % self.block_bytes
+            take = min(self.block_bytes - in_block, len(data) - pos)
+            piece = data[pos : pos + take]
+            ends_block = in_block + take == self.block_bytes or self.fed + take == self.nbytes
+            if in_block == 0 and ends_block:
+                self._sums.append(checksum(piece))
+            else:
+                if self._partial is None:
+                    self._partial = xxhash.xxh3_64()
+                self._partial.update(piece)
+                if ends_block:
+                    self._sums.append(self._partial.intdigest())
+                    self._partial = None
+            pos += take
+            self.fed += take
+
+    def result(self) -> list[int]:
+        """The block checksums; every byte must have been fed."""
+        if self.fed != self.nbytes:
+            raise ValueError(f"checksums of {self.nbytes} bytes taken after {self.fed}")
+        return self._sums if self.nbytes else [checksum(b"")]

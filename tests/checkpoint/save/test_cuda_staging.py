@@ -155,3 +155,31 @@ def test_a_device_snapshot_over_its_budget_stages_from_the_state(tmp_path):
     got = _zeros_like(state, "cpu")
     ss.load(got, checkpoint_id=tmp_path / "ck")
     _assert_same(got, state)
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_a_save_over_the_staging_budget_streams_through_pinned_slots(tmp_path, snapshot):
+    """Over ``staging_budget_bytes`` a save streams into pinned slots of the budget: with a
+    device snapshot (device memory, not the budget's) drained part by part, or without one
+    from the device tensors (strided and split across parts); either way it stages what
+    queued kernels write."""
+    budget = 1 << 20
+    state = _state()
+    options = SaveOptions(staging_budget_bytes=budget, device_snapshot=snapshot)
+    saver = CheckpointSaver(options=options)
+    try:
+        torch.cuda._sleep(SPIN_CYCLES)
+        state["big"].add_(1)  # queued behind the spin: the saver must stage it
+        want = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+        saver.save(state, tmp_path / "ck").result(timeout=60)
+        assert saver.snapshot_allocations == int(snapshot)
+        assert saver.staging_pinned is True
+        assert saver.staging_peak_bytes <= budget
+    finally:
+        saver.close()
+    got = _zeros_like(state, "cpu")
+    ss.load(got, checkpoint_id=tmp_path / "ck")
+    _assert_same(got, want)
+    by_dcp = _zeros_like(state, "cuda")
+    dcp.load(by_dcp, checkpoint_id=str(tmp_path / "ck"))
+    _assert_same(by_dcp, want)

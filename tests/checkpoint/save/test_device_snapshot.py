@@ -19,6 +19,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_states import copy_state
 from dist_utils import run_workers
 from torch.profiler import ProfilerActivity, profile
 
@@ -45,13 +46,6 @@ def _state(seed: int = 0) -> dict:
     }
 
 
-def _clone(state: dict) -> dict:
-    return {
-        k: (v.clone() if torch.is_tensor(v) else dict(v) if isinstance(v, dict) else v)
-        for k, v in state.items()
-    }
-
-
 def _mutate(state: dict) -> None:
     for v in state.values():
         if torch.is_tensor(v):
@@ -63,7 +57,7 @@ def _assert_checkpoint_is(path, want: dict) -> None:
     for load in (ss.load, dcp.load):
         got = {
             k: (torch.zeros(v.shape, dtype=v.dtype) if torch.is_tensor(v) else v)
-            for k, v in _clone(want).items()
+            for k, v in copy_state(want).items()
         }
         got["step"], got["opt"] = 0, {"lr": 0.0}
         load(got, checkpoint_id=path)
@@ -97,7 +91,7 @@ def test_staging_completes_once_gathered_and_a_mutation_right_after_never_reache
     tmp_path, saver
 ):
     state = _state()
-    at_call = _clone(state)
+    at_call = copy_state(state)
     gate = _hold_staging(saver)
     response = saver.save(state, tmp_path / "ck")
     # the call gathered the state: staging is complete while the drain is still held
@@ -123,7 +117,7 @@ def test_by_default_the_snapshot_holds_no_device_memory_between_saves(tmp_path, 
     state = _state()
     wants = []
     for step in range(3):
-        wants.append(_clone(state))
+        wants.append(copy_state(state))
         saver.save(state, tmp_path / f"ck{step}").result(timeout=30)
         assert saver.snapshot_bytes == 0, f"after save {step} the snapshot still holds memory"
         _mutate(state)
@@ -138,7 +132,7 @@ def test_a_kept_snapshot_is_reused_by_the_next_save_with_the_staging_buffer(tmp_
     state = _state()
     wants = []
     for step in range(3):
-        wants.append(_clone(state))
+        wants.append(copy_state(state))
         kept.save(state, tmp_path / f"ck{step}").result(timeout=30)
         _mutate(state)
     assert kept.snapshot_allocations == 1
@@ -164,7 +158,7 @@ def test_a_failure_in_the_drain_fails_the_save_and_releases_the_snapshot(tmp_pat
     assert not (tmp_path / "ck" / ".metadata").exists()
     # the snapshot was let go: the next save of the layout takes the same buffer again
     saver.before_staging = None
-    want = _clone(state)
+    want = copy_state(state)
     saver.save(state, tmp_path / "ck").result(timeout=30)
     assert saver.snapshot_allocations == 1
     _assert_checkpoint_is(tmp_path / "ck", want)
@@ -179,7 +173,7 @@ def test_a_snapshot_that_does_not_fit_stages_from_the_state_and_says_so_once(tmp
         with caplog.at_level(logging.DEBUG, logger="slipstream"):
             wants = []
             for step in range(2):
-                wants.append(_clone(state))
+                wants.append(copy_state(state))
                 response = saver.save(state, tmp_path / f"ck{step}")
                 # staged from the state, on the staging thread: not complete before it runs
                 assert not response.staging_completion.done()

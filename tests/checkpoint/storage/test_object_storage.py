@@ -65,6 +65,33 @@ def test_writer_round_trip_out_of_order_with_tail(storage):
     assert storage.size("data/0") == len(want)
 
 
+def test_an_image_given_by_size_arrives_through_write_at_from_reused_buffers(storage):
+    """A streamed save's parts (``write_at`` from several threads, queued in file order as
+    the saver's writer queues them) come from two slots, each reused as soon as its call
+    returns: the object holds every part as it was written."""
+    image = _image(12 * MiB + 4096 * 3 + 5)
+    part = 3 * MiB
+    starts = list(range(0, len(image), part))
+    slots = [bytearray(part) for _ in range(2)]
+
+    def write(i: int) -> None:
+        start = starts[i]
+        slot = slots[i % 2]
+        with locks[i % 2]:
+            data = memoryview(slot)[: min(part, len(image) - start)]
+            data[:] = image[start : start + len(data)]
+            writer.write_at(start, data)
+            data[:] = bytes(len(data))  # the slot is reused at once
+
+    locks = [threading.Lock(), threading.Lock()]
+    with storage.open_writer("data/0", len(image)) as writer:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(write, range(len(starts))))
+        writer.append(memoryview(b"tail"), len(image))
+        writer.finish()
+    assert storage.get("data/0") == bytes(image) + b"tail"
+
+
 def test_upload_streams_parts_while_later_pieces_are_unwritten(s3_bucket, s3):
     """The first parts reach S3 while the upload waits for the rest (no deadlock), and the
     object is one multipart upload of 5 MiB parts."""

@@ -378,3 +378,37 @@ def test_the_next_step_saves_while_the_previous_one_replicates_and_both_commit(t
         assert flat["step"] == 2 and torch.equal(flat["shared"], want["shared"])
         for name, tensor in want[f"rank{rank}"].items():
             assert torch.equal(flat[f"rank{rank}.{name}"], tensor), (rank, name)
+
+
+# -- a staging budget ---------------------------------------------------------------------
+
+BUDGET_STEPS = 6
+
+
+def _budgeted(rank: int, world: int, base: str) -> None:
+    budget = ss.SaveOptions(staging_budget_bytes=16 * 1024)  # 4 KiB parts: every save streams
+    state = initial_state(rank)
+    with checkpointer(base, rank, options=budget) as ck:
+        for step in range(1, BUDGET_STEPS + 1):
+            train_step(state, rank, step)
+            ck.save(step, state).result(TIMEOUT)
+    with checkpointer(base, rank, options=budget) as ck:
+        fresh = initial_state(rank)
+        assert ck.load(fresh, strict=False) == BUDGET_STEPS
+        assert ck.last_load_tier == "local"
+    assert_same(fresh, reference(rank, BUDGET_STEPS))
+
+
+def test_both_tiers_stream_saves_over_the_staging_budget_and_load_back(tmp_path):
+    """``staging_budget_bytes`` reaches both tiers' savers: every step streams (the local
+    tier's, replicated to the peer node, and step 5's durable one) and both read back."""
+    base = str(tmp_path)
+    run_workers(_budgeted, WORLD, base, timeout=90)
+    durable = read_all(os.path.join(base, "durable", "step_5"))
+    for node in (0, 1):
+        assert local_steps(base, node) == ["step_5", "step_6"]
+    for rank in range(WORLD):
+        want = reference(rank, 5)
+        assert torch.equal(durable["shared"], want["shared"])
+        for name, tensor in want[f"rank{rank}"].items():
+            assert torch.equal(durable[f"rank{rank}.{name}"], tensor), (rank, name)

@@ -117,7 +117,7 @@ def test_a_shards_runs_are_its_box_of_the_tensor_in_the_shards_own_order(
         ]
         got = torch.cat(picked) if picked else torch.empty(0, dtype=torch.uint8)
         assert torch.equal(got, box.contiguous().flatten().view(torch.uint8)), coord
-    assert box_placements([place[p] for p in placements], len(shape))
+    assert box_placements([place[p] for p in placements], len(shape), mesh_shape)
 
 
 def test_a_box_cut_on_two_dimensions_past_the_first_is_not_one_set_of_runs():
@@ -129,7 +129,21 @@ def test_a_box_cut_on_two_dimensions_past_the_first_is_not_one_set_of_runs():
     assert Runs.of_box((2, 4, 8), 4, (0, 0, 0), (2, 2, 4)) is None
     assert Runs.of_box((2, 4, 8), 4, (0, 0, 0), (2, 4, 4)) == Runs(0, 16, 32, 8, 256)
     assert Runs.of_box((1, 4, 8), 4, (0, 2, 4), (1, 2, 4)) == Runs(80, 16, 32, 2, 128)
-    assert not box_placements([Shard(1), Shard(2)], 3)
-    assert not box_placements([Shard(2)], 2)
-    assert not box_placements([Partial(), Replicate()], 2)
-    assert box_placements([Shard(2), Shard(0)], 3)
+    assert not box_placements([Shard(1), Shard(2)], 3, (2, 2))
+    assert not box_placements([Shard(2)], 2, (2,))
+    assert not box_placements([Partial(), Replicate()], 2, (2, 2))
+    assert box_placements([Shard(2), Shard(0)], 3, (2, 2))
+
+
+def test_a_strided_shard_is_a_box_only_where_later_shards_of_its_dimension_cut_first():
+    """FSDP2 over a column-parallel weight: ``[_StridedShard(0, 2), Shard(0)]`` on a 2 x 2
+    mesh is a band of rows per coordinate; a strided shard whose split factor is not the
+    size of the later shards of its dimension, or with none, interleaves its rows."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert box_placements([_StridedShard(0, split_factor=2), Shard(0)], 2, (2, 2))
+    assert box_placements([_StridedShard(1, split_factor=3), Shard(1)], 2, (2, 3))
+    assert not box_placements([_StridedShard(0, split_factor=2), Shard(0)], 2, (2, 4))
+    assert not box_placements([_StridedShard(0, split_factor=2), Replicate()], 2, (2, 2))
+    assert not box_placements([_StridedShard(0, split_factor=2)], 2, (4,))

@@ -332,14 +332,23 @@ def test_tensor_parallel_trainers_send_their_own_shards_and_rollouts_are_exact(
         assert out[trainer]["counts"] == [0] * len(VERSIONS), (trainer, out[trainer]["counts"])
         assert out[trainer]["peak_gathered"] == 0, trainer
         assert out[trainer]["gathered"] > 0, trainer  # the count sees a gather
+    check_rollouts(out, world, lambda name: _split_dim(case, name))
+
+
+def check_rollouts(out: dict, world: int, split_dim) -> None:
+    """Every rollout of a run of ``world`` trainers (``out``: each rank's result) holds each
+    version's tensors bit for bit (the tensor-parallel pair: its half of each on the
+    dimension ``split_dim(name)`` gives, ``None``: whole), a rank of the pair received its
+    own bytes and the replicated tensors' (plus 10%) only, and every rollout took the last
+    publish."""
     full = out[0]["full"]
-    for rollout in members:
+    for rollout in _rollout_ranks(world):
         tp_rank = rollout - world - 1
         for version in VERSIONS:
             got = out[rollout][version]
             assert set(got) == set(full[version]), (rollout, version)
             for name, t in full[version].items():
-                dim = _split_dim(case, name) if tp_rank >= 0 else None
+                dim = split_dim(name) if tp_rank >= 0 else None
                 want = t if dim is None else np.array_split(t, 2, axis=dim)[tp_rank]
                 assert got[name].dtype == want.dtype, (rollout, name)
                 assert np.array_equal(got[name], want), (rollout, version, name)

@@ -18,8 +18,11 @@ Invariants: a layout's snapshot is gathered into only by the one save that holds
 released once that save's drain has ended (landed, failed or never begun) with no copy of it
 left queued; once released, its buffer goes back to the device's caching allocator unless
 ``SaveOptions.keep_device_snapshot`` (so by default it holds no device memory between
-saves); a save whose snapshot does not fit ``SaveOptions.device_snapshot_bytes``, or
-whose tensors span several accelerators, stages the usual way, and the saver says so once.
+saves); a save whose snapshot does not fit ``SaveOptions.device_snapshot_bytes`` (for a
+snapshot in host memory, by default, ``SaveOptions.staging_budget_bytes``), or whose
+tensors span several accelerators, stages the usual way, and the saver says so once. A
+snapshot of a save over the staging budget drains part by part through the budget's slots
+(:meth:`DeviceSnapshots.drain_parts`), so host staging memory stays within it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ...errors import CheckpointError
 from ..format.records import tensor_frame
 from .job import DeviceSnapshot, SaveJob
 from .options import SaveOptions
+from .part_ring import PartRing
 from .plan import SavePlan
 
 logger = logging.getLogger(__name__)
@@ -116,6 +120,36 @@ class DeviceSnapshots:
             self.release(job)
         job.progress.advance(nbytes)
 
+    def drain_parts(self, job: SaveJob, ring: PartRing, side: torch.Stream | None) -> None:
+        """Copy ``job``'s snapshot into ``ring``'s slots part by part (a save over the
+        staging budget), each once the writer has given its slot back, the watermark
+        advancing as each part lands; the snapshot is released as :meth:`drain` releases it."""
+        snap = job.device_snapshot
+        assert snap is not None, "gather() set it"
+        nbytes = job.plan.image_bytes
+        try:
+            streams.wait_event(side, job.gathered)
+            for k, part in enumerate(ring.parts):
+                slot = ring.take(k, job.timeout)
+                with (
+                    streams.on_stream(side),
+                    tracing.span("slipstream.save.drain", start=part.start, end=part.end),
+                ):
+                    copy_in_slices(
+                        slot[: part.end - part.start],
+                        snap.buffer[part.start : part.end],
+                        non_blocking=side is not None,
+                    )
+                if side is not None:
+                    side.synchronize()
+                if part.end < nbytes:
+                    job.progress.advance(part.end)
+        finally:
+            if side is not None:
+                side.synchronize()  # nothing queued may still read the snapshot once released
+            self.release(job)
+        job.progress.advance(nbytes)
+
     def release(self, job: SaveJob) -> None:
         """``job`` is done with its snapshot (if it still holds one); idempotent. The
         buffer is dropped (back to the allocator) unless the options keep it."""
@@ -163,7 +197,8 @@ class DeviceSnapshots:
         if limit is not None and nbytes > limit:
             self._say_why_not(
                 f"it needs {nbytes} bytes on {device}, over the {limit} bytes it may take "
-                "(SaveOptions.device_snapshot_bytes)"
+                "(SaveOptions.device_snapshot_bytes; in host memory, by default, "
+                "staging_budget_bytes)"
             )
             return None
         try:
@@ -185,11 +220,11 @@ class DeviceSnapshots:
 
     def _limit(self, device: torch.device) -> int | None:
         """The bytes a snapshot may take on ``device``: the option, or half of what the
-        device has free now (no limit for host memory)."""
+        device has free now; in host memory, the staging budget (no limit without one)."""
         if self.options.device_snapshot_bytes is not None:
             return self.options.device_snapshot_bytes
         if not streams.is_accelerator(device):
-            return None
+            return self.options.staging_budget_bytes
         free, _ = torch.accelerator.get_memory_info(device)
         return free // 2
 

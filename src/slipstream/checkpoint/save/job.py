@@ -23,6 +23,7 @@ from .layout import LocalLayout
 from .plan import SavePlan
 
 if TYPE_CHECKING:
+    from .part_ring import PartRing
     from .snapshot import StagedState
 
 
@@ -106,6 +107,9 @@ class SaveJob:
     started: float = 0.0
     progress: Watermark = field(default_factory=Watermark)
     buffer: torch.Tensor | None = None
+    """The staging buffer holding the whole image; ``None`` for a save that streams."""
+    ring: PartRing | None = None
+    """The slots a save over the staging budget streams through (:mod:`.part_ring`)."""
     generation: int = 0
     """The generation of file names this save writes (see :mod:`..format.names`)."""
     replaced: set[str] = field(default_factory=set)

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from ...core.buffers import PAGE_BYTES
 
+STREAM_SLOTS = 4
+"""The part-sized slots a save larger than ``SaveOptions.staging_budget_bytes`` streams
+through (see :mod:`.part_ring`): each a quarter of the budget, cut to whole pages."""
+
 
 @dataclass
 class SaveOptions:
@@ -19,7 +23,16 @@ class SaveOptions:
     """Size of the pieces a data file is cut into for ``io_threads`` to write in parallel;
     a positive multiple of the page (4096 bytes), so that ``O_DIRECT`` writes stay page-aligned."""
     staging_budget_bytes: int | None = None
-    """Upper bound on host staging memory; ``None`` means the size of one save."""
+    """Upper bound on host staging memory; ``None`` means the size of one save. A save that
+    fits stages into one buffer reused by every save of its layout; a larger one streams
+    through :data:`STREAM_SLOTS` part-sized slots of the budget, each written and given back
+    before it takes the next part: memory traded for time, since ``staging_completion`` (the
+    moment the caller may change its state) then waits for the writes of all but the last
+    few parts. At least ``STREAM_SLOTS`` pages (4096 bytes each). A device snapshot drains
+    through the slots too (on an accelerator ``staging_completion`` still comes at the
+    call); one in host memory (on CPU) is no larger than the budget unless
+    ``device_snapshot_bytes`` says otherwise. docs/save-cost.md, "Staging under a memory
+    budget"."""
     pin_memory: bool | None = None
     """Pin staging buffers; ``None`` pins when the state lives on an accelerator."""
     device_snapshot: bool | None = None
@@ -33,7 +46,8 @@ class SaveOptions:
     device_snapshot_bytes: int | None = None
     """Most bytes the device snapshot may take; a save it does not fit stages straight to
     the host buffer, and the saver logs that once. ``None``: half of the memory the device
-    has free when a layout is first saved (no limit for a snapshot in host memory)."""
+    has free when a layout is first saved (for a snapshot in host memory,
+    ``staging_budget_bytes``, or no limit without one)."""
     keep_device_snapshot: bool = False
     """Keep the device snapshot's buffer between saves, for the next save of the layout to
     gather into (no allocation per save). ``False`` (the default): the buffer goes back to
@@ -64,6 +78,15 @@ class SaveOptions:
             raise ValueError(
                 f"SaveOptions.device_snapshot_bytes={self.device_snapshot_bytes}: must be >= 0 "
                 "(0 turns the device snapshot off) or None"
+            )
+        if (
+            self.staging_budget_bytes is not None
+            and self.staging_budget_bytes < STREAM_SLOTS * PAGE_BYTES
+        ):
+            raise ValueError(
+                f"SaveOptions.staging_budget_bytes={self.staging_budget_bytes}: must be at "
+                f"least {STREAM_SLOTS * PAGE_BYTES} ({STREAM_SLOTS} parts of one "
+                f"{PAGE_BYTES}-byte page each, the least a save can stream through) or None"
             )
         if self.write_piece_bytes <= 0 or self.write_piece_bytes % PAGE_BYTES:
             raise ValueError(

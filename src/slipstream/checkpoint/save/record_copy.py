@@ -33,13 +33,7 @@ def copy_records(
     base = image.data_ptr()
     queued: set[torch.device] = set()
     for rec in records:
-        src = tensors[rec.chunk.record_key].detach()
-        nbytes = src.numel() * src.element_size()
-        if nbytes != rec.nbytes:
-            raise CheckpointError(
-                f"{rec.chunk.fqn!r} holds {nbytes} bytes, its record in the plan "
-                f"{rec.nbytes}: the state changed after save() returned"
-            )
+        src = record_source(rec, tensors)
         if src.device.type == "cpu":
             if not copy_to_address(base + rec.data_offset, src):
                 copy_in_slices(record_view(image, rec), src)
@@ -55,3 +49,54 @@ def record_view(image: torch.Tensor, rec: RecordPlan) -> torch.Tensor:
     """``rec``'s data in ``image``, as a tensor of the record's dtype and shape."""
     data = image[rec.data_offset : rec.data_offset + rec.nbytes]
     return data.view(dtype_from_name(rec.chunk.dtype)).view(rec.chunk.sizes)
+
+
+def record_source(rec: RecordPlan, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``rec``'s tensor, refused if its size is no longer the record's."""
+    src = tensors[rec.chunk.record_key].detach()
+    nbytes = src.numel() * src.element_size()
+    if nbytes != rec.nbytes:
+        raise CheckpointError(
+            f"{rec.chunk.fqn!r} holds {nbytes} bytes, its record in the plan "
+            f"{rec.nbytes}: the state changed after save() returned"
+        )
+    return src
+
+
+def copy_record_bytes(dst: torch.Tensor, src: torch.Tensor, start: int) -> None:
+    """Copy bytes ``[start, start + len(dst))`` of ``src``'s data, in C order, into ``dst``
+    (a host ``uint8`` tensor whose start is aligned to ``src``'s element size); a range of
+    whole elements. A device tensor's copies are queued on the current stream."""
+    item = src.element_size()
+    if start % item or dst.numel() % item:
+        raise ValueError(f"bytes [{start}, +{dst.numel()}) are not whole {src.dtype} elements")
+    at = 0
+    for piece in flat_range(src, start // item, (start + dst.numel()) // item):
+        n = piece.numel() * item
+        view = dst[at : at + n].view(src.dtype).view(piece.shape)
+        copy_in_slices(view, piece, non_blocking=src.device.type != "cpu")
+        at += n
+
+
+def flat_range(t: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+    """Views of ``t`` (any strides) whose elements, in order, are ``t.flatten()[lo:hi]``:
+    at most two partial rows per dimension and one block of whole rows between them."""
+    if hi <= lo:
+        return []
+    if t.dim() <= 1 or t.is_contiguous():
+        return [t.reshape(-1)[lo:hi]]
+    row = t[0].numel()
+    first, last = lo // row, (hi - 1) // row
+    if first == last:
+        return flat_range(t[first], lo - first * row, hi - first * row)
+    head: list[torch.Tensor] = []
+    tail: list[torch.Tensor] = []
+    whole_from, whole_to = first, last + 1
+    if lo % row:
+        head = flat_range(t[first], lo % row, row)
+        whole_from += 1
+    if hi % row:
+        tail = flat_range(t[last], 0, hi % row)
+        whole_to -= 1
+    whole = [t[whole_from:whole_to]] if whole_to > whole_from else []
+    return head + whole + tail

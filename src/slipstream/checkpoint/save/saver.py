@@ -198,6 +198,12 @@ class CheckpointSaver:
         return self._stager.pool.live_bytes
 
     @property
+    def staging_peak_bytes(self) -> int:
+        """The most host bytes the staging buffers have held at once (at most
+        ``SaveOptions.staging_budget_bytes``, where one is set)."""
+        return self._stager.pool.peak_bytes
+
+    @property
     def snapshot_allocations(self) -> int:
         """Device snapshot buffers allocated so far (see ``SaveOptions.device_snapshot``): a
         save of a layout already snapshotted reuses its buffer."""
@@ -409,6 +415,8 @@ class CheckpointSaver:
             self._upload_and_commit(job)
         except BaseException as exc:
             job.abandoned = exc
+            if job.ring is not None:  # a streaming stager waits for slots this frees
+                job.ring.fail(exc)
             if not job.staging_ended.wait(job.timeout):
                 logger.warning(
                     "staging of the failed save to %s did not end within %s s; its buffer is "

@@ -11,6 +11,12 @@ ways, advancing the job's watermark as bytes land so that writing starts before 
   waits on the event recorded at the call; on CPU, ``memmove`` in slices), then
   ``staging_completion`` resolves.
 
+A save larger than ``SaveOptions.staging_budget_bytes`` is not held whole: it streams
+through the few part-sized slots of one reused buffer of the budget's size
+(:mod:`.part_ring`), each part staged once the writer has given its slot back. From the
+state, ``staging_completion`` then resolves once the last part is staged; a device
+snapshot drains into the slots the same way (its ``staging_completion`` came at the call).
+
 Invariant: a save's buffer is not handed to another save until :meth:`Stager.release`
 (the saver releases it once both the save's staging and its writes have ended, failed or
 not, and before the save's outcome reaches the caller).
@@ -32,9 +38,10 @@ from ...errors import CheckpointError
 from .device_snapshot import DeviceSnapshots
 from .job import SaveJob
 from .layout import LocalLayout
-from .options import SaveOptions
+from .options import STREAM_SLOTS, SaveOptions
+from .part_ring import PartPlan, PartRing, fill_part, part_bytes, plan_parts
 from .plan import RecordPlan
-from .record_copy import copy_records
+from .record_copy import copy_records, record_source
 
 
 class Stager:
@@ -47,6 +54,7 @@ class Stager:
         self._pool = StagingPool(options.staging_budget_bytes)
         self._snapshots = DeviceSnapshots(rank, options)
         self._framed: dict[str, int] = {}
+        self._parts: dict[str, list[PartPlan]] = {}
         self._side_streams: dict[torch.device, Any] = {}
         self._tail_copier = ThreadPoolExecutor(
             1, "slipstream-stage-tail", initializer=lower_thread_priority, initargs=priority
@@ -67,13 +75,15 @@ class Stager:
         :mod:`.device_snapshot`); False when the save stages from the state instead."""
         return self._snapshots.gather(job, devices)
 
-    def _buffer(self, job: SaveJob) -> torch.Tensor:
+    def _prepare_pool(self, job: SaveJob) -> None:
+        """Decide pinning on the first save; free the buffers of other layouts."""
         if self._pool.allocations == 0:
             pin = self.options.pin_memory
             self._pool.pin = (job.device is not None) if pin is None else pin
-        for stale in [k for k in self._framed if k != job.fingerprint]:
-            self._pool.drop(stale)
-            del self._framed[stale]
+        self._drop_stale(job.fingerprint)
+
+    def _buffer(self, job: SaveJob) -> torch.Tensor:
+        self._prepare_pool(job)
         try:
             buf = self._pool.acquire(job.fingerprint, job.plan.image_bytes)
         except StagingBudgetError as exc:
@@ -87,6 +97,34 @@ class Stager:
             self._framed[job.fingerprint] = buf.data_ptr()
         return buf
 
+    def _drop_stale(self, fingerprint: str) -> None:
+        """Free the buffers of layouts other than ``fingerprint`` (one layout is staged at
+        a time: the pool then holds one buffer)."""
+        for stale in [k for k in {*self._framed, *self._parts} if k != fingerprint]:
+            self._pool.drop(stale)
+            self._framed.pop(stale, None)
+            self._parts.pop(stale, None)
+
+    def streams(self, job: SaveJob) -> bool:
+        """Whether ``job`` is over the staging budget, so streams through a ring of parts."""
+        budget = self.options.staging_budget_bytes
+        return budget is not None and job.plan.image_bytes > budget
+
+    def _ring(self, job: SaveJob) -> PartRing:
+        """The ring of ``job``'s layout: its parts (planned once per layout) and its slots,
+        one pool buffer of ``STREAM_SLOTS`` parts (at most the budget)."""
+        budget = self.options.staging_budget_bytes
+        assert budget is not None, "only a save over a budget streams"
+        self._prepare_pool(job)
+        part = part_bytes(budget)
+        parts = self._parts.get(job.fingerprint)
+        if parts is None:
+            parts = self._parts[job.fingerprint] = plan_parts(
+                job.plan.records, job.plan.image_bytes, part
+            )
+        buf = self._pool.acquire(job.fingerprint, STREAM_SLOTS * part)
+        return PartRing(buf, parts, f"{job.storage.url}/{job.file}")
+
     def stage(self, job: SaveJob) -> None:
         """Fill the staging buffer, front to back: drain the device snapshot the call
         gathered, or copy this rank's chunks from the state and then resolve
@@ -98,19 +136,24 @@ class Stager:
         has finished.
         """
         try:
-            if job.abandoned is not None:
-                raise CheckpointError(
-                    f"staging of {job.storage.url} skipped: the save already failed "
-                    f"({job.abandoned})"
-                )
-            buf = self._buffer(job)
-            job.buffer = buf
+            _skip_if_abandoned(job)
+            if self.streams(job):
+                job.ring = self._ring(job)
+                _skip_if_abandoned(job)  # the upload fails the ring only once it is set
+            else:
+                job.buffer = self._buffer(job)
             job.progress.advance(0)
             side = None
             if job.device is not None:
                 side = self._side_streams.setdefault(job.device, streams.new_stream(job.device))
             if job.device_snapshot is not None:
-                self._snapshots.drain(job, side)
+                if job.ring is not None:
+                    self._snapshots.drain_parts(job, job.ring, side)
+                else:
+                    self._snapshots.drain(job, side)
+                return
+            if job.ring is not None:
+                self._stream(job, job.ring, side)
                 return
             streams.wait_event(side, job.ready_event)
             head: list[RecordPlan] = job.plan.records
@@ -129,13 +172,37 @@ class Stager:
                 wait_future(tail_copy, job.timeout, f"staging of {job.storage.url}")
             if side is not None:
                 side.synchronize()
-            job.layout = LocalLayout([], {}, {}, {})
-            job.progress.advance(job.plan.image_bytes)
-            job.response.timings.staged = job.elapsed()
-            job.response.staging_completion.set_result(None)
+            self._staged(job)
         except BaseException as exc:
             job.progress.fail(exc)
+            if job.ring is not None:
+                job.ring.fail(exc)
             raise
+
+    @staticmethod
+    def _staged(job: SaveJob) -> None:
+        """Every byte of ``job``'s image is staged: the state is no longer read."""
+        job.layout = LocalLayout([], {}, {}, {})
+        job.progress.advance(job.plan.image_bytes)
+        job.response.timings.staged = job.elapsed()
+        job.response.staging_completion.set_result(None)
+
+    def _stream(self, job: SaveJob, ring: PartRing, side: torch.Stream | None) -> None:
+        """Stage ``job`` part by part into ``ring``'s slots, each once the writer gave it
+        back, advancing the watermark past each part as it lands. Every tensor's size is
+        checked before the first part, so none is refused after parts were written."""
+        tensors = job.layout.tensors
+        for rec in job.plan.records:
+            record_source(rec, tensors)
+        streams.wait_event(side, job.ready_event)
+        for k, part in enumerate(ring.parts):
+            slot = ring.take(k, job.timeout)
+            with streams.on_stream(side):
+                fill_part(slot, part, tensors)
+            if side is not None:
+                side.synchronize()
+            job.progress.advance(part.end)
+        self._staged(job)
 
     @staticmethod
     def _copy_records(
@@ -174,6 +241,13 @@ class Stager:
         self._tail_copier.shutdown(wait=True)
         self._pool.clear()
         self._snapshots.clear()
+
+
+def _skip_if_abandoned(job: SaveJob) -> None:
+    if job.abandoned is not None:
+        raise CheckpointError(
+            f"staging of {job.storage.url} skipped: the save already failed ({job.abandoned})"
+        )
 
 
 def _split_by_bytes(records: list[RecordPlan]) -> tuple[list[RecordPlan], list[RecordPlan]]:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from ...errors import CheckpointError
+
 
 class DataWriter(ABC):
     """One rank's data object being written from a staging image, in pieces, in parallel.
 
     ``write`` may be called from several threads at once, each for a different piece of
-    :meth:`pieces`; ``append`` is called from one thread after every piece is queued; then
-    ``finish`` once every write has returned. ``abort`` undoes a writer that will not
+    :meth:`pieces` (``write_at`` instead, for each part of an image not held whole);
+    ``append`` is called from one thread after every piece is queued; then ``finish``
+    once every write has returned. ``abort`` undoes a writer that will not
     finish (nothing of it stays visible); ``close`` releases what it holds either way.
     """
 
@@ -40,6 +43,18 @@ class DataWriter(ABC):
     @abstractmethod
     def write(self, start: int, end: int) -> None:
         """Write the image's bytes ``[start, end)`` (one range of :meth:`pieces`)."""
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset`` inside the image's span: for an image staged a part at
+        a time through a bounded buffer rather than held whole (``open_writer`` given its
+        size only). ``data`` may be reused as soon as this returns; parts may come from
+        several threads at once, in any order. A backend without it cannot take a save
+        larger than ``SaveOptions.staging_budget_bytes``."""
+        raise CheckpointError(
+            f"{self.path}: {type(self).__name__} cannot write an image a part at a time "
+            "(DataWriter.write_at), so it cannot take a save larger than "
+            "SaveOptions.staging_budget_bytes"
+        )
 
     @abstractmethod
     def append(self, data: memoryview, offset: int) -> None:
@@ -79,8 +94,9 @@ class Storage(ABC):
         """Make this location ready to write into (create a directory; check a bucket)."""
 
     @abstractmethod
-    def open_writer(self, name: str, image: memoryview) -> DataWriter:
-        """A writer of the data object ``name`` whose head is ``image``."""
+    def open_writer(self, name: str, image: memoryview | int) -> DataWriter:
+        """A writer of the data object ``name`` whose head is ``image``; given a size
+        instead, the head is that many bytes, each written through :meth:`DataWriter.write_at`."""
 
     @abstractmethod
     def read_into(self, name: str, offset: int, out: memoryview) -> None:

@@ -51,7 +51,7 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {self.url}: {exc}") from exc
 
-    def open_writer(self, name: str, image: memoryview) -> LocalDataWriter:
+    def open_writer(self, name: str, image: memoryview | int) -> LocalDataWriter:
         path = self._file(name)
         if self.spare_dir is not None:
             claim(self.spare_dir, name, path)
@@ -135,10 +135,11 @@ class LocalDataWriter(DataWriter):
     readable as part of a checkpoint: the location is uncommitted before the first write.
     """
 
-    def __init__(self, path: str, image: memoryview, direct: bool) -> None:
+    def __init__(self, path: str, image: memoryview | int, direct: bool) -> None:
         self.path = path
-        self.image = image
-        self.end = len(image)
+        self.image = memoryview(b"") if isinstance(image, int) else image
+        self.size = image if isinstance(image, int) else len(image)
+        self.end = self.size
         """Where this save's bytes end: the image, then whatever was appended after it."""
         try:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -146,10 +147,10 @@ class LocalDataWriter(DataWriter):
             raise CheckpointError(f"cannot create {path}: {exc}") from exc
         self.direct_fd = -1
         self.direct_end = 0
-        if direct and hasattr(os, "O_DIRECT") and len(image) >= PAGE_BYTES:
+        if direct and hasattr(os, "O_DIRECT") and self.size >= PAGE_BYTES:
             try:
                 self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-                self.direct_end = len(image) // PAGE_BYTES * PAGE_BYTES
+                self.direct_end = self.size // PAGE_BYTES * PAGE_BYTES
             except OSError:
                 self.direct_fd = -1
 
@@ -159,24 +160,30 @@ class LocalDataWriter(DataWriter):
         A rank with no tensor records (everything it holds is written by others) has an
         empty image and no pieces.
         """
-        if not self.image:
+        if not self.size:
             return []
-        cuts = list(range(0, len(self.image), piece_bytes))
+        cuts = list(range(0, self.size, piece_bytes))
         if self.direct_end and self.direct_end not in cuts:
             cuts.append(self.direct_end)
         cuts = sorted(set(cuts))
-        return [(a, b) for a, b in zip(cuts, cuts[1:] + [len(self.image)], strict=True) if b > a]
+        return [(a, b) for a, b in zip(cuts, cuts[1:] + [self.size], strict=True) if b > a]
 
     def write(self, start: int, end: int) -> None:
-        if end <= self.direct_end:
+        self.write_at(start, self.image[start:end])
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """``pwrite`` of ``data``, through the ``O_DIRECT`` descriptor where it lies in the
+        image's page-aligned bulk (``data`` then starts on a page: staging buffers do)."""
+        end = offset + len(data)
+        if end <= self.direct_end and offset % PAGE_BYTES == 0:
             try:
-                pwrite_all(self.direct_fd, self.image[start:end], start, self.path)
+                pwrite_all(self.direct_fd, data, offset, self.path)
                 return
             except CheckpointError as exc:
                 if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EINVAL:
                     raise
-        pwrite_all(self.fd, self.image[start:end], start, self.path)
-        os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        pwrite_all(self.fd, data, offset, self.path)
+        os.posix_fadvise(self.fd, offset, len(data), os.POSIX_FADV_DONTNEED)
 
     def append(self, data: memoryview, offset: int) -> None:
         pwrite_all(self.fd, data, offset, self.path)

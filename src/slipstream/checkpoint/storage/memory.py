@@ -132,7 +132,7 @@ class MemoryStorage(Storage):
     def prepare(self) -> None:
         return None
 
-    def open_writer(self, name: str, image: memoryview) -> DataWriter:
+    def open_writer(self, name: str, image: memoryview | int) -> DataWriter:
         return _MemoryWriter(self, name, image)
 
     def read(self, name: str, offset: int, length: int) -> memoryview:
@@ -193,29 +193,34 @@ class _MemoryWriter(DataWriter):
     """Copies the image's pieces into a (pooled) buffer as they are written; the object
     appears, image and appended tail, when :meth:`finish` returns."""
 
-    def __init__(self, storage: MemoryStorage, name: str, image: memoryview) -> None:
+    def __init__(self, storage: MemoryStorage, name: str, image: memoryview | int) -> None:
         self.path = storage._where(name)
         self._storage = storage
         self._name = name
-        self._image = memoryview(image).cast("B")
-        self._buffer: bytearray | None = storage._bucket.buffer(len(self._image))
+        self._image = memoryview(b"" if isinstance(image, int) else image).cast("B")
+        self._size = image if isinstance(image, int) else len(self._image)
+        self._buffer: bytearray | None = storage._bucket.buffer(self._size)
         self._written: list[tuple[int, int]] = []
         self._tail: list[bytes] = []
-        self._end = len(self._image)
+        self._end = self._size
         self._lock = threading.Lock()
         self._published = False
 
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
-        n = len(self._image)
+        n = self._size
         step = max(1, piece_bytes)
         return [(start, min(start + step, n)) for start in range(0, n, step)]
 
     def write(self, start: int, end: int) -> None:
-        if not 0 <= start < end <= len(self._image) or self._buffer is None:
-            raise CheckpointError(f"{self.path}: write of [{start}, {end}) outside the image")
-        copy_bytes(memoryview(self._buffer)[start:end], self._image[start:end])
+        self.write_at(start, self._image[start:end])
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        if not 0 <= offset < end <= self._size or self._buffer is None:
+            raise CheckpointError(f"{self.path}: write of [{offset}, {end}) outside the image")
+        copy_bytes(memoryview(self._buffer)[offset:end], memoryview(data).cast("B"))
         with self._lock:
-            self._written.append((start, end))
+            self._written.append((offset, end))
 
     def append(self, data: memoryview, offset: int) -> None:
         if offset != self._end:
@@ -232,7 +237,7 @@ class _MemoryWriter(DataWriter):
             if start != covered:
                 break
             covered = end
-        if covered != len(self._image) or self._buffer is None:
+        if covered != self._size or self._buffer is None:
             raise CheckpointError(
                 f"{self.path}: finished with the bytes at offset {covered} never written"
             )

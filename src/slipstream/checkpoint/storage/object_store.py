@@ -163,7 +163,7 @@ class ObjectStorage(Storage):
         except Exception as exc:
             raise self._error(exc, f"cannot use {self.url}") from exc
 
-    def open_writer(self, name: str, image: memoryview) -> DataWriter:
+    def open_writer(self, name: str, image: memoryview | int) -> DataWriter:
         return _UploadWriter(self, name, image)
 
     def part_size(self, nbytes: int) -> int:
@@ -333,16 +333,21 @@ class _UploadWriter(DataWriter):
     (without the GIL) until then, while obstore uploads earlier parts concurrently.
     ``finish`` ends the input and joins; ``abort`` makes the generator raise, so obstore
     aborts the multipart upload. Either way the thread is joined before they return.
+
+    An image given by its size alone arrives through :meth:`write_at`, whose part is copied
+    once the upload has reached it, so at most one such copy waits to be uploaded.
     """
 
-    def __init__(self, storage: ObjectStorage, name: str, image: memoryview) -> None:
+    def __init__(self, storage: ObjectStorage, name: str, image: memoryview | int) -> None:
         self.path = storage._where(name)
         self._storage = storage
         self._name = name
-        self._image = memoryview(image).cast("B")
+        self._image = memoryview(b"" if isinstance(image, int) else image).cast("B")
+        self._size = image if isinstance(image, int) else len(self._image)
         self._cond = threading.Condition()
         self._queued: dict[int, memoryview] = {}  # offset -> bytes there, not yet uploaded
-        self._end = len(self._image)  # where the next append must start
+        self._next = 0  # the offset the upload takes next: every byte before it is handed over
+        self._end = self._size  # where the next append must start
         self._input_done = False  # finish() called: nothing more will be queued
         self._cancelled = False  # abort() called: the upload must fail
         self._error: BaseException | None = None
@@ -353,7 +358,7 @@ class _UploadWriter(DataWriter):
         self._thread.start()
 
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
-        n = len(self._image)
+        n = self._size
         step = max(1, piece_bytes)
         return [(start, min(start + step, n)) for start in range(0, n, step)]
 
@@ -366,6 +371,32 @@ class _UploadWriter(DataWriter):
         self._raise_if_failed()
         with self._cond:
             self._queued[start] = self._image[start:end]
+            self._cond.notify_all()
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        data = memoryview(data).cast("B")
+        end = offset + len(data)
+        if not 0 <= offset < end <= self._size:
+            raise CheckpointError(
+                f"{self.path}: write of [{offset}, {end}) is outside the image "
+                f"of {self._size} bytes"
+            )
+        with self._cond:
+            reached = self._cond.wait_for(
+                lambda: self._cancelled or self._error is not None or self._next >= offset,
+                timeout=PIECE_TIMEOUT_S,
+            )
+        self._raise_if_failed()
+        if self._cancelled:
+            raise CheckpointError(f"upload of {self.path} aborted")
+        if not reached:
+            raise CheckpointError(
+                f"{self.path}: the upload did not reach offset {offset} "
+                f"within {PIECE_TIMEOUT_S:.0f} s"
+            )
+        copy = memoryview(bytes(data))
+        with self._cond:
+            self._queued[offset] = copy
             self._cond.notify_all()
 
     def append(self, data: memoryview, offset: int) -> None:
@@ -413,7 +444,7 @@ class _UploadWriter(DataWriter):
 
     def _upload(self) -> None:
         storage = self._storage
-        part = storage.part_size(len(self._image))
+        part = storage.part_size(self._size)
         try:
             storage._obs.put(
                 storage._store,
@@ -424,19 +455,21 @@ class _UploadWriter(DataWriter):
             )
             self._uploaded = True
         except BaseException as exc:
-            self._error = exc
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
 
     def _chunks(self, part: int) -> Iterator[memoryview]:
         """The object's bytes in order, each range once queued, in slices of at most
         ``part`` bytes (obstore's concurrency limit is checked once per slice)."""
-        pos = 0
 
-        def ready() -> bool:  # reads ``pos`` when called: the offset awaited now
-            return self._cancelled or pos in self._queued or self._input_done
+        def ready() -> bool:
+            return self._cancelled or self._next in self._queued or self._input_done
 
         while True:
             with self._cond:
                 arrived = self._cond.wait_for(ready, timeout=PIECE_TIMEOUT_S)
+                pos = self._next
                 if self._cancelled:
                     raise CheckpointError(f"upload of {self.path} aborted")
                 if not arrived:
@@ -453,7 +486,9 @@ class _UploadWriter(DataWriter):
                     return
             for i in range(0, len(view), part):
                 yield view[i : i + part]
-            pos += len(view)
+            with self._cond:
+                self._next = pos + len(view)
+                self._cond.notify_all()
 
     def _join(self, timeout: float) -> None:
         self._thread.join(timeout)

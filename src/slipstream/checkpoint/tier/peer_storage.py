@@ -189,7 +189,7 @@ class PeerStepStorage(Storage):
     def prepare(self) -> None:
         raise CheckpointError(f"{self.url} is read-only")
 
-    def open_writer(self, name: str, image: memoryview) -> DataWriter:
+    def open_writer(self, name: str, image: memoryview | int) -> DataWriter:
         raise CheckpointError(f"{self.url} is read-only")
 
     def put_atomic(self, name: str, data: bytes) -> None:

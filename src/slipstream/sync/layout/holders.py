@@ -14,10 +14,16 @@ once. A part is
 a :class:`.plan.Part` (strided like its box), which the plan cuts into slices, each one range
 of the tensor's bytes, so a rollout places them as any other.
 
-A tensor placed any other way (``Shard`` of two dimensions past the first, ``_StridedShard``
-as FSDP2 over a column-parallel weight places it, ``Partial``), or whose mesh holds a rank that is
-not one of the publisher's trainers, has no holders: it is gathered and sent as a tensor
-every trainer holds whole.
+FSDP2 over tensor parallelism places a column-parallel weight ``[_StridedShard(0), Shard(0)]``:
+a band of rows too (the strided shard records only that ``tp`` cut first). A DTensor of a
+submesh (a parameter tensor parallelism left whole, on the ``dp`` mesh alone) is held, box
+for box, by the ranks at the same place on the submesh's dimensions of the mesh it was cut
+from: the replicas the other dimensions imply.
+
+A tensor placed any other way (``Shard`` of two dimensions past the first, another
+``_StridedShard``, ``Partial``), or whose mesh holds a rank that is not one of the
+publisher's trainers, has no holders: it is gathered and sent as a tensor every trainer
+holds whole.
 
 Invariant: every trainer derives the same holders from the same tensors and rank map, and
 the parts of a tensor cover each of its bytes exactly once.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
+from math import prod
 from typing import Any, cast
 
 import torch
@@ -76,33 +83,89 @@ def _parts(
 ) -> tuple[Part, ...] | None:
     d: Any = t
     placements = tuple(d.placements)
-    if not box_placements(placements, len(spec.shape)):
+    mesh = d.device_mesh
+    if not box_placements(placements, len(spec.shape), tuple(mesh.mesh.shape)):
         return None
-    mesh = d.device_mesh.mesh
-    members = tuple(int(r) for r in mesh.flatten().tolist())
-    if any(r not in trainer_of for r in members):
+    members = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    replicas = _replicas(members, tuple(mesh.mesh.shape), _job_mesh(mesh))
+    if replicas is None or any(r not in trainer_of for rs in replicas.values() for r in rs):
         return None
     itemsize = spec.torch_dtype.itemsize
-    boxes = _boxes(spec.shape, itemsize, tuple(mesh.shape), members, placements)
+    boxes = _boxes(spec.shape, itemsize, tuple(mesh.mesh.shape), members, placements)
     parts = []
     for box, ranks in sorted(boxes.items(), key=lambda item: item[0].start):
-        parts += _split(box, sorted(trainer_of[r] for r in ranks), itemsize)
+        owners = sorted({trainer_of[r] for rank in ranks for r in replicas[rank]})
+        parts += _split(box, owners, itemsize)
     if sum(p.nbytes for p in parts) != spec.nbytes:
         return None
     return tuple(parts)
 
 
-def box_placements(placements: Sequence[object], ndim: int) -> bool:
-    """Whether ``placements`` keep each coordinate's share of an ``ndim``-d tensor a box
-    of one set of runs (:meth:`.runs.Runs.of_box`): each replicates or shards (plainly:
-    not strided) a dimension of the tensor, and those sharded are dimension 0 and at most
-    one other."""
+def _job_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mesh ``mesh`` was cut from (itself when it is no submesh): its shape and its
+    global ranks in row-major order."""
+    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    return tuple(root.mesh.shape), tuple(int(r) for r in root.mesh.flatten().tolist())
+
+
+@functools.lru_cache(maxsize=256)
+def _replicas(
+    members: tuple[int, ...],
+    shape: tuple[int, ...],
+    job: tuple[tuple[int, ...], tuple[int, ...]],
+) -> dict[int, tuple[int, ...]] | None:
+    """Each member of a mesh (``members``, of ``shape``) with the ranks of the mesh it was
+    cut from (``job``: its shape and ranks) that hold what it holds: those at its place on
+    the job mesh's dimensions the mesh spans, anywhere on the others (FSDP2 over tensor
+    parallelism keeps a parameter that tensor parallelism left whole on the ``dp`` mesh
+    alone, the same on every ``tp`` rank). ``None`` when the mesh is not such a slice of
+    its job mesh."""
+    job_shape, job_ranks = job
+    coords = dict(zip(job_ranks, itertools.product(*(range(n) for n in job_shape)), strict=True))
+    if any(r not in coords for r in members):
+        return None
+    spanned = [k for k in range(len(job_shape)) if len({coords[r][k] for r in members}) > 1]
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for rank, coord in coords.items():
+        classes.setdefault(tuple(coord[k] for k in spanned), []).append(rank)
+    found = {r: tuple(classes[tuple(coords[r][k] for k in spanned)]) for r in members}
+    each = len(found[members[0]])
+    if len(set(found.values())) != len(members) or prod(shape) * each != len(job_ranks):
+        return None
+    return found
+
+
+def box_placements(placements: Sequence[object], ndim: int, mesh_shape: Sequence[int]) -> bool:
+    """Whether ``placements`` (on a mesh of ``mesh_shape``) keep each coordinate's share of
+    an ``ndim``-d tensor a box of one set of runs (:meth:`.runs.Runs.of_box`): each
+    replicates or shards (plainly, or strided as FSDP2 over tensor parallelism places it,
+    :func:`_nested_strided`) a dimension of the tensor, and those sharded are dimension 0
+    and at most one other."""
     from torch.distributed.tensor import Replicate, Shard
 
-    if not all(isinstance(p, Replicate) or type(p) is Shard for p in placements):
-        return False
-    dims = {cast(Any, p).dim for p in placements if type(p) is Shard}
+    dims = set()
+    for m, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        if not (type(p) is Shard or _nested_strided(p, placements[m + 1 :], mesh_shape[m + 1 :])):
+            return False
+        dims.add(cast(Any, p).dim)
     return all(0 <= d < ndim for d in dims) and len(dims - {0}) <= 1
+
+
+def _nested_strided(p: object, later: Sequence[object], sizes: Sequence[int]) -> bool:
+    """Whether ``p`` is a ``_StridedShard`` that only records that the later mesh
+    dimensions sharding its tensor dimension (``later``, of ``sizes``) cut it first: its
+    split factor is their size, so each coordinate's share is one band of that dimension,
+    the band the plain shards nested in that order would give."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if type(p) is not _StridedShard:
+        return False
+    dim = cast(Any, p).dim
+    cut_first = [n for q, n in zip(later, sizes, strict=True) if type(q) is Shard and q.dim == dim]
+    return bool(cut_first) and cast(Any, p).split_factor == prod(cut_first)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -18,7 +18,7 @@ place in its own bytes, and never through a pointer other than its own tensor's.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -78,7 +78,8 @@ def placed(t: torch.Tensor) -> bool:
     dimension)."""
     if not is_dtensor(t):
         return False
-    return box_placements(cast(Any, t).placements, t.dim())
+    d: Any = t
+    return box_placements(d.placements, t.dim(), tuple(d.device_mesh.mesh.shape))
 
 
 def destination(t: torch.Tensor, local: torch.Tensor, spec: TensorSpec) -> Dest:
