@@ -97,13 +97,14 @@ def _summary(planned: PlannedLoad | None) -> dict[str, Any] | None:
     if not wants:
         return None
     spans = {file: [lo, hi] for file, (lo, hi) in hulls(wants).items()}
-    return {"digest": digest(wants), "hulls": spans}
+    split = planned is not None and planned.reader.storage.splits_shared_reads
+    return {"digest": digest(wants), "hulls": spans, "split": split}
 
 
 def sharing(summaries: Sequence[dict[str, Any] | None]) -> Sharing:
     """How a load whose ranks posted ``summaries`` (:func:`_summary`) splits its reads."""
     present = [s for s in summaries if s is not None]
-    if len(present) < 2:
+    if len(present) < 2 or not all(s["split"] for s in present):
         return Sharing.ALONE
     if len(present) == len(summaries) and len({s["digest"] for s in present}) == 1:
         return Sharing.SAME_PLAN

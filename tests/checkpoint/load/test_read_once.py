@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import slipstream as ss
 import slipstream.dcp
 from slipstream.checkpoint.format.names import step_dir
-from slipstream.checkpoint.storage import resolve_storage
+from slipstream.checkpoint.storage import LocalStorage, Storage, resolve_storage
 from slipstream.errors import CheckpointError, CorruptCheckpointError
 
 WORLD = 4
@@ -85,11 +85,17 @@ def _results(out: Path) -> list:
     return [pickle.loads((out / f"{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 
-def _replicas(rank: int, world: int, root: str, out: str) -> None:
+def _located(root: str, read_once: bool = True) -> Storage:
+    """The storage at ``root``: a local directory as one on a file system the hosts share
+    (``read_once``), where replicas split their reads as they do on object stores."""
+    return resolve_storage(root) if "://" in root else LocalStorage(root, read_once=read_once)
+
+
+def _replicas(rank: int, world: int, root: str, out: str, read_once: bool = True) -> None:
     """Every rank loads the whole state, three ways; reports what it got and read."""
     faults = Faults()
     counted = _Counted(faults)
-    storage = FaultStorage(resolve_storage(root), faults)
+    storage = FaultStorage(_located(root, read_once), faults)
     step = storage.child(step_dir(STEP))
     got = {}
     for how in LOADS:
@@ -161,6 +167,20 @@ def test_replicas_read_each_byte_once_between_them(replica_run, how):
     _assert_read_once([got[how][1] for got in results], size, how)
 
 
+def test_replicas_on_a_local_disk_read_through_their_page_cache_by_default(tmp_path):
+    """A plain local path: each replica reads all it needs itself (one host's ranks share
+    the page cache, which reads each byte from the disk once), and loads exactly."""
+    _save_replicated(str(tmp_path / "ckpt"))
+    out = tmp_path / "got"
+    out.mkdir()
+    run_workers(_replicas, WORLD, str(tmp_path / "ckpt"), str(out), False, timeout=120)
+    size = _read_alone(str(tmp_path / "ckpt" / step_dir(STEP)), _blank())
+    for rank, got in enumerate(_results(out)):
+        for how in LOADS:
+            _assert_exact(got[how][0], _state(), f"{how} on rank {rank}")
+            assert got[how][1] == size, (how, rank, got[how][1], size)
+
+
 def test_replicas_on_s3_load_exactly_and_read_once(s3_bucket, tmp_path):
     root = f"s3://{s3_bucket}/run"
     _save_replicated(root)
@@ -193,7 +213,7 @@ def _hsdp(rank: int, world: int, root: str, out: str) -> None:
     counted = _Counted(faults)
     groups_before = len(dist.distributed_c10d._world.pg_names)
     target = {n: distribute_tensor(torch.zeros(FULL[n]), mesh, placements) for n in FULL}
-    ss.load(target, FaultStorage(resolve_storage(root), faults))
+    ss.load(target, FaultStorage(_located(root), faults))
     made = len(dist.distributed_c10d._world.pg_names) - groups_before
     local = {}
     for n, t in target.items():
@@ -225,7 +245,7 @@ def _failing(rank: int, world: int, root: str, out: str, bad_rank: int) -> None:
     faults = Faults()
     if rank == bad_rank:
         faults.fail("read", _EIO, when=lambda name: name.endswith(".distcp"))
-    storage = FaultStorage(resolve_storage(root), faults)
+    storage = FaultStorage(_located(root), faults)
     outcomes = []
     for _ in range(2):
         target = _blank()
@@ -305,7 +325,7 @@ def _subgroups(rank: int, world: int, root: str, out: str) -> None:
     faults = Faults()
     counted = _Counted(faults)
     target = _blank()
-    ss.load(target, FaultStorage(resolve_storage(root), faults), process_group=pairs[rank // 2])
+    ss.load(target, FaultStorage(_located(root), faults), process_group=pairs[rank // 2])
     _dump(out, rank, (target, counted.take()))
 
 
