@@ -92,6 +92,7 @@ bench: setup
 	$(BIN)/python benchmarks/lightning_checkpoint.py --out benchmarks/results/lightning.json
 	$(BIN)/python benchmarks/hf_trainer_checkpoint.py --out benchmarks/results/hf_trainer.json
 	$(BIN)/python benchmarks/two_tier.py --out benchmarks/results/two_tier.json
+	$(BIN)/python benchmarks/read_once.py --out benchmarks/results/read_once.json
 	$(BIN)/python benchmarks/staging_budget.py --out benchmarks/results/staging_budget.json
 	$(BIN)/python benchmarks/vllm_sync.py --out benchmarks/results/vllm_sync.json
 	$(BIN)/python benchmarks/scale.py --before benchmarks/results/scale_before.json --out benchmarks/results/scale.json
@@ -108,6 +109,7 @@ report: setup
 		benchmarks/results/lightning.json benchmarks/results/hf_trainer.json \
 		benchmarks/results/two_tier.json benchmarks/results/vllm_sync.json \
 		benchmarks/results/scale.json benchmarks/results/staging_budget.json \
+		benchmarks/results/read_once.json \
 		--out BENCHMARKS.md
 
 # The device check on a host with a CUDA device: the CUDA tests, a profiler trace of the

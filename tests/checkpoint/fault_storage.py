@@ -125,6 +125,7 @@ class FaultStorage(Storage):
         self.faults = faults or Faults()
         self.url = inner.url
         self.small_reads_are_cheap = inner.small_reads_are_cheap
+        self.splits_shared_reads = inner.splits_shared_reads
 
     def child(self, name: str) -> FaultStorage:
         return FaultStorage(self.inner.child(name), self.faults)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 
 from ..errors import CheckpointError, UnsafeCheckpointError
-from . import dcp_compat
+from . import collective_load, dcp_compat
 from .agreement import agreement_for
 from .format.names import METADATA_FILE
 from .format.safe_types import Trust, Trusted
@@ -295,12 +295,12 @@ def load_state(
         )
         return
 
-    def load_here() -> None:
+    def prepare() -> loader.PlannedLoad | None:
         storage = resolve_storage(location, storage_options)
         if hf_load.is_hf_directory(storage):
             hf_load.load_hf(state_dict, storage, strict=strict)
-            return
-        loader.load(
+            return None
+        return loader.open_plan(
             state_dict,
             storage,
             strict=strict,
@@ -311,7 +311,8 @@ def load_state(
 
     saver = _saver(process_group, no_dist)
     where = location.url if isinstance(location, Storage) else str(location)
-    agreement_for(saver.channel).run(f"load of {where}", load_here, saver.options.timeout)
+    agreement = agreement_for(saver.channel)
+    collective_load.load(agreement, f"load of {where}", prepare, saver.options.timeout)
 
 
 def load(

@@ -18,7 +18,6 @@ save to write over, and :meth:`Checkpointer.close` deletes what is left of them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -32,7 +31,8 @@ from ..core.control_plane import ranks_text
 from ..core.handles import all_of, completed_future
 from ..core.waits import Deadline
 from ..errors import CheckpointError, SlipstreamError
-from .agreement import agreement_for
+from . import collective_load
+from .agreement import LoadAgreement, agreement_for
 from .format.names import METADATA_FILE, SPARE_DIR, is_temporary, step_dir, step_dirs
 from .format.safe_types import Trusted
 from .health import CheckpointHealth, HealthTracker
@@ -404,34 +404,28 @@ class Checkpointer:
         self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
     ) -> int:
         """Load ``step`` (``None``: the newest step every rank sees committed) from the
-        durable tier, every rank the same step, agreed in one round: without a step, each
-        rank loads the newest it lists, and only where ranks list different newest steps (a
-        lagging listing, another copy of the root; the difference is logged) do they all
-        load, in a second round, the newest that every rank sees."""
+        durable tier, every rank the same step. Without a step, the ranks first agree on it
+        in one round: each posts the newest it lists, and where they differ (a lagging
+        listing, another copy of the root; the difference is logged) every rank loads the
+        newest that every rank sees. The load then runs its own rounds
+        (:mod:`.collective_load`), which need every rank planning the same step."""
         agreement = agreement_for(self._saver.channel)
         timeout = self._saver.options.timeout
         if step is None:
-            loaded, newest = agreement.same(
-                f"load of the newest step under {self.root}",
-                lambda: self._load_durable(target, self._newest(), strict, trusted),
-                timeout,
+            own, newest = agreement.same(
+                f"load of the newest step under {self.root}", self._newest, timeout
             )
-            if newest is None:
-                return int(loaded)
-            step = int(min(newest))
-            logger.warning(
-                "ranks see different newest steps under %s (%s); every rank loads step %d, "
-                "the newest that every rank sees",
-                self.root,
-                ", ".join(f"rank {r}: {s}" for r, s in enumerate(newest)),
-                step,
-            )
-        chosen = step
-        return agreement.run(
-            f"load of step {chosen} under {self.root}",
-            lambda: self._load_durable(target, chosen, strict, trusted),
-            timeout,
-        )
+            step = int(own if newest is None else min(newest))
+            if newest is not None:
+                logger.warning(
+                    "ranks see different newest steps under %s (%s); every rank loads step "
+                    "%d, the newest that every rank sees",
+                    self.root,
+                    ", ".join(f"rank {r}: {s}" for r, s in enumerate(newest)),
+                    step,
+                )
+        self._load_durable(agreement, target, step, strict, trusted)
+        return step
 
     def _newest(self) -> int:
         """The newest step this rank lists committed."""
@@ -444,14 +438,23 @@ class Checkpointer:
         return steps[-1]
 
     def _load_durable(
-        self, target: dict[str, Any], step: int, strict: bool, trusted: Trusted
-    ) -> int:
-        """Load ``step`` from the durable tier into ``target``, on this rank; returns it."""
-        if not self._step(step).exists(METADATA_FILE):
-            raise self._not_committed(step, max(self.steps()[-1:], default=None))
-        loader.load(target, self._step(step), strict=strict, trusted=trusted)
+        self,
+        agreement: LoadAgreement,
+        target: dict[str, Any],
+        step: int,
+        strict: bool,
+        trusted: Trusted,
+    ) -> None:
+        """Load ``step`` from the durable tier into ``target``, every rank together."""
+
+        def prepare() -> loader.PlannedLoad:
+            if not self._step(step).exists(METADATA_FILE):
+                raise self._not_committed(step, max(self.steps()[-1:], default=None))
+            return loader.open_plan(target, self._step(step), strict=strict, trusted=trusted)
+
+        what = f"load of step {step} under {self.root}"
+        collective_load.load(agreement, what, prepare, self._saver.options.timeout)
         logger.info("rank %d loaded step %d from %s", self._saver.rank, step, self.root)
-        return step
 
     def _load_two_tier(
         self, target: dict[str, Any], step: int | None, strict: bool, trusted: Trusted
@@ -500,10 +503,8 @@ class Checkpointer:
             if candidate in durable:
                 attempted = True
                 try:
-                    agreement_for(self._saver.channel).run(
-                        f"load of step {candidate} under {self.root}",
-                        functools.partial(self._load_durable, target, candidate, strict, trusted),
-                        self._saver.options.timeout,
+                    self._load_durable(
+                        agreement_for(self._saver.channel), target, candidate, strict, trusted
                     )
                 except CheckpointError as exc:
                     tried.append(f"step {candidate} from {self.root}: {exc}")

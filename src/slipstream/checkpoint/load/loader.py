@@ -4,8 +4,10 @@ For every tensor (or DTensor shard) in the target state dict, the saved chunks t
 overlap it are found from the metadata and only the overlapping byte ranges are planned
 as reads, each straight into the destination tensor's memory whenever the range is
 contiguous on both sides (the usual case, including ``Shard(0)`` resharding);
-:mod:`.reader` carries them out through the storage backend. No collective runs: each
-rank reads what it needs, so N -> M ranks costs no planning.
+:mod:`.reader` carries them out through the storage backend. This module runs no
+collective: each rank plans what it needs alone, so N -> M ranks costs no planning. Where
+several ranks of a collective load need the same bytes, :mod:`..collective_load` splits those
+reads among them.
 
 Checks that need no data (missing/unexpected keys, dtype, global shape, committed
 metadata, truncated files) all run before the first byte lands in the state dict. Block
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from ...core import tracing
 from ...core.buffers import as_bytes, byte_view
-from ...core.flatten import flatten, is_stateful, resolve_stateful, set_path
+from ...core.flatten import Path, flatten, is_stateful, resolve_stateful, set_path
 from ...core.shapes import numel, row_major_strides
 from ...core.threads import usable_cores
 from ...errors import CheckpointError, CorruptCheckpointError
@@ -258,6 +261,33 @@ def load(
     )
 
 
+def open_plan(
+    state_dict: dict[str, Any],
+    checkpoint_id: Location,
+    *,
+    strict: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    trusted: Trusted = None,
+    cast: bool = False,
+    extensions: ExtensionRegistry | None = None,
+) -> PlannedLoad:
+    """:func:`load`'s checks and plan, nothing read into ``state_dict`` yet: the caller
+    carries it out (:mod:`..collective_load`) and closes its reader; arguments as for
+    :func:`load`."""
+    reader = CheckpointReader(checkpoint_id, storage_options, Trust.of(trusted), extensions)
+    try:
+        return plan_load(reader, state_dict, strict=strict, cast=cast)
+    except CorruptCheckpointError as exc:
+        gone = reader.vanished(exc)
+        reader.close()
+        if gone is exc:
+            raise
+        raise gone from exc
+    except BaseException:
+        reader.close()
+        raise
+
+
 def load_from(
     reader: CheckpointReader,
     state_dict: dict[str, Any],
@@ -269,15 +299,11 @@ def load_from(
 ) -> None:
     """:func:`load` from a checkpoint already opened; closes ``reader``."""
     started = time.perf_counter()
-    if io_threads is None:
-        io_threads = (
-            min(MAX_IO_THREADS, usable_cores() + 1)
-            if reader.storage.small_reads_are_cheap
-            else OBJECT_STORE_IO_THREADS
-        )
     try:
         with tracing.span("slipstream.load", url=reader.path):
-            nbytes = _load_into(reader, state_dict, strict, io_threads, progress, cast)
+            planned = plan_load(reader, state_dict, strict=strict, cast=cast, io_threads=io_threads)
+            nbytes = planned.read(progress)
+            planned.finish()
     except CorruptCheckpointError as exc:
         gone = reader.vanished(exc)
         if gone is exc:
@@ -285,45 +311,104 @@ def load_from(
         raise gone from exc
     finally:
         reader.close()
-    seconds = time.perf_counter() - started
+    log_loaded(reader.path, nbytes, time.perf_counter() - started)
+
+
+def log_loaded(path: str, nbytes: int, seconds: float) -> None:
+    """The one log line of a finished load."""
     logger.info(
         "loaded %s: %.3f GiB read and verified in %.3f s (%.2f GiB/s)",
-        reader.path,
+        path,
         nbytes / 2**30,
         seconds,
         nbytes / 2**30 / max(seconds, 1e-9),
     )
 
 
-def _load_into(
+@dataclass
+class PlannedLoad:
+    """A load checked and planned on this rank, before any byte lands in its state dict.
+
+    ``reads`` are in file order (the same list on every rank that plans the same load);
+    :meth:`read` carries them out with the whole-record reads and the plain values, and
+    :meth:`finish` then copies what landed in scratch memory into place and hands the
+    values and ``Stateful`` entries their state: the state dict is written only once
+    every byte of it has been read and verified.
+    """
+
+    reader: CheckpointReader
+    state_dict: dict[str, Any]
+    resolved: dict[str, Any]
+    paths: dict[str, Path]
+    reads: list[ReadRequest]
+    copies: list[_Copy]
+    value_keys: list[str]
+    io_threads: int
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def read(
+        self,
+        progress: Callable[[int], None] | None = None,
+        reads: list[ReadRequest] | None = None,
+    ) -> int:
+        """Carry out ``reads`` (default: every planned read), the whole-record reads and
+        the values' reads; returns the tensor bytes read."""
+        todo = self.reads if reads is None else reads
+        read_all(self.reader, todo, self.io_threads, progress)
+        for i, (dest_view, src, fallback) in enumerate(self.copies):
+            if src is None:
+                assert fallback is not None, "a copy without a source names its record"
+                fqn, s_off, src_box = fallback
+                whole = self.reader.read_record_tensor(fqn, s_off)
+                self.copies[i] = (dest_view, whole[src_box] if src_box else whole, None)
+        for fqn in self.value_keys:
+            self.values[fqn] = self.reader.read_value(fqn)
+        return sum(r.end - r.start for r in todo)
+
+    def finish(self) -> None:
+        """Copy every read into place and give each value and ``Stateful`` its state."""
+        for dest_view, src, _ in self.copies:
+            assert src is not None, "read() fetched every whole record"
+            dest_view.copy_(src)
+        for fqn, value in self.values.items():
+            set_path(self.resolved, self.paths[fqn], value, match_typed_keys=True)
+        for key, value in self.state_dict.items():
+            if is_stateful(value):
+                value.load_state_dict(self.resolved[key])
+            elif key in self.resolved and self.resolved[key] is not value:
+                self.state_dict[key] = self.resolved[key]
+
+
+def default_io_threads(reader: CheckpointReader) -> int:
+    """See :func:`load`."""
+    if reader.storage.small_reads_are_cheap:
+        return min(MAX_IO_THREADS, usable_cores() + 1)
+    return OBJECT_STORE_IO_THREADS
+
+
+def plan_load(
     reader: CheckpointReader,
     state_dict: dict[str, Any],
+    *,
     strict: bool,
-    io_threads: int,
-    progress: Callable[[int], None] | None,
     cast: bool,
-) -> int:
-    """The body of :func:`load`; returns the bytes read."""
+    io_threads: int | None = None,
+) -> PlannedLoad:
+    """Check ``state_dict`` against the checkpoint and plan the reads that fill it."""
     resolved = resolve_stateful(state_dict)
     flat, paths = flatten(resolved)
     _check_keys(flat, reader.metadata, strict, reader.path, cast)
     reader.check_file_sizes()
     reads: list[ReadRequest] = []
     copies: list[_Copy] = []
-    values: dict[str, Any] = {}
+    value_keys: list[str] = []
     for fqn, value in flat.items():
         md = reader.metadata.state_dict_metadata[fqn]
         if isinstance(value, torch.Tensor):
             assert isinstance(md, TensorStorageMetadata), "checked by _check_keys"
             plan_reads(reader, fqn, value, md, reads, copies)
         else:
-            values[fqn] = reader.read_value(fqn)
-    nbytes = read_and_copy(reader, reads, copies, io_threads, progress)
-    for fqn, value in values.items():
-        set_path(resolved, paths[fqn], value, match_typed_keys=True)
-    for key, value in state_dict.items():
-        if is_stateful(value):
-            value.load_state_dict(resolved[key])
-        elif key in resolved and resolved[key] is not value:
-            state_dict[key] = resolved[key]
-    return nbytes
+            value_keys.append(fqn)
+    reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
+    threads = default_io_threads(reader) if io_threads is None else io_threads
+    return PlannedLoad(reader, state_dict, resolved, paths, reads, copies, value_keys, threads)

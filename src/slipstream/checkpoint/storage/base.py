@@ -141,6 +141,13 @@ class Storage(ABC):
     """Whether a read of one checksum block costs about its bytes (a local file) rather than
     a round trip (an object store): the reader then verifies block by block as it reads."""
 
+    splits_shared_reads: bool = True
+    """Whether replicas loading from here split the bytes they share, each reading its part
+    once and passing it on (read-once loads, docs/read-once.md): where every read is a
+    request and a bill (an object store). A local file system says no unless told it is
+    shared by hosts (:class:`.local.LocalStorage`'s ``read_once``): one host's ranks read it
+    through one page cache, which serves each byte from the disk once anyway."""
+
     def cleanup_incomplete(self, keep: str | None = None) -> None:
         """Remove what writes cut short left behind under this location (unfinished
         multipart uploads), except under its child ``keep`` (a save may be writing there)."""

@@ -27,15 +27,26 @@ class LocalStorage(Storage):
     ``spare_dir``, when given, is where retired data files wait for reuse: deleting a
     location moves its data files there (where nothing else has them open), and a writer
     whose file does not exist yet writes over the spare of the same name.
+
+    ``read_once``: the file system is shared by the job's hosts (NFS, Lustre, a parallel
+    file system), so replicas on different hosts split the bytes they share
+    (:attr:`~.base.Storage.splits_shared_reads`); by default each rank reads what it needs,
+    and one host's ranks share the page cache.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, spare_dir: Path | None = None, direct_io: bool = True
+        self,
+        path: str | os.PathLike[str],
+        *,
+        spare_dir: Path | None = None,
+        direct_io: bool = True,
+        read_once: bool = False,
     ) -> None:
         self.path = Path(path)
         self.url = os.fspath(path)
         self.spare_dir = spare_dir
         self.direct_io = direct_io
+        self.splits_shared_reads = read_once
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
 
@@ -43,7 +54,12 @@ class LocalStorage(Storage):
         return os.path.join(self.path, name)
 
     def child(self, name: str) -> LocalStorage:
-        return LocalStorage(self.path / name, spare_dir=self.spare_dir, direct_io=self.direct_io)
+        return LocalStorage(
+            self.path / name,
+            spare_dir=self.spare_dir,
+            direct_io=self.direct_io,
+            read_once=self.splits_shared_reads,
+        )
 
     def prepare(self) -> None:
         try:

@@ -1,0 +1,105 @@
+"""The process group a read-once load moves bytes over, and the moving.
+
+slipstream makes a gloo group of its own for this (``torch.distributed.new_group``), never
+using the job's: its collectives run on the caller's thread, during a load every rank of
+the group calls together, so they can never interleave with the job's own collectives or
+run from a background thread. A group is made once per set of ranks of one world (the
+default group's store names the world: a job that destroys and re-creates its process
+groups gets a new one) and only by a load whose ranks share bytes; a shared load that
+fails drops it on every rank (:func:`forget_group`), so none reuses a group a failure may
+have left mid-collective.
+
+Invariant: every wait on a peer is bounded by the load's timeout (the group's), and a
+transfer that fails or times out raises naming the peer and the bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CheckpointError
+from .read_once import Transfer
+
+DEFAULT_TIMEOUT_S = 600.0
+"""The group's timeout where the load has none."""
+
+_groups: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+_groups_lock = threading.Lock()
+
+
+def exchange_group(global_ranks: Sequence[int], timeout: float | None) -> dist.ProcessGroup:
+    """slipstream's gloo group over ``global_ranks`` (every one of them calls this together,
+    on its caller's thread), made on first use in this world."""
+    ranks = tuple(global_ranks)
+    store = dist.distributed_c10d._get_default_store()
+    with _groups_lock:
+        found = _groups.get(ranks)
+        if found is not None and found[0] is store:
+            return found[1]
+    whole = ranks == tuple(range(dist.get_world_size()))
+    group: dist.ProcessGroup | None = dist.new_group(
+        list(ranks),
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else timeout),
+        backend="gloo",
+        use_local_synchronization=not whole,
+        group_desc="slipstream_read_once",
+    )
+    assert group is not None, "every rank calling is a member"
+    with _groups_lock:
+        _groups[ranks] = (store, group)
+    return group
+
+
+def forget_group(global_ranks: Sequence[int]) -> None:
+    """Drop (and destroy) the group over ``global_ranks``, after a load that may have left
+    it with a collective half done; the next load that shares bytes makes a new one. Every
+    rank calls it together (each saw the same load fail), so all make the new one."""
+    with _groups_lock:
+        found = _groups.pop(tuple(global_ranks), None)
+    if found is not None and found[0] is dist.distributed_c10d._get_default_store():
+        dist.destroy_process_group(found[1])
+
+
+def gather_objects(group: dist.ProcessGroup, own: Any) -> list[Any]:
+    """Every rank's ``own``, by rank of ``group``."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, own, group=group)
+    return out
+
+
+def _tensor(view: memoryview) -> torch.Tensor:
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def move(
+    group: dist.ProcessGroup,
+    sends: Sequence[tuple[Transfer, memoryview]],
+    receives: Sequence[tuple[Transfer, memoryview]],
+    where: str,
+) -> int:
+    """Send and receive every transfer (each with the bytes it sends from, or lands in),
+    all posted at once and then waited for; returns the bytes received. ``where`` names the
+    checkpoint in errors."""
+    works: list[tuple[Any, str]] = []
+    for move_, view in sends:
+        work = dist.isend(_tensor(view), group=group, tag=move_.tag, group_dst=move_.peer)
+        works.append(
+            (work, f"sending bytes {move_.lo}-{move_.hi} of {move_.file} to rank {move_.peer}")
+        )
+    for move_, view in receives:
+        work = dist.irecv(_tensor(view), group=group, tag=move_.tag, group_src=move_.peer)
+        works.append(
+            (work, f"receiving bytes {move_.lo}-{move_.hi} of {move_.file} from rank {move_.peer}")
+        )
+    for work, what in works:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise CheckpointError(f"read-once load of {where}: {what} failed: {exc}") from exc
+    return sum(len(view) for _, view in receives)
