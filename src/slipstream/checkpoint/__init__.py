@@ -11,7 +11,7 @@ from .save.job import AsyncSaveResponse, SaveTimings
 from .save.options import SaveOptions
 from .save.saver import CheckpointSaver
 from .save.snapshot import StagedState, stage
-from .storage import DataWriter, Storage, register_storage
+from .storage import DataWriter, LocalStorage, Storage, register_storage
 from .tier.options import LocalTier
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "SaveOptions",
     "SaveTimings",
     "StagedState",
+    "LocalStorage",
     "Storage",
     "allow_types",
     "async_save",
