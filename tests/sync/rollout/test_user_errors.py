@@ -72,8 +72,11 @@ def test_a_load_weights_error_keeps_the_users_frame_in_its_traceback():
 
 #: The group's timeout in the refusal tests: a wait for what a refusal left behind lasts it.
 REFUSAL_TIMEOUT = 60.0
-#: Refusals are reported within this many seconds (the rollout's ack, read by a look).
-REPORTED_WITHIN_S = 5.0
+#: Refusals are reported within this many seconds (the rollout's ack, read by a look): a
+#: quarter of the group's timeout, which a refusal must not wait out. The trainer's figure
+#: counts its whole publish (256 MiB to two rollouts, drained to the end by the one that
+#: refuses and stays), which a loaded 2-core CI machine took 6.2 s over once.
+REPORTED_WITHIN_S = REFUSAL_TIMEOUT / 4
 
 
 def _big_weights(version: int) -> dict[str, torch.Tensor]:
