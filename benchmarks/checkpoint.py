@@ -49,6 +49,7 @@ from common import (  # noqa: E402
     drop_page_cache,
     free_port,
     interleave,
+    join_all,
     median,
 )
 
@@ -615,11 +616,7 @@ def spawn_ranks(target: Callable, world: int, opts: BenchOptions, timeout: float
     try:
         return queue.get(timeout=timeout)
     finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        join_all(procs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -125,6 +125,15 @@ def scratch(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def join_all(procs: Sequence[Any]) -> None:
+    """Join every rank process of a run, killing any still alive after two minutes."""
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a store or a process group's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

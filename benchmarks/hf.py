@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Result, Table, free_port, median, scratch  # noqa: E402
+from common import Result, Table, free_port, join_all, median, scratch  # noqa: E402
 
 SS = "ss.load"
 DCP = "dcp.load + HuggingFaceStorageReader"
@@ -174,11 +174,7 @@ def run_ranks(world: int, directory: Path, rounds: int, timeout: float) -> dict[
         times: dict[str, list[float]] = queue.get(timeout=timeout)
         return times
     finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        join_all(procs)
 
 
 def main() -> None:

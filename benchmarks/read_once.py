@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import Result, Table, drop_page_cache, fmt, median, scratch
+from common import Result, Table, drop_page_cache, fmt, join_all, median, scratch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from storage_server import CREDENTIALS, UNSET, moto_server  # noqa: E402
@@ -270,11 +270,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> tuple[dict, int]:
         try:
             return wait_for_result(queue, procs), nbytes
         finally:
-            for p in procs:
-                p.join(timeout=120)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+            join_all(procs)
 
 
 FLOORS = {"S3 (moto)": 2.5, "local disk, cold page cache": 2.0}

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import Result, Table, drop_page_cache, fmt, interleave, median
+from common import Result, Table, drop_page_cache, fmt, interleave, join_all, median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from storage_server import CREDENTIALS, UNSET, moto_server  # noqa: E402
@@ -360,11 +360,7 @@ def run(opts: Options) -> dict[str, Any]:
         try:
             return queue.get(timeout=3600)
         finally:
-            for p in procs:
-                p.join(timeout=120)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+            join_all(procs)
 
 
 def report(opts: Options, got: dict[str, Any]) -> Result:
