@@ -16,18 +16,10 @@ state of ``--size-mib`` of its own.
   from the local disk with the page cache dropped. Rank 1's wall time of ``load`` is the
   recovery time.
 
-- **Replication and its security.** Each rank puts a file of ``--size-mib`` from its
-  ``/dev/shm`` into the other rank's local tier (both at once, as a local save does),
-  interleaved: over the link as it was before authentication (no handshake, untagged
-  headers: a stand-in defined here, which the library does not offer), over the
-  authenticated link (handshake and header MACs), and over the authenticated link with the
-  file's manifest digest taken as a local save takes it (the SHA-256 of its index's
-  entries, parsed from the index's bytes: the xxh3 block checksums the save computed
-  already; no pass over the data). Twice: over one pooled connection per peer, as a local
-  save replicates (the handshake runs once, on its first use, in the warm-up round), and
-  over a new connection each round (a handshake in every put). Per round, the slowest
-  rank's time; a mode's cost is the median over rounds of its time / the old link's time
-  in the same round.
+- **Replication.** Each rank copies a file of ``--size-mib`` from its ``/dev/shm`` into
+  the other rank's local tier (both at once, as a local save does: the tier's exchanges
+  over its gloo group), interleaved with a bare gloo send and receive of the same bytes
+  between tensors in memory (the transport alone). Per round, the slowest rank's time.
 
 NVRx's ``LocalCheckpointManager`` is left out: see the note written into the result.
 
@@ -37,6 +29,7 @@ NVRx's ``LocalCheckpointManager`` is left out: see the note written into the res
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -63,11 +56,8 @@ RECOVER_S3 = "durable tier on S3 (moto), Checkpointer.load"
 RECOVER_DISK = "durable tier on local disk, page cache warm"
 RECOVER_DISK_COLD = "durable tier on local disk, page cache dropped"
 RECOVERY_STEP = 1000
-LINK_OPEN = "the link before authentication (no handshake, untagged headers)"
-LINK_AUTH = "authenticated link (handshake + header MACs)"
-LINK_FULL = "authenticated link + the file's manifest digest (a local save's replication)"
-POOLED = "one pooled connection per peer, as a local save replicates (handshake on first use)"
-FRESH = "a new connection each round (a handshake in every put)"
+TIER_COPY = "a local save's copy (the tier's exchanges over its gloo group, mapped files)"
+BARE = "bare gloo isend + irecv of the same bytes (tensors in memory)"
 WAITS = "step waits on an accelerator (the training thread sleeps)"
 CPU_BOUND = "step computes on the CPU (matmuls; both ranks' threads fill the 2 cores)"
 NVRX_NOTE = (
@@ -130,100 +120,73 @@ def worker(rank: int, world: int, port: int, opts: Options, env: dict[str, str],
         dist.destroy_process_group()
 
 
-class OpenLink:
-    """The peer link as it was before authentication: no handshake, headers untagged. Only
-    this benchmark has it, to measure what authentication costs."""
-
-    class _NoSeal:
-        tag_bytes = 0
-
-        def seal(self, header: bytes) -> bytes:
-            return b""
-
-        def check(self, header: bytes, tag: bytes) -> bool:
-            return True
-
-    def server(self, sock: Any, until: float) -> Any:
-        return self._NoSeal()
-
-    def client(self, sock: Any, until: float) -> Any:
-        return self._NoSeal()
-
-
 def replication(rank: int, opts: Options) -> dict[str, Any]:
-    """Each rank puts a file of ``size_mib`` into the other's local tier, in each mode, over
-    pooled connections and over a new connection each round."""
-    from slipstream.checkpoint.format.index import CheckpointIndex, IndexRecord
+    """Each rank copies a file of ``size_mib`` into the other's local tier at once, as a
+    local save replicates (the tier's four exchanges over its gloo group, both files
+    memory-mapped), and the same bytes as one bare gloo send and receive between two
+    tensors in memory (the transport alone), interleaved."""
+    from slipstream.checkpoint.save.channel import RankChannel
     from slipstream.checkpoint.storage import LocalStorage
-    from slipstream.checkpoint.tier.replication import TierFiles, send_file
-    from slipstream.checkpoint.tier.sealing import blocks_digests
-    from slipstream.core.checksum import block_checksums
-    from slipstream.core.peer_auth import HmacAuth, new_secret
-    from slipstream.core.peer_link import PeerClient, PeerServer
+    from slipstream.checkpoint.tier.link import TierLink
+    from slipstream.checkpoint.tier.nodes import NodeMap
+    from slipstream.checkpoint.tier.replication import StepReplication, step_copies
+    from slipstream.core.waits import Deadline
 
-    root = os.path.join(opts.shm, "replication")
-    mine = LocalStorage(os.path.join(root, f"from{rank}"), direct_io=False)
-    mine.prepare()
+    root = os.path.join(opts.shm, "replication", f"node{rank}")
+    location = LocalStorage(os.path.join(root, "step_1"), direct_io=False)
+    location.prepare()
     name = f"__{rank}_0.distcp"
-    with open(os.path.join(root, f"from{rank}", name), "wb") as f:
-        for _ in range(opts.size_mib):
-            f.write(os.urandom(MIB))
-    size = opts.size_mib * MIB
-    with open(os.path.join(root, f"from{rank}", name), "rb") as f:
-        blocks = block_checksums(memoryview(f.read()))  # the save's, computed before
-    # the file as one record of an index, the shape a local save's index has
-    index = CheckpointIndex({name: {"w@0": IndexRecord(0, size, 0, size, blocks)}}, {}).to_json()
-    secret = [new_secret() if rank == 0 else None]
-    dist.broadcast_object_list(secret, src=0)
-    auths = {LINK_OPEN: OpenLink(), LINK_AUTH: HmacAuth(secret[0]), LINK_FULL: HmacAuth(secret[0])}
-    inbox = TierFiles(LocalStorage(os.path.join(root, f"into{rank}"), direct_io=False))
-    servers = {m: PeerServer("127.0.0.1", inbox, 60.0, auth) for m, auth in auths.items()}
-    addresses = [None, None]
-    dist.all_gather_object(addresses, {m: s.address for m, s in servers.items()})
-    other = addresses[1 - rank]
-    digests: list[str] = []
+    payload = torch.randint(0, 256, (opts.size_mib * MIB,), dtype=torch.uint8)
+    with open(os.path.join(location.path, name), "wb") as f:
+        f.write(payload.numpy().tobytes())
+    store = dist.distributed_c10d._get_default_store()
+    channel = RankChannel(dist.PrefixStore("bench-replication", store), rank, 2, "bench")
+    link = TierLink(channel, 60.0)
+    nodes = NodeMap.from_ranks_per_node(2, 1)
+    copies = [c for c in step_copies(nodes, 1) if c.file.startswith("__")]
+    bare = dist.new_group(backend="gloo")
+    landing = torch.empty_like(payload)
+    received = os.path.join(location.path, f"__{1 - rank}_0.distcp")
 
-    def client(mode: str) -> Any:
-        return PeerClient(other[mode], f"rank {1 - rank}", 1 - rank, 60.0, auths[mode])
-
-    pooled = {m: client(m) for m in auths}
-
-    def put(mode: str, fresh: bool) -> dict[str, float]:
-        peer = client(mode) if fresh else pooled[mode]
-        inbox.forget("step_1")
+    def tier_copy() -> dict[str, float]:
+        if os.path.exists(received):
+            os.remove(received)
         dist.barrier()
         start = time.perf_counter()
-        send_file(peer, mine, f"step_1/{name}", name, size)
-        if mode == LINK_FULL:
-            digests.append(blocks_digests(CheckpointIndex.from_json(index, "i"), [name])[name])
-        mine_s = time.perf_counter() - start
-        if fresh:
-            peer.close()
-        return {"s": slowest(mine_s)}
+        errors = StepReplication(link, copies, rank, location, "step_1", None).run(Deadline(60))
+        took = time.perf_counter() - start
+        assert errors == [], errors
+        return {"s": slowest(took)}
 
-    modes = (LINK_OPEN, LINK_AUTH, LINK_FULL)
-    rounds = {
-        kind: interleave(
-            {m: (lambda rep, m=m, fresh=kind == FRESH: put(m, fresh)) for m in modes},
-            opts.repeats * 12,
-            shuffle_seed=13,
-        )
-        for kind in (POOLED, FRESH)
-    }
-    for peer in pooled.values():
-        peer.close()
-    for server in servers.values():
-        server.close()
-    inbox.close()
-    assert len(set(digests)) == 1, "the digest of one file changed between rounds"
-    shutil.rmtree(root, ignore_errors=True)
+    def bare_copy() -> dict[str, float]:
+        dist.barrier(group=bare)
+        start = time.perf_counter()
+        works = [
+            dist.isend(payload, group=bare, group_dst=1 - rank),
+            dist.irecv(landing, group=bare, group_src=1 - rank),
+        ]
+        for work in works:
+            work.wait()
+        return {"s": slowest(time.perf_counter() - start)}
+
+    rounds = interleave({TIER_COPY: lambda rep: tier_copy(), BARE: lambda rep: bare_copy()},
+                        opts.repeats * 4, shuffle_seed=13)  # fmt: skip
+    sent: list[Any] = [None, None]
+    dist.all_gather_object(sent, hashlib.sha256(payload.numpy()).hexdigest())
+    with open(received, "rb") as f:  # the peer's file arrived whole
+        assert hashlib.sha256(f.read()).hexdigest() == sent[1 - rank], "a replica differs"
+    link.close()
+    dist.destroy_process_group(bare)
+    channel.close()
+    location.close()
+    shutil.rmtree(os.path.join(opts.shm, "replication"), ignore_errors=True)
     return rounds
 
 
 def tier(root: str) -> Any:
     import slipstream as ss
 
-    return ss.LocalTier(root=root, ranks_per_node=1, host="127.0.0.1", keep_last=2)
+    return ss.LocalTier(root=root, ranks_per_node=1, keep_last=2)
 
 
 def run_rank(rank: int, opts: Options) -> dict[str, Any]:
@@ -267,7 +230,7 @@ def run_rank(rank: int, opts: Options) -> dict[str, Any]:
             ck.wait()
         return {"step_s": slowest(step)}
 
-    links = replication(rank, opts)
+    copies = replication(rank, opts)
     loops = {
         kind: interleave(
             {m: (lambda rep, m=m, kind=kind: loop(m, kind)) for m in (NONE, LOCAL, DISK)},
@@ -330,7 +293,7 @@ def run_rank(rank: int, opts: Options) -> dict[str, Any]:
     return {
         "loops": loops,
         "loads": loads,
-        "links": links,
+        "copies": copies,
         "matmuls": matmuls,
         "shm_bytes": shm_bytes,
     }
@@ -438,46 +401,23 @@ def report(opts: Options, got: dict[str, Any]) -> Result:
         "replica time with the page cache warm (it serves both tiers from memory here), "
         f"{fmt(loads[RECOVER_DISK_COLD] / loads[RECOVER_LOCAL])}x with it dropped."
     )
-    costs, olds = {}, {}
-    for kind, rounds in got["links"].items():
-        links = {m: median(v["s"]) for m, v in rounds.items()}
-        old = rounds[LINK_OPEN]["s"]
-        olds[kind] = links[LINK_OPEN]
-        costs[kind] = {
-            m: median([t / o for t, o in zip(rounds[m]["s"], old, strict=True)]) - 1
-            for m in (LINK_AUTH, LINK_FULL)
-        }
-        table = Table(
-            f"Replication of {opts.size_mib} MiB per rank, {kind} (both ranks at once; slowest "
-            f"rank; {len(rounds[LINK_OPEN]['s'])} rounds)",
-            ["link", "s", "GiB/s per rank", "added time vs the link before authentication"],
-        )
-        for m in (LINK_OPEN, LINK_AUTH, LINK_FULL):
-            added = f"{fmt(100 * costs[kind][m])}%" if m in costs[kind] else ""
-            table.rows.append([m, fmt(links[m]), fmt(opts.size_mib / 1024 / links[m]), added])
-        result.tables.append(table)
-    full_cost = costs[POOLED][LINK_FULL]
-    result.floor(
-        "authentication, header MACs and the file digests cost at most 5% of the replication "
-        f"time at {opts.size_mib} MiB per rank, as a local save replicates (median over rounds "
-        "of added time / the link before authentication in the same round)",
-        full_cost,
-        "<= 0.05",
-        full_cost <= 0.05,
+    copies = {m: median(v["s"]) for m, v in got["copies"].items()}
+    table = Table(
+        f"Replication of {opts.size_mib} MiB per rank, both ranks at once (slowest rank; "
+        f"{len(got['copies'][BARE]['s'])} rounds)",
+        ["copy", "s", "GiB/s per rank", "vs the bare gloo transfer"],
     )
+    for m in (TIER_COPY, BARE):
+        gibs = opts.size_mib / 1024 / copies[m]
+        table.rows.append([m, fmt(copies[m]), fmt(gibs), fmt(copies[m] / copies[BARE])])
+    result.tables.append(table)
     result.notes.append(
-        f"Replication, as a save replicates (pooled connections): the header MACs add "
-        f"{fmt(100 * costs[POOLED][LINK_AUTH])}% to a put of {opts.size_mib} MiB; with the "
-        f"file's manifest digest (from its index's xxh3 block checksums, which the save "
-        f"computed) {fmt(100 * full_cost)}%. Over a new connection each round, where every put "
-        f"also runs the handshake (a local save does once per peer per job, or after a peer "
-        f"comes back): {fmt(100 * costs[FRESH][LINK_AUTH])}% and "
-        f"{fmt(100 * costs[FRESH][LINK_FULL])}%. That difference is not the handshake's "
-        f"work (two round trips and three HMACs, under a millisecond) but the old link's: its "
-        f"receiver never sends on a new connection before the payload, and such a put took "
-        f"{fmt(olds[FRESH])} s against {fmt(olds[POOLED])} s for the same link over a pooled "
-        f"connection (whose receiver has answered before, as any link's does once a handshake "
-        f"or a reply has crossed it)."
+        f"Replication rides a gloo group of the tier's own (no listener, handshake or frame "
+        f"format of slipstream's): a local save's copy of {opts.size_mib} MiB took "
+        f"{fmt(copies[TIER_COPY])} s, {fmt(copies[TIER_COPY] / copies[BARE])}x one bare gloo "
+        "send and receive of the same bytes between tensors; the difference is the three "
+        "word exchanges (offer, room, stored), the receiver's space allocation and flush, and "
+        "page faults on the two mapped files."
     )
     result.notes.append(NVRX_NOTE)
     return result

@@ -68,9 +68,7 @@ def async_save(where: object, rank: int) -> None:
 
 def tier(base: str, rank: int) -> ss.LocalTier:
     """A local tier that takes even steps only: step 1 is in the durable tier alone."""
-    return ss.LocalTier(
-        root=os.path.join(base, f"node{rank}"), ranks_per_node=1, host="127.0.0.1", every=2
-    )
+    return ss.LocalTier(root=os.path.join(base, f"node{rank}"), ranks_per_node=1, every=2)
 
 
 def prepare_step_dir(root: str) -> str:

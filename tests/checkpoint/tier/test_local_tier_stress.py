@@ -65,9 +65,7 @@ def _stress(rank: int, world: int, base: str) -> None:
     root.faults.hook(
         "put", lambda *a: time.sleep(delays.uniform(0, 0.02)), when=lambda name: name == MARKER
     )
-    tier = ss.LocalTier(
-        root=root, ranks_per_node=RANKS_PER_NODE, host="127.0.0.1", keep_last=1, every=1
-    )
+    tier = ss.LocalTier(root=root, ranks_per_node=RANKS_PER_NODE, keep_last=1, every=1)
     responses = []
     with ss.Checkpointer(
         os.path.join(base, "durable"), timeout=TIMEOUT, local_tier=tier, durable_every=10**6

@@ -1,9 +1,9 @@
 """What only the job may write into the local tier, and recovery that falls back: 4 gloo
 ranks as 2 nodes of 2 (the setup and the reference run of ``test_two_tier``).
 
-- A stranger process (no torch, no slipstream: only sockets and the peer link's frame
-  format) on every rank's real peer link gets no byte of any file, no step or size, and no
-  ``put`` accepted, before and after the job's own ranks have used the link.
+- The tier opens no listening socket of its own: its replicas and recoveries move over
+  one gloo group, whose listeners are those any gloo group of the job's has (so a stranger
+  on the network can do to the tier what it can do to the job's own process groups).
 - A forged step written straight into both nodes' directories (a real step's files with
   one value changed, its block checksums recomputed so that the ordinary reader takes it,
   its own ``.local_commit``) is never loaded: the job resumes from the newest genuine step.
@@ -22,9 +22,8 @@ import json
 import logging
 import os
 import shutil
+import socket
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
@@ -49,112 +48,62 @@ from slipstream.checkpoint.load.contents import read_all
 from slipstream.checkpoint.tier.sealing import blocks_digests, check_blocks
 from slipstream.errors import CheckpointError, CorruptCheckpointError
 
-STRANGER = r"""
-import json, os, socket, struct, sys
 
-addresses = [tuple(a) for a in json.loads(sys.argv[1])]
-names = json.loads(sys.argv[2])
-MAGIC = b"slipstream-peer-link/1\n\0"
-
-
-def frame(header):
-    body = json.dumps(header).encode()
-    return struct.pack("!I", len(body)) + body
-
-
-def talk(address, data):
-    # send ``data`` and end the stream, then read whatever comes back until the server
-    # closes the connection (or goes quiet)
-    got = b""
-    with socket.create_connection(address, timeout=5) as sock:
+def listening_sockets() -> set[tuple[int, int]]:
+    """This process's listening TCP sockets, as (inode, port), from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
-            while True:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
-    return got
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    found = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[9]) in inodes:  # LISTEN
+                    found.add((int(fields[9]), int(fields[1].rsplit(":", 1)[1], 16)))
+    return found
 
 
-replies = []
-for address in addresses:
-    for name in names:
-        read = {"op": "read", "name": name, "offset": 0, "length": 16}
-        past = {"op": "read", "name": name, "offset": 1 << 40, "length": 1}
-        put = {"op": "put", "name": name, "length": 4}
-        attempts = [
-            frame(read),                                     # the old, open protocol
-            frame(past),                                     # a read past the end: its size?
-            frame(put) + b"evil",                            # a put
-            frame({"op": "size", "name": name}),             # an unknown request
-            MAGIC + os.urandom(32) + os.urandom(32) + frame(read),  # a guessed proof
-            MAGIC + os.urandom(32) + os.urandom(32) + frame(put) + b"evil",
-            MAGIC[:5],                                       # a truncated greeting
-            os.urandom(300),
-        ]
-        replies += [talk(address, a).hex() for a in attempts]
-print(json.dumps(replies))
-"""
+def _sockets_of_the_job(rank: int, world: int, base: str) -> None:
+    listens: list[object] = []
+    original = socket.socket.listen
+
+    def recorded(self, *args):
+        listens.append(self.getsockname())
+        return original(self, *args)
+
+    socket.socket.listen = recorded  # every listening socket made from Python
+    try:
+        before = listening_sockets()
+        control = dist.new_group(backend="gloo")  # what one gloo group of the job's adds
+        one_group = listening_sockets() - before
+        state = initial_state(rank)
+        with checkpointer(base, rank) as ck:
+            opened = listening_sockets() - before - one_group
+            for step in (1, 2):
+                train_step(state, rank, step)
+                ck.save(step, state).result(TIMEOUT)
+            loaded = initial_state(rank)
+            assert ck.load(loaded, strict=False) == 2 and ck.last_load_tier == "local"
+            assert_same(loaded, reference(rank, 2))
+            after = listening_sockets() - before - one_group
+        dist.destroy_process_group(control)
+    finally:
+        socket.socket.listen = original
+    assert listens == [], f"rank {rank}: slipstream listened on {listens}"
+    # the tier's only listeners are those of the one gloo group it makes, as many as any
+    # gloo group of the job's opens, and replication and recovery open none
+    assert len(opened) == len(one_group), (rank, opened, one_group)
+    assert after == opened, (rank, after, opened)
 
 
-def stranger(addresses: list[tuple[str, int]], names: list[str]) -> list[bytes]:
-    """What a process with neither torch nor slipstream gets back from each attempt."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin")}
-    out = subprocess.run(
-        [sys.executable, "-I", "-c", STRANGER, json.dumps(addresses), json.dumps(names)],
-        capture_output=True,
-        timeout=120,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr.decode()
-    return [bytes.fromhex(r) for r in json.loads(out.stdout)]
-
-
-def check_stranger(base: str, addresses: list[tuple[str, int]], steps: list[int]) -> None:
-    names = [f"step_{s}/{f}" for s in steps for f in ("__0_0.distcp", ".metadata")]
-    names.append("step_1/../../.tier_key")
-    before = snapshot(base)
-    replies = stranger(addresses, names)
-    assert len(replies) == len(addresses) * len(names) * 8
-    for reply in replies:
-        # nothing, or the handshake's challenge (a random nonce and a MAC): never a header,
-        # a size or a byte of a file
-        assert len(reply) in (0, 64), reply[:200]
-        assert b"step" not in reply and b"error" not in reply
-    assert snapshot(base) == before, "a stranger's put changed a node's files"
-
-
-def _strangers_on_the_link(rank: int, world: int, base: str) -> None:
-    state = initial_state(rank)
-    with checkpointer(base, rank) as ck:
-        assert ck.local_tier is not None
-        with open(os.path.join(base, f"address{rank}.json"), "w") as f:
-            json.dump(list(ck.local_tier.address), f)
-        dist.barrier()
-        addresses = [
-            tuple(json.load(open(os.path.join(base, f"address{r}.json")))) for r in range(world)
-        ]
-        if rank == 0:  # no valid client has connected yet
-            check_stranger(base, addresses, [1])
-        dist.barrier()
-        for step in (1, 2):
-            train_step(state, rank, step)
-            ck.save(step, state).result(TIMEOUT)
-        dist.barrier()
-        if rank == 0:  # every rank's valid clients have connected, and idle connections wait
-            check_stranger(base, addresses, [1, 2])
-        dist.barrier()
-        loaded = initial_state(rank)
-        assert ck.load(loaded, strict=False) == 2 and ck.last_load_tier == "local"
-        assert_same(loaded, reference(rank, 2))
-
-
-def test_a_stranger_on_the_peer_link_learns_nothing_and_puts_nothing(tmp_path):
-    run_workers(_strangers_on_the_link, WORLD, str(tmp_path), timeout=240)
+def test_the_local_tier_listens_on_no_socket_of_its_own(tmp_path):
+    run_workers(_sockets_of_the_job, WORLD, str(tmp_path), timeout=120)
 
 
 def snapshot(base: str) -> dict[str, bytes]:
@@ -186,7 +135,6 @@ def _resume_and_check(rank: int, world: int, base: str, want_step: int) -> None:
                 {
                     "step": want_step,
                     "tier": ck.last_load_tier,
-                    "address": list(ck.local_tier.address),
                     "warnings": warnings.messages,
                 },
                 f,
@@ -271,9 +219,8 @@ def test_a_bogus_replica_falls_back_to_the_previous_step_bit_for_bit(tmp_path):
         got = loaded(base, rank)
         assert (got["step"], got["tier"]) == (3, "local")  # asserted bit for bit in the ranks
     # rank 2 read its file of step 4 from rank 0, the only holder left, and refused it,
-    # naming the file, the peer and its address, and why
-    host, port = loaded(base, 0)["address"]
-    source = f"step_4/__2_0.distcp from rank 0 ({host}:{port})"
+    # naming the file, the peer and its node, and why
+    source = "step_4/__2_0.distcp from rank 0 (node 0)"
     refusals = [w for w in loaded(base, 2)["warnings"] if "could not load local step 4" in w]
     assert any(source in w and "__2_0.distcp: checksum mismatch" in w for w in refusals), loaded(
         base, 2

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ...core.gloo_groups import new_gloo_group
 from ...errors import CheckpointError
 from .read_once import Transfer
 
@@ -42,15 +42,9 @@ def exchange_group(global_ranks: Sequence[int], timeout: float | None) -> dist.P
         found = _groups.get(ranks)
         if found is not None and found[0] is store:
             return found[1]
-    whole = ranks == tuple(range(dist.get_world_size()))
-    group: dist.ProcessGroup | None = dist.new_group(
-        list(ranks),
-        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else timeout),
-        backend="gloo",
-        use_local_synchronization=not whole,
-        group_desc="slipstream_read_once",
+    group = new_gloo_group(
+        ranks, DEFAULT_TIMEOUT_S if timeout is None else timeout, "slipstream_read_once"
     )
-    assert group is not None, "every rank calling is a member"
     with _groups_lock:
         _groups[ranks] = (store, group)
     return group

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
 )
 from torch.distributed.tensor import DTensor
@@ -47,7 +48,7 @@ from ..format.safe_types import Trust, Trusted
 from ..format.shards import local_chunks
 from ..storage import Location
 from . import bounce
-from .reader import CheckpointReader, ReadRequest, read_all
+from .reader import CheckpointReader, ReadRequest, fetched_range, read_all
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +366,26 @@ class PlannedLoad:
             self.values[fqn] = self.reader.read_value(fqn)
         return sum(r.end - r.start for r in todo)
 
+    def byte_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """Per file, the byte ranges :meth:`read` reads from storage (each read widened to
+        its whole checksum blocks, each whole record and value), sorted and merged."""
+        found: dict[str, list[tuple[int, int]]] = {}
+        for r in self.reads:
+            found.setdefault(r.source.file, []).append(fetched_range(r))
+        storage_data = self.reader.metadata.storage_data
+        indices = [
+            MetadataIndex(fallback[0], torch.Size(fallback[1]))
+            for _, src, fallback in self.copies
+            if src is None and fallback is not None
+        ]
+        indices += [MetadataIndex(fqn) for fqn in self.value_keys]
+        for index in indices:
+            info = storage_data[index]
+            found.setdefault(info.relative_path, []).append(
+                (info.offset, info.offset + info.length)
+            )
+        return {file: _merged(spans) for file, spans in found.items()}
+
     def finish(self) -> None:
         """Copy every read into place and give each value and ``Stateful`` its state."""
         for dest_view, src, _ in self.copies:
@@ -377,6 +398,16 @@ class PlannedLoad:
                 value.load_state_dict(self.resolved[key])
             elif key in self.resolved and self.resolved[key] is not value:
                 self.state_dict[key] = self.resolved[key]
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(s for s in spans if s[1] > s[0]):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def default_io_threads(reader: CheckpointReader) -> int:

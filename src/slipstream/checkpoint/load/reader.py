@@ -409,7 +409,7 @@ class _Span:
     reads: list[ReadRequest]
 
 
-def _fetched_range(job: ReadRequest) -> tuple[int, int]:
+def fetched_range(job: ReadRequest) -> tuple[int, int]:
     """The bytes of its file a read needs: its own, widened to whole checksum blocks."""
     src, a, b = job.source, job.start, job.end
     if src.blocks is not None:
@@ -423,8 +423,8 @@ def _spans(reads: list[ReadRequest]) -> list[_Span]:
     :data:`SPAN_GAP_BYTES` apart share a span of at most :data:`SPAN_BYTES` (a read larger
     than that has a span of its own)."""
     spans: list[_Span] = []
-    for job in sorted(reads, key=lambda r: (r.source.file, _fetched_range(r))):
-        lo, hi = _fetched_range(job)
+    for job in sorted(reads, key=lambda r: (r.source.file, fetched_range(r))):
+        lo, hi = fetched_range(job)
         if hi <= lo:
             continue
         last = spans[-1] if spans else None
@@ -447,7 +447,7 @@ def _read_span(reader: CheckpointReader, span: _Span) -> None:
     path = reader.file_path(span.file)
     for job in span.reads:
         src = job.source
-        lo, hi = _fetched_range(job)
+        lo, hi = fetched_range(job)
         fetched = data[lo - span.start : hi - span.start]
         first = lo - src.data_offset
         if src.blocks is not None:

@@ -16,7 +16,7 @@ Invariants:
   the file is deleted instead, as without recycling, and the reader keeps its bytes.
 * Nothing opens a file in the spare directory but the save that claims it: the directory
   is hidden and never listed as a step, and the old path is gone once a file is moved.
-  A save (or a replica being received, on the peer link's thread) may claim a spare the
+  A save (or a replica being received, on the local tier's replication thread) may claim a spare the
   moment it lands there, while retirement still checks it: a spare that is gone by then is
   the claimer's, and retirement goes on with the step's other files.
 * Where leases are not available (other systems, some network filesystems), retired files

@@ -4,12 +4,12 @@
 A local save is an ordinary slipstream save (same format as the durable tier, same
 loader), made by a saver of its own into ``<node root>/step_<k>`` on each node: every rank
 writes its data file on its own node, rank 0 also the ``.metadata`` and index. Then, on
-a thread this tier owns, each rank streams its file to its replica ranks
+a thread this tier owns, each rank sends its file to its replica ranks
 (:mod:`.nodes`), and rank 0 its ``.metadata`` and index to those and to one rank of every
-other node, over the peer link (:mod:`.replication`). Rank 0 gathers every rank's report
-through the store and decides; only then does each node's lowest rank write the step's
-marker (``.local_commit``, the step's manifest: every file, its size and its digest,
-under a MAC with the node's key; :mod:`.sealing`).
+other node, over a gloo group of the tier's own (:mod:`.link`, :mod:`.replication`).
+Rank 0 gathers every rank's report through the store and decides; only then does each
+node's lowest rank write the step's marker (``.local_commit``, the step's manifest: every
+file, its size and its digest, under a MAC with the node's key; :mod:`.sealing`).
 
 Invariants:
 
@@ -31,7 +31,7 @@ Invariants:
 - A failed step's error names every rank found dead, with its node and that node's
   directory, and every surviving rank gets the same set: rank 0 decides it, waiting past
   the first death for the ranks still missing to answer or be found dead too (those of a
-  lost node die together), and a rank whose peer link connection drops is reported dead
+  lost node die together), and a rank whose connection to a peer drops is reported dead
   through the store at once (:meth:`~..save.channel.RankChannel.report_dead`).
 
 Deletions. Only a node's lowest rank deletes its node's step directories, always holding
@@ -73,8 +73,6 @@ import torch.distributed as dist
 
 from ...core.control_plane import ranks_text
 from ...core.handles import fail_unfinished
-from ...core.peer_auth import HmacAuth, new_secret
-from ...core.peer_link import PeerServer
 from ...core.threads import lower_thread_priority
 from ...core.waits import Deadline
 from ...errors import CheckpointError, CorruptCheckpointError, PeerDiedError, SlipstreamError
@@ -89,18 +87,16 @@ from ..format.names import (
     step_dir,
     step_dirs,
 )
-from ..format.safe_types import Trust, Trusted
-from ..load import loader
-from ..load.reader import CheckpointReader
+from ..format.safe_types import Trusted
 from ..save.channel import LIVENESS_CHECK_SECONDS, SILENT_AFTER_SECONDS
 from ..save.job import AsyncSaveResponse
 from ..save.options import SaveOptions
 from ..save.saver import CheckpointSaver
 from ..storage import LocalStorage, Storage
+from .link import TierLink
 from .messages import (
     HeldStep,
     HostAnnouncement,
-    LinkSecret,
     LocalCommitMarker,
     NodeCleared,
     NodeMarked,
@@ -111,13 +107,12 @@ from .messages import (
     TierTopics,
 )
 from .nodes import NodeMap
-from .options import LocalTier, default_host, default_root
-from .peer_storage import PeerStepStorage
-from .replication import PeerDirectory, TierFiles
+from .options import LocalTier, default_root
+from .recovery import RecoveredStep, recover
+from .replication import StepReplication, TierFiles, step_copies
 from .sealing import (
     blocks_digests,
     bytes_digest,
-    check_blocks,
     file_digest,
     mac_matches,
     manifest_mac,
@@ -187,15 +182,8 @@ class LocalTierSaver:
             node_key(self.storage, create=True)
         self._files = TierFiles(self.storage)
         priority = (self.options.thread_nice, self.options.idle_threads)
-        auth = HmacAuth(self._job_secret())
-        self._server = PeerServer(
-            tier.host or default_host(),
-            self._files,
-            self.timeout,
-            auth,
-            thread_start=lambda: lower_thread_priority(*priority),
-        )
-        self._peers = PeerDirectory(self.channel, self._server.address, self.timeout, auth)
+        self._copies = step_copies(self.nodes, tier.replicas)
+        self._link = TierLink(self.channel, self.timeout)
         self._thread = ThreadPoolExecutor(
             1, "slipstream-replicate", initializer=lower_thread_priority, initargs=priority
         )
@@ -218,24 +206,6 @@ class LocalTierSaver:
         """Called on the replication thread with the step, before this rank sends any
         replica of it (instrumentation, and tests that stop a node mid-replication); an
         exception it raises fails this rank's part of the save."""
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """Where this rank's peer link listens (host, port)."""
-        return self._server.address
-
-    def _job_secret(self) -> bytes:
-        """The peer link's secret: made by rank 0, handed to every rank through the job's
-        store (the job's trust root), never written anywhere else."""
-        topic = TierTopics.secret()
-        if self.rank == 0:
-            secret = new_secret()
-            self.channel.post(topic, LinkSecret(secret))
-            return secret
-        message = self.channel.receive(
-            topic, LinkSecret.from_json, 0, Deadline(self.timeout), "publish the peer link secret"
-        )
-        return message.secret
 
     # -- saving -----------------------------------------------------------------------
 
@@ -343,9 +313,16 @@ class LocalTierSaver:
         deadline = Deadline(self.timeout)
         try:
             written.upload_completion.result()
-            if self.before_replication is not None:
-                self.before_replication(step)
-            report = ReplicationReport(*self._send_own(location, step_name, written))
+            unsendable = self._unsendable(step, location, written)
+            replication = StepReplication(
+                self._link, self._copies, self.rank, location, step_name, unsendable
+            )
+            errors = replication.run(deadline)
+            report = (
+                ReplicationReport(error="; ".join(errors))
+                if errors
+                else ReplicationReport(*self._own_files(location))
+            )
         except BaseException as exc:
             save_failed = written.upload_completion.exception() is not None
             if save_failed and not isinstance(exc, PeerDiedError):
@@ -433,30 +410,37 @@ class LocalTierSaver:
         mac = manifest_mac(key, step, world, outcome.files, outcome.digests)
         return LocalCommitMarker(step, world, outcome.files, outcome.digests, mac)
 
-    def _send_own(
-        self, location: Storage, step_name: str, written: AsyncSaveResponse
-    ) -> tuple[dict[str, int], dict[str, str]]:
-        """Send this rank's files of the step to their replica ranks; return their sizes
-        and the contents digests of the small ones (rank 0's ``.metadata`` and index)."""
+    def _unsendable(self, step: int, location: Storage, written: AsyncSaveResponse) -> str | None:
+        """Why this rank sends none of its files of ``step`` (its copies still take part,
+        so its peers learn it at once), or ``None``: the instrumentation hook raised, or
+        rank 0's save is not one data file per rank."""
+        try:
+            if self.before_replication is not None:
+                self.before_replication(step)
+            if self.rank == 0:
+                metadata = written.metadata()
+                want = {data_file_name(r) for r in range(self.nodes.world_size)}
+                if files_of(metadata) != want:
+                    return (
+                        f"{location.url}: the local save's files {sorted(files_of(metadata))} "
+                        "are not one per rank of generation 0"
+                    )
+        except Exception as exc:
+            return f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        return None
+
+    def _own_files(self, location: Storage) -> tuple[dict[str, int], dict[str, str]]:
+        """The sizes of this rank's files of the step, and the contents digests of the
+        small ones (rank 0's ``.metadata`` and index)."""
         own = [data_file_name(self.rank)]
-        targets = {own[0]: list(self.peers)}
-        if self.rank == 0:
-            metadata = written.metadata()
-            if files_of(metadata) != {data_file_name(r) for r in range(self.nodes.world_size)}:
-                raise CheckpointError(
-                    f"{location.url}: the local save's files {sorted(files_of(metadata))} are "
-                    "not one per rank of generation 0"
-                )
-            leaders = [self.nodes.leader(n) for n in range(self.nodes.nodes) if n != self.node]
-            for small in (METADATA_FILE, index_file(0)):
-                targets[small] = sorted(set(self.peers) | set(leaders))
+        small = [METADATA_FILE, index_file(0)] if self.rank == 0 else []
         sizes, digests = {}, {}
-        for file, ranks in targets.items():
+        for file in own + small:
             if not location.exists(file):
                 raise CheckpointError(f"{location.url}/{file}: this rank's local save is missing")
-            sizes[file] = self._peers.send(ranks, location, step_name, file)
-            if file != own[0]:
-                digests[file] = file_digest(location, file, sizes[file])
+            sizes[file] = location.size(file)
+        for file in small:
+            digests[file] = file_digest(location, file, sizes[file])
         return sizes, digests
 
     def _decide(
@@ -687,48 +671,40 @@ class LocalTierSaver:
     def load(
         self, state_dict: dict[str, Any], found: Rebuildable, strict: bool, trusted: Trusted
     ) -> int:
-        """Load ``found`` into ``state_dict``, files this node lacks read from peers; every
-        rank waits for every other before returning (so each keeps serving its files until
-        all have read them), and all raise if any failed. Returns how many files this rank
-        read from peers.
+        """Load ``found`` into ``state_dict`` on every rank together, what this node lacks
+        sent by ranks whose nodes hold it (:mod:`.recovery`); all raise if any failed.
+        Returns how many of the step's files this rank read from peers.
 
         A small file is taken only where its contents match the manifest's digest; the
         index's checksums of each data file must match the manifest's digest of it before
         any byte is read, and every byte read is verified against them. A file refused is
-        logged on this rank with the peer that served it (rank and address) and why. Waits
-        first for the local saves in flight."""
+        logged on this rank with the peer that served it and why. Waits first for the local
+        saves in flight."""
         self.wait_previous()
         step_name = step_dir(found.step)
-        storage = PeerStepStorage(
+        storage = RecoveredStep(
             self.storage.child(step_name),
             step_name,
             found.manifest,
             found.digests,
             found.holders,
             self.rank,
-            self._peers.client,
+            self.nodes,
         )
-
-        def load_here() -> None:
-            try:
-                reader = CheckpointReader(storage, trust=Trust.of(trusted))
-                try:
-                    check_blocks(reader.index, found.digests, reader.path)
-                except BaseException:
-                    reader.close()
-                    raise
-                loader.load_from(reader, state_dict, strict=strict)
-            except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}{storage.sources()}"
-                logger.warning(
-                    "rank %d could not load local step %d: %s", self.rank, found.step, why
-                )
-                raise CheckpointError(why) from exc
-            finally:
-                storage.close()
-
-        agreement_for(self.channel).run(f"load of local step {found.step}", load_here, self.timeout)
-        return len(storage.remote)
+        try:
+            recover(
+                agreement_for(self.channel),
+                storage,
+                self._link,
+                state_dict,
+                strict,
+                trusted,
+                f"local step {found.step}",
+                self.timeout,
+            )
+        finally:
+            storage.close()
+        return storage.files_from_peers()
 
     def _forget_round(self, number: int) -> None:
         """Drop this rank's messages of round ``number``: every rank has read them once
@@ -758,8 +734,7 @@ class LocalTierSaver:
         finally:
             self._saver.close()
             self._thread.shutdown(wait=True)
-            self._server.close()
-            self._peers.close()
+            self._link.close()
             self._files.close()
             if self.is_leader:
                 self.storage.discard_spares()

@@ -12,9 +12,7 @@ local save of step ``s``, round by round:
 4. each node's lowest rank writes the :class:`LocalCommitMarker` (``.local_commit``) and
    posts :class:`NodeMarked` at ``tier/marked/{s}``; its node's other ranks wait for it.
 
-Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name),
-:class:`LinkSecret` at ``tier/secret`` (rank 0's, the peer link's shared secret),
-:class:`PeerAddress` at ``tier/address`` (where a rank's peer link listens) and
+Once per tier: :class:`HostAnnouncement` at ``tier/host`` (nodes by host name) and
 :class:`TierRoot` at ``tier/root`` (where its node keeps the tier, for errors). Recovery:
 :class:`StepInventory` at ``tier/inventory/{n}`` (a load's outcome is agreed by the
 checkpoint's one load agreement, :mod:`..agreement`).
@@ -42,14 +40,6 @@ class TierTopics:
     @staticmethod
     def host() -> str:
         return store_key("tier", "host")
-
-    @staticmethod
-    def secret() -> str:
-        return store_key("tier", "secret")
-
-    @staticmethod
-    def address() -> str:
-        return store_key("tier", "address")
 
     @staticmethod
     def clear(step: int) -> str:
@@ -113,43 +103,6 @@ class HostAnnouncement:
     @classmethod
     def from_json(cls, text: str | bytes, what: str) -> HostAnnouncement:
         return cls(_message(text, what).get("host", str))
-
-
-@dataclass(frozen=True)
-class LinkSecret:
-    """The secret every rank's peer link proves it holds (hex; never shown in a ``repr``)."""
-
-    secret: bytes = field(repr=False)
-
-    def to_json(self) -> str:
-        return json.dumps({"secret": self.secret.hex()})
-
-    @classmethod
-    def from_json(cls, text: str | bytes, what: str) -> LinkSecret:
-        f = _message(text, what)
-        try:
-            return cls(bytes.fromhex(f.get("secret", str)))
-        except ValueError:
-            raise f.fail("secret", "is not hex") from None
-
-
-@dataclass(frozen=True)
-class PeerAddress:
-    """Where a rank's peer link server listens."""
-
-    host: str
-    port: int
-
-    def to_json(self) -> str:
-        return json.dumps({"host": self.host, "port": self.port})
-
-    @classmethod
-    def from_json(cls, text: str | bytes, what: str) -> PeerAddress:
-        f = _message(text, what)
-        host, port = f.get("host", str), f.get("port", int)
-        if not 0 < port < 65536:
-            raise f.fail("port", f"is not a TCP port: {port}")
-        return cls(host, port)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
+import warnings
 from dataclasses import dataclass
 
 from ..storage import Storage
@@ -31,8 +31,8 @@ class LocalTier:
     """Ranks per node, consecutive (torchrun's layout); ``None``: ranks on one host name
     are one node. Set it to stand several nodes in on one machine."""
     host: str | None = None
-    """The address peers reach this rank at; ``None``: the address this host routes to
-    ``MASTER_ADDR`` from, else this host's name."""
+    """Deprecated and ignored: replicas move over a gloo group of the tier's own, which
+    connects as the job's gloo groups do (``GLOO_SOCKET_IFNAME`` picks the interface)."""
     timeout: float | None = None
     """Seconds a peer may take to answer; ``None``: the saves' timeout."""
 
@@ -42,22 +42,15 @@ class LocalTier:
                 raise ValueError(f"LocalTier.{name} must be >= 1, got {getattr(self, name)}")
         if self.replicas < 0:
             raise ValueError(f"LocalTier.replicas must be >= 0, got {self.replicas}")
+        if self.host is not None:
+            warnings.warn(
+                "LocalTier.host is ignored: the local tier has no listener of its own any "
+                "more (replicas ride a gloo group; GLOO_SOCKET_IFNAME picks the interface)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
 
 
 def default_root(durable_url: str) -> str:
     """The node directory a job with durable root ``durable_url`` uses by default."""
     return os.path.join(DEFAULT_SHM, hashlib.sha1(durable_url.encode()).hexdigest()[:16])
-
-
-def default_host() -> str:
-    """The address peers reach this rank at: the one this host routes to ``MASTER_ADDR``
-    from, else this host's name."""
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((master, 9))
-                return str(probe.getsockname()[0])
-        except OSError:
-            pass
-    return socket.gethostname()

@@ -1,52 +1,80 @@
-"""Copies of a node's local-tier files on peer ranks, over slipstream's own peer link.
+"""Copies of a local step's files on peer ranks, over the tier's gloo group (:mod:`.link`).
 
-Each rank runs one :class:`~slipstream.core.peer_link.PeerServer` for as long as its local
-tier is open, serving :class:`TierFiles`: replicas streamed in by peers are written into
-this node's local tier (``step_<k>/<file>``), and peers that lost their own node read files
-from it. Servers find each other through the job's store (:class:`PeerDirectory`); no
-collective runs on any process group.
+Every rank derives the same :class:`Copy` list from the node map: each rank's data file
+goes to its replica ranks, rank 0's ``.metadata`` and index also to one rank of every
+other node. One step's copies run on the tier's replication thread of every rank, in four
+exchanges, each posted at once in both directions (a rank sends and receives together, so
+no two ranks wait on each other's send):
 
-Invariant: a file a peer has acknowledged is whole under its name on this node's storage
-(the writer finished before the acknowledgement); a write cut short is never acknowledged,
-and a step is listed only once a marker written after every acknowledgement names it (see
-:mod:`.local_tier`).
+1. **offer**: each sender tells each receiver the file's size, or that nothing comes (its
+   part of the step failed);
+2. **room**: each receiver makes room for the file in its node's step directory (its
+   space allocated, so a full file system fails here, not mid-transfer) and answers yes
+   or no;
+3. **data**: the file's bytes, straight from the sender's file pages into the receiver's
+   (both memory-mapped where the tier is a local directory);
+4. **stored**: each receiver answers once the file is whole on its storage, or that it
+   could not store it.
+
+Invariant: a rank reports its part of the step done only once every file it receives is
+whole under its name on its node (written and flushed) and every rank it sends to has
+answered; a file a receiver could not store is removed and named in that receiver's own
+report. A sender waits for the answer so that a receiver dying before it has stored the
+file is seen at once, by its connection dropping. A copy cut short fails the step (rank
+0's decision, :mod:`.local_tier`) and never leaves a file a later step would take for
+whole.
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
-import re
 import threading
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ...core.peer_auth import LinkAuth
-from ...core.peer_link import CHUNK_BYTES, PeerClient
+import torch
+
+from ...core.buffers import byte_view
 from ...core.waits import Deadline
-from ..save.channel import LIVENESS_CHECK_SECONDS, RankChannel
+from ...errors import CheckpointError
+from ..format.names import METADATA_FILE, data_file_name, index_file
 from ..storage import LocalStorage, Storage
 from ..storage.recycle import claim
-from .messages import PeerAddress, TierTopics
+from .link import Move, TierLink
+from .nodes import NodeMap
 
-logger = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^(step_\d+)/([^/]+)$")
-LOOK_SECONDS = LIVENESS_CHECK_SECONDS / 2
-"""How often the peers of the requests in flight are looked at (as the channel's waits do)."""
+NOTHING = -1
+"""An offer, room or stored answer that says no."""
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """``step_<k>/<file>`` as its two parts; anything else is refused, naming it."""
-    match = _NAME.match(name)
-    if match is None or match.group(2) in (".", ".."):
-        raise ValueError(f"{name!r} is not a local-tier file name (step_<k>/<file>)")
-    return match.group(1), match.group(2)
+@dataclass(frozen=True)
+class Copy:
+    """``file`` of a step, sent by rank ``sender`` to rank ``receiver``."""
+
+    file: str
+    sender: int
+    receiver: int
+
+
+def step_copies(nodes: NodeMap, replicas: int) -> list[Copy]:
+    """Every copy one local step makes, in the same order on every rank."""
+    copies = [
+        Copy(data_file_name(rank), rank, peer)
+        for rank in range(nodes.world_size)
+        for peer in nodes.replica_ranks(rank, replicas)
+    ]
+    if replicas:
+        own = nodes.node_of[0]
+        leaders = [nodes.leader(n) for n in range(nodes.nodes) if n != own]
+        targets = sorted(set(nodes.replica_ranks(0, replicas)) | set(leaders))
+        copies += [Copy(f, 0, r) for f in (METADATA_FILE, index_file(0)) for r in targets]
+    return copies
 
 
 class TierFiles:
-    """This node's local tier as a peer link handler; step locations are opened once and
-    kept until :meth:`forget` (retention) or :meth:`close`, so their file handles are too."""
+    """This node's local tier by step: step locations are opened once and kept until
+    :meth:`forget` (retention) or :meth:`close`, so their file handles are too."""
 
     def __init__(self, root: Storage) -> None:
         self.root = root
@@ -66,37 +94,6 @@ class TierFiles:
         if location is not None:
             location.close()
 
-    def receive(self, name: str, length: int, chunks: Callable[[memoryview], int]) -> None:
-        step_name, file = split_name(name)
-        location = self.step(step_name)
-        location.prepare()
-        if isinstance(location, LocalStorage):
-            _receive_mapped(location, file, length, chunks)
-            return
-        buf = memoryview(bytearray(min(CHUNK_BYTES, max(length, 1))))
-        with location.open_writer(file, memoryview(b"")) as out:
-            try:
-                done = 0
-                while done < length:
-                    n = chunks(buf[: min(len(buf), length - done)])
-                    out.append(buf[:n], done)
-                    done += n
-                out.finish()
-            except BaseException:
-                out.abort()
-                raise
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        step_name, file = split_name(name)
-        self.step(step_name).read_into(file, offset, out)
-
-    def file_of(self, name: str) -> str | None:
-        step_name, file = split_name(name)
-        location = self.step(step_name)
-        if not isinstance(location, LocalStorage):
-            return None
-        return os.path.join(location.path, file)
-
     def close(self) -> None:
         with self._lock:
             steps, self._steps = list(self._steps.values()), {}
@@ -104,120 +101,264 @@ class TierFiles:
             location.close()
 
 
-def _receive_mapped(
-    location: LocalStorage, file: str, length: int, chunks: Callable[[memoryview], int]
-) -> None:
-    """Receive straight into the file's pages (one copy, off the socket): its space is
-    allocated first, so a full filesystem is an ``OSError`` here, never a fault on a
-    mapped page; a spare of the same name is written over where there is one."""
-    path = os.path.join(location.path, file)
-    if location.spare_dir is not None:
-        claim(location.spare_dir, file, path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, length)
-        if length:
-            os.posix_fallocate(fd, 0, length)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            with mmap.mmap(fd, length, flags=flags) as mapped:
-                view = memoryview(mapped)
-                try:
-                    done = 0
-                    while done < length:
-                        done += chunks(view[done : min(length, done + CHUNK_BYTES)])
-                finally:
-                    view.release()
-        os.fsync(fd)
-    except BaseException:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-        raise
-    finally:
-        os.close(fd)
+def _word(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64)
 
 
-def send_file(client: PeerClient, location: Storage, name: str, file: str, size: int) -> None:
-    """Put ``size`` bytes of ``file`` of ``location`` to ``client``'s peer as ``name``."""
-    if isinstance(location, LocalStorage):
-        client.put_file(name, os.path.join(location.path, file), size)
-    else:
-        client.put(name, size, lambda offset, buf: location.read_into(file, offset, buf))
-
-
-class PeerDirectory:
-    """Every rank's peer link address, posted once to the channel and read when first
-    needed; one pooled client per peer, authenticated by ``auth``.
-
-    Invariant: a request to a peer waits no longer than the channel's liveness takes to
-    find that peer dead. A host that vanished (its link cut, its processes stopped) resets
-    no connection, so a blocked send or receive to it would last the whole timeout; while
-    any request is in flight, the directory's watch thread asks the channel about the
-    peers those requests go to every :data:`LOOK_SECONDS`, and cuts the requests to one
-    found dead (:meth:`PeerClient.cut`), which then fail with a :class:`PeerDiedError`
-    naming it and why. A directory with no request in flight asks the store nothing; the
-    thread belongs to the directory and :meth:`close` joins it."""
+class StepReplication:
+    """One step's copies on one rank (see the module docstring); :meth:`run` once."""
 
     def __init__(
-        self, channel: RankChannel, address: tuple[str, int], timeout: float, auth: LinkAuth
+        self,
+        link: TierLink,
+        copies: Sequence[Copy],
+        rank: int,
+        location: Storage,
+        step_name: str,
+        failed: str | None,
     ) -> None:
-        self.channel = channel
-        self.timeout = timeout
-        self._auth = auth
-        self._clients: dict[int, PeerClient] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        channel.post(TierTopics.address(), PeerAddress(address[0], address[1]))
-        self._watch = threading.Thread(
-            target=self._cut_the_dead, name="slipstream-peer-watch", daemon=True
-        )
-        self._watch.start()
+        self.link = link
+        self.rank = rank
+        self.location = location
+        self.step_name = step_name
+        self.failed = failed
+        """Why this rank sends nothing of the step (its part failed), or ``None``."""
+        indexed = list(enumerate(copies))
+        self.sends = [(i, c) for i, c in indexed if c.sender == rank]
+        self.receives = [(i, c) for i, c in indexed if c.receiver == rank]
+        self._phases = len(copies)
 
-    def _cut_the_dead(self) -> None:
-        while not self._closed.wait(LOOK_SECONDS):
-            with self._lock:
-                busy = {rank: c for rank, c in self._clients.items() if c.busy()}
-            if not busy:
+    def _tag(self, phase: int, index: int) -> int:
+        return phase * self._phases + index
+
+    def run(self, deadline: Deadline) -> list[str]:
+        """Make this rank's copies of the step (sent and received); returns why any failed
+        (empty where all were stored), its own failure first."""
+        errors = [] if self.failed is None else [self.failed]
+        sizes = self._offer(deadline, errors)
+        landings = self._room(sizes, deadline, errors)
+        try:
+            self._data(sizes, landings, deadline)
+            self._stored(landings, deadline, errors)
+        finally:
+            for landing in landings.values():
+                landing.release()
+        return errors
+
+    def _offer(self, deadline: Deadline, errors: list[str]) -> dict[int, int]:
+        """Exchange sizes; returns each copy's (by index), ``NOTHING`` where none comes."""
+        sizes: dict[int, int] = {}
+        for i, c in self.sends:
+            if self.failed is not None:
+                sizes[i] = NOTHING
+            elif not self.location.exists(c.file):
+                sizes[i] = NOTHING
+                error = f"{self.location.url}/{c.file}: this rank's local save is missing"
+                if error not in errors:
+                    errors.append(error)
+            else:
+                sizes[i] = self.location.size(c.file)
+        words = {i: _word(sizes[i]) for i, _ in self.sends}
+        words.update({i: _word(NOTHING) for i, _ in self.receives})
+        moves = [self._move(0, i, c, words[i], "offer") for i, c in self.sends + self.receives]
+        self.link.move(moves, deadline)
+        sizes.update({i: int(words[i].item()) for i, _ in self.receives})
+        return sizes
+
+    def _room(
+        self, sizes: dict[int, int], deadline: Deadline, errors: list[str]
+    ) -> dict[int, _Landing]:
+        landings: dict[int, _Landing] = {}
+        answers: dict[int, torch.Tensor] = {}
+        for i, c in self.receives:
+            if sizes[i] == NOTHING:
+                answers[i] = _word(NOTHING)
                 continue
             try:
-                dead = self.channel.dead_among(sorted(busy))
-            except Exception as exc:  # the store: the requests keep their own timeouts
-                logger.debug("rank %d could not look at its peers: %s", self.channel.rank, exc)
+                landings[i] = _Landing.open(self.location, c.file, sizes[i])
+                answers[i] = _word(1)
+            except (OSError, CheckpointError) as exc:
+                errors.append(self._failed_to_store(c, exc))
+                answers[i] = _word(NOTHING)
+        words = {i: _word(NOTHING) for i, _ in self.sends}
+        words.update(answers)
+        moves = [self._move(1, i, c, words[i], "room") for i, c in self.receives + self.sends]
+        try:
+            self.link.move(moves, deadline)
+        except BaseException:
+            for landing in landings.values():
+                landing.abort()
+                landing.release()
+            raise
+        for i, _ in self.sends:
+            if int(words[i].item()) == NOTHING:
+                sizes[i] = NOTHING
+        return landings
+
+    def _data(
+        self, sizes: dict[int, int], landings: dict[int, _Landing], deadline: Deadline
+    ) -> None:
+        sources: list[_Source] = []
+        try:
+            moves = []
+            for i, c in self.sends:
+                if sizes[i] > 0:
+                    source = _Source.open(self.location, c.file, sizes[i])
+                    sources.append(source)
+                    moves.append(self._move(2, i, c, source.data, "data"))
+            moves += [
+                self._move(2, i, c, landings[i].data, "data")
+                for i, c in self.receives
+                if i in landings and sizes[i] > 0
+            ]
+            self.link.move(moves, deadline)
+        except BaseException:
+            for landing in landings.values():
+                landing.abort()
+            raise
+        finally:
+            for source in sources:
+                source.release()
+
+    def _stored(self, landings: dict[int, _Landing], deadline: Deadline, errors: list[str]) -> None:
+        answers: dict[int, torch.Tensor] = {}
+        for i, c in self.receives:
+            landing = landings.get(i)
+            if landing is None:
+                answers[i] = _word(NOTHING)
                 continue
-            for rank, why in dead.items():
-                busy[rank].cut(f"rank {self.channel.rank} found rank {rank} dead ({why})")
+            try:
+                landing.finish()
+                answers[i] = _word(1)
+            except (OSError, CheckpointError) as exc:
+                landing.abort()
+                errors.append(self._failed_to_store(c, exc))
+                answers[i] = _word(NOTHING)
+        words = {i: _word(NOTHING) for i, _ in self.sends}
+        words.update(answers)
+        moves = [self._move(3, i, c, words[i], "stored") for i, c in self.receives + self.sends]
+        self.link.move(moves, deadline)
 
-    def client(self, rank: int) -> PeerClient:
-        with self._lock:
-            client = self._clients.get(rank)
-        if client is not None:
-            return client
-        posted = self.channel.receive(
-            TierTopics.address(),
-            PeerAddress.from_json,
-            rank,
-            Deadline(self.timeout),
-            "publish its local-tier address",
+    def _failed_to_store(self, c: Copy, exc: BaseException) -> str:
+        return (
+            f"rank {self.rank} could not store rank {c.sender}'s {self.step_name}/{c.file} "
+            f"in {self.location.url}: {type(exc).__name__}: {exc}"
         )
-        address = (posted.host, posted.port)
-        who = f"rank {rank} ({address[0]}:{address[1]})"
-        client = PeerClient(address, who, rank, self.timeout, self._auth)
-        with self._lock:
-            return self._clients.setdefault(rank, client)
 
-    def send(self, ranks: list[int], location: Storage, step_name: str, file: str) -> int:
-        """Copy ``file`` of ``location`` to each of ``ranks``' nodes as ``step_name/file``;
-        returns its size once every peer has stored it whole."""
-        size = location.size(file)
-        for rank in ranks:
-            send_file(self.client(rank), location, f"{step_name}/{file}", file, size)
-        return size
+    def _move(self, phase: int, i: int, c: Copy, data: torch.Tensor, word: str) -> Move:
+        """This rank's end of exchange ``phase`` for copy ``i``: the offer and the data go
+        from sender to receiver, the room and stored answers back."""
+        sending = self.rank == c.sender
+        peer = c.receiver if sending else c.sender
+        outgoing = sending == (phase in (0, 2))
+        what = f"the {word} of {self.step_name}/{c.file} (rank {c.sender} to rank {c.receiver})"
+        return Move(peer, self._tag(phase, i), data, outgoing, what)
 
-    def close(self) -> None:
-        self._closed.set()
-        self._watch.join(LOOK_SECONDS + self.timeout)
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
+
+class _Source:
+    """A file's bytes to send: its pages mapped where the storage is a local directory,
+    else read into memory."""
+
+    def __init__(self, data: torch.Tensor, mapped: mmap.mmap | None) -> None:
+        self.data = data
+        self._mapped = mapped
+
+    @classmethod
+    def open(cls, location: Storage, file: str, size: int) -> _Source:
+        if isinstance(location, LocalStorage):
+            with open(os.path.join(location.path, file), "rb") as f:
+                mapped = mmap.mmap(
+                    f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+            return cls(torch.frombuffer(mapped, dtype=torch.uint8), mapped)
+        data = torch.empty(size, dtype=torch.uint8)
+        location.read_into(file, 0, byte_view(data))
+        return cls(data, None)
+
+    def release(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+        _unmap(self._mapped)
+
+
+class _Landing:
+    """Where a received file's bytes land: its own pages (space allocated up front) in a
+    local directory, else memory written out on :meth:`finish`."""
+
+    def __init__(
+        self,
+        location: Storage,
+        file: str,
+        data: torch.Tensor,
+        fd: int | None = None,
+        mapped: mmap.mmap | None = None,
+    ) -> None:
+        self.location = location
+        self.file = file
+        self.data = data
+        self._fd = fd
+        self._mapped = mapped
+        self._path = os.path.join(location.path, file) if fd is not None else None  # type: ignore[attr-defined]
+
+    @classmethod
+    def open(cls, location: Storage, file: str, size: int) -> _Landing:
+        location.prepare()
+        if not isinstance(location, LocalStorage):
+            return cls(location, file, torch.empty(size, dtype=torch.uint8))
+        path = os.path.join(location.path, file)
+        if location.spare_dir is not None:
+            claim(location.spare_dir, file, path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            if not size:
+                return cls(location, file, torch.empty(0, dtype=torch.uint8), fd)
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            _remove(path)
+            raise
+        return cls(location, file, torch.frombuffer(mapped, dtype=torch.uint8), fd, mapped)
+
+    def finish(self) -> None:
+        """Make the received bytes whole under the file's name."""
+        if self._fd is None:
+            with self.location.open_writer(self.file, memoryview(b"")) as out:
+                try:
+                    out.append(byte_view(self.data), 0)
+                    out.finish()
+                except BaseException:
+                    out.abort()
+                    raise
+            return
+        if self._mapped is not None:
+            self._mapped.flush()
+        os.fsync(self._fd)
+
+    def abort(self) -> None:
+        """Remove what was written of the file."""
+        if self._path is not None:
+            _remove(self._path)
+
+    def release(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+        _unmap(self._mapped)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _unmap(mapped: mmap.mmap | None) -> None:
+    """Unmap now where nothing else holds the pages, else when the last holder goes."""
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:
+            pass
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
