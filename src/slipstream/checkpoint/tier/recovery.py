@@ -42,6 +42,7 @@ from ..load.reader import CheckpointReader
 from ..storage import DataWriter, Storage
 from .link import Move, TierLink
 from .nodes import NodeMap
+from .replication import FileSource
 from .sealing import CONTENT, bytes_digest, check_blocks, digest_kind
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class RecoveredStep(Storage):
         self._small: dict[str, bytes] = {}
         self._fetched: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._served: dict[str, set[str]] = {}
+        self._sources: dict[str, FileSource] = {}
 
     # -- the rounds ---------------------------------------------------------------------
 
@@ -190,13 +192,16 @@ class RecoveredStep(Storage):
         return out
 
     def read_served(self, served: Sequence[Served]) -> list[torch.Tensor]:
-        """Round 3: the ranges this rank serves, read from its node (in ``served`` order)."""
+        """Round 3: the ranges this rank serves, from its node's files (mapped where they
+        are in a local directory, so they are sent from their pages), in ``served`` order."""
         out = []
         for s in served:
             if s.server == self.rank:
-                data = torch.empty(s.hi - s.lo, dtype=torch.uint8)
-                self.local.read_into(s.file, s.lo, byte_view(data))
-                out.append(data)
+                source = self._sources.get(s.file)
+                if source is None:
+                    source = FileSource.open(self.local, s.file, self.manifest[s.file])
+                    self._sources[s.file] = source
+                out.append(source.data[s.lo : s.hi])
         return out
 
     def fetch_served(
@@ -320,6 +325,9 @@ class RecoveredStep(Storage):
 
     def close(self) -> None:
         self._fetched.clear()
+        for source in self._sources.values():
+            source.release()
+        self._sources.clear()
         self.local.close()
 
 

@@ -198,12 +198,12 @@ class StepReplication:
     def _data(
         self, sizes: dict[int, int], landings: dict[int, _Landing], deadline: Deadline
     ) -> None:
-        sources: list[_Source] = []
+        sources: list[FileSource] = []
         try:
             moves = []
             for i, c in self.sends:
                 if sizes[i] > 0:
-                    source = _Source.open(self.location, c.file, sizes[i])
+                    source = FileSource.open(self.location, c.file, sizes[i])
                     sources.append(source)
                     moves.append(self._move(2, i, c, source.data, "data"))
             moves += [
@@ -255,16 +255,16 @@ class StepReplication:
         return Move(peer, self._tag(phase, i), data, outgoing, what)
 
 
-class _Source:
-    """A file's bytes to send: its pages mapped where the storage is a local directory,
-    else read into memory."""
+class FileSource:
+    """A file's bytes to send (``data``, its first ``size`` bytes): its pages mapped where
+    the storage is a local directory, else read into memory."""
 
     def __init__(self, data: torch.Tensor, mapped: mmap.mmap | None) -> None:
         self.data = data
         self._mapped = mapped
 
     @classmethod
-    def open(cls, location: Storage, file: str, size: int) -> _Source:
+    def open(cls, location: Storage, file: str, size: int) -> FileSource:
         if isinstance(location, LocalStorage):
             with open(os.path.join(location.path, file), "rb") as f:
                 mapped = mmap.mmap(
