@@ -298,8 +298,7 @@ def load_state(
     def prepare() -> loader.PlannedLoad | None:
         storage = resolve_storage(location, storage_options)
         if hf_load.is_hf_directory(storage):
-            hf_load.load_hf(state_dict, storage, strict=strict)
-            return None
+            return hf_load.open_hf(state_dict, storage, strict=strict)
         return loader.open_plan(
             state_dict,
             storage,

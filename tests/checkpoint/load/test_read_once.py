@@ -14,6 +14,7 @@ raise on every rank, naming the file.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import threading
@@ -194,6 +195,67 @@ def test_replicas_on_s3_load_exactly_and_read_once(s3_bucket, tmp_path):
     results = _results(out)
     for how in LOADS:
         _assert_read_once([got[how][1] for got in results], size, f"{how} from S3")
+
+
+# Hugging Face safetensors: a directory of two shards and their index, imported by every
+# replica through ss.load.
+
+
+def _hf_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "embed.weight": torch.randn(4096, 2048, generator=g),
+        "layers.0.w": torch.randn(2048, 2048, generator=g).to(torch.bfloat16),
+        "layers.1.w": torch.randn(2048, 1024, generator=g),
+        "norm.weight": torch.randn(2048, generator=g),
+    }
+
+
+def _write_hf(root: str) -> None:
+    from safetensors.torch import save
+
+    storage = resolve_storage(root)
+    storage.prepare()
+    tensors = _hf_tensors()
+    shards = {"model-00001-of-00002.safetensors": ["embed.weight", "norm.weight"],
+              "model-00002-of-00002.safetensors": ["layers.0.w", "layers.1.w"]}  # fmt: skip
+    weight_map = {}
+    for file, names in shards.items():
+        storage.put_atomic(file, save({n: tensors[n] for n in names}))
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    storage.put_atomic("model.safetensors.index.json", json.dumps(index).encode())
+
+
+def _hf_blank() -> dict:
+    return {"model": {n: torch.full_like(t, -1) for n, t in _hf_tensors().items()}}
+
+
+def _hf_replicas(rank: int, world: int, root: str, out: str) -> None:
+    faults = Faults()
+    counted = _Counted(faults)
+    target = _hf_blank()
+    ss.load(target, FaultStorage(_located(root), faults))
+    _dump(out, rank, (target, counted.take()))
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_replicas_import_hf_safetensors_reading_each_byte_once(where, tmp_path, request):
+    root = (
+        str(tmp_path / "hf")
+        if where == "local"
+        else f"s3://{request.getfixturevalue('s3_bucket')}/hf"
+    )
+    _write_hf(root)
+    out = tmp_path / "got"
+    out.mkdir()
+    run_workers(_hf_replicas, WORLD, root, str(out), timeout=180)
+    size = _read_alone(root, _hf_blank())
+    results = _results(out)
+    for rank, (got, _) in enumerate(results):
+        for name, t in _hf_tensors().items():
+            assert torch.equal(got["model"][name], t), (where, rank, name)
+    _assert_read_once([n for _, n in results], size, f"HF import from {where}")
 
 
 # HSDP: a 2 x 2 mesh, replicated across dim 0 ("replica"), sharded across dim 1 ("shard").

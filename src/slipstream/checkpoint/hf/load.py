@@ -4,7 +4,9 @@ The files' headers are parsed here (see :mod:`.safetensors_format`) and describe
 checkpoint whose every tensor is one saved chunk; from there loading is the same as for a
 DCP checkpoint (:mod:`..load.loader`): each rank plans, for each of its tensors and DTensor
 shards, only the byte ranges it covers, and reads them in parallel straight into the
-tensors' memory. No collective runs.
+tensors' memory. :func:`load_hf` runs no collective; ``ss.load`` of such a directory runs
+the plan (:func:`open_hf`) on every rank of its group, replicas splitting the reads
+(:mod:`..collective_load`).
 
 Names: the state dict's flat keys (DCP's flattening) are the files' tensor names, under
 ``prefix`` if one is given or found (``{"model": model.state_dict()}`` flattens to
@@ -28,7 +30,6 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -43,11 +44,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.tensor import DTensor
 
 from ...core import tracing
-from ...core.flatten import flatten, is_stateful, resolve_stateful
+from ...core.flatten import flatten, resolve_stateful
 from ...core.threads import usable_cores
 from ...errors import CheckpointError, CorruptCheckpointError
 from ..format.names import METADATA_FILE, check_inside
-from ..load.loader import MAX_IO_THREADS, OBJECT_STORE_IO_THREADS, plan_reads, read_and_copy
+from ..load.loader import MAX_IO_THREADS, OBJECT_STORE_IO_THREADS, PlannedLoad, plan_reads
 from ..load.reader import CheckpointReader, ReadRequest, SourceRecord
 from ..storage import Location, Storage, resolve_storage
 from ..storage.local import LocalStorage
@@ -215,6 +216,11 @@ class SafetensorsReader(CheckpointReader):
         e = self.entries[fqn]
         return SourceRecord(e.file, e.data_offset, e.nbytes, None, 0)
 
+    def vanished(self, error: CorruptCheckpointError) -> CheckpointError | CorruptCheckpointError:
+        """``error`` as it is: the directory has no ``.metadata`` whose absence would say it
+        was deleted meanwhile."""
+        return error
+
 
 @dataclass
 class _Target:
@@ -344,6 +350,25 @@ def _default_threads(storage: Storage, nbytes: int) -> int:
     return max(1, min(MAX_IO_THREADS, usable_cores() + 1, -(-nbytes // BYTES_PER_THREAD)))
 
 
+def open_hf(
+    state_dict: dict[str, Any],
+    storage: Storage,
+    *,
+    prefix: str | None = None,
+    strict: bool = True,
+    io_threads: int | None = None,
+) -> PlannedLoad:
+    """:func:`load_hf`'s checks and plan, nothing read into ``state_dict`` yet: the caller
+    carries it out (:mod:`..collective_load`, where replicas split the reads) and closes its
+    reader (which closes ``storage``)."""
+    try:
+        entries = read_entries(storage, io_threads or OBJECT_STORE_IO_THREADS)
+        return plan_hf(SafetensorsReader(storage, entries), state_dict, prefix, strict, io_threads)
+    except BaseException:
+        storage.close()
+        raise
+
+
 def load_hf(
     state_dict: dict[str, Any],
     checkpoint_id: Location,
@@ -353,7 +378,9 @@ def load_hf(
     storage_options: dict[str, Any] | None = None,
     io_threads: int | None = None,
 ) -> None:
-    """Load a directory of Hugging Face safetensors into ``state_dict`` in place.
+    """Load a directory of Hugging Face safetensors into ``state_dict`` in place, on this
+    process alone (``ss.load`` of such a directory loads it on every rank of a group,
+    replicas splitting the reads).
 
     ``prefix``: the part of the state dict's keys the files' names lack (``"model."`` for
     ``{"model": model.state_dict()}``); ``None`` finds it. ``strict``: tensors of the files
@@ -362,13 +389,13 @@ def load_hf(
     """
     started = time.perf_counter()
     storage = resolve_storage(checkpoint_id, storage_options)
-    try:
-        with tracing.span("slipstream.load", url=storage.url, format="huggingface"):
-            entries = read_entries(storage, io_threads or OBJECT_STORE_IO_THREADS)
-            reader = SafetensorsReader(storage, entries)
-            nbytes = _load_into(reader, state_dict, prefix, strict, io_threads)
-    finally:
-        storage.close()
+    with tracing.span("slipstream.load", url=storage.url, format="huggingface"):
+        planned = open_hf(state_dict, storage, prefix=prefix, strict=strict, io_threads=io_threads)
+        try:
+            nbytes = planned.read()
+            planned.finish()
+        finally:
+            planned.reader.close()
     seconds = time.perf_counter() - started
     logger.info(
         "loaded %s (Hugging Face safetensors): %.3f GiB in %.3f s",
@@ -378,35 +405,34 @@ def load_hf(
     )
 
 
-def _load_into(
+def plan_hf(
     reader: SafetensorsReader,
     state_dict: dict[str, Any],
     prefix: str | None,
     strict: bool,
     io_threads: int | None,
-) -> int:
-    """The body of :func:`load_hf`; returns the bytes read."""
+) -> PlannedLoad:
+    """Check ``state_dict`` against the files and plan the reads that fill it; a tensor
+    read in the file's dtype is cast into place by the plan's last copies."""
     resolved = resolve_stateful(state_dict)
-    flat, _ = flatten(resolved)
+    flat, paths = flatten(resolved)
     if prefix is None:
         prefix = _pick_prefix(list(flat), reader.entries)
     targets = _targets(flat, reader.entries, prefix, strict, reader.path)
     reads: list[ReadRequest] = []
     copies: list[Any] = []
-    with torch.no_grad():
-        for t in targets:
-            md = reader.metadata.state_dict_metadata[t.name]
-            assert isinstance(md, TensorStorageMetadata)
-            plan_reads(reader, t.name, t.read_into, md, reads, copies)
-        nbytes = read_and_copy(
-            reader, reads, copies, io_threads or partial(_default_threads, reader.storage)
-        )
-        for t in targets:
-            if t.read_into is not t.value:
-                dest = t.value.to_local() if isinstance(t.value, DTensor) else t.value
-                src = t.read_into.to_local() if isinstance(t.read_into, DTensor) else t.read_into
-                dest.copy_(src)
-    for key, value in state_dict.items():
-        if is_stateful(value):
-            value.load_state_dict(resolved[key])
-    return nbytes
+    for t in targets:
+        md = reader.metadata.state_dict_metadata[t.name]
+        assert isinstance(md, TensorStorageMetadata)
+        plan_reads(reader, t.name, t.read_into, md, reads, copies)
+    for t in targets:
+        if t.read_into is not t.value:
+            copies.append((_local(t.value), _local(t.read_into), None))
+    reads.sort(key=lambda r: (r.source.file, r.source.data_offset + r.start))
+    nbytes = sum(r.end - r.start for r in reads)
+    threads = io_threads or _default_threads(reader.storage, nbytes)
+    return PlannedLoad(reader, state_dict, resolved, paths, reads, copies, [], threads)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return (value.to_local() if isinstance(value, DTensor) else value).detach()
