@@ -199,7 +199,7 @@ class RecoveredStep(Storage):
             if s.server == self.rank:
                 source = self._sources.get(s.file)
                 if source is None:
-                    source = FileSource.open(self.local, s.file, self.manifest[s.file])
+                    source = FileSource.open(self.local, s.file)
                     self._sources[s.file] = source
                 out.append(source.data[s.lo : s.hi])
         return out

@@ -37,7 +37,7 @@ import torch
 
 from ...core.buffers import byte_view
 from ...core.waits import Deadline
-from ...errors import CheckpointError
+from ...errors import SlipstreamError
 from ..format.names import METADATA_FILE, data_file_name, index_file
 from ..storage import LocalStorage, Storage
 from ..storage.recycle import claim
@@ -133,31 +133,48 @@ class StepReplication:
 
     def run(self, deadline: Deadline) -> list[str]:
         """Make this rank's copies of the step (sent and received); returns why any failed
-        (empty where all were stored), its own failure first."""
+        (empty where all were stored), its own failure first. Whatever can fail on this
+        rank (opening a file to send, making room for one) fails before the exchange that
+        would wait on it, and turns into a no in that exchange, never a silence."""
         errors = [] if self.failed is None else [self.failed]
-        sizes = self._offer(deadline, errors)
-        landings = self._room(sizes, deadline, errors)
+        sources: dict[int, FileSource] = {}
+        landings: dict[int, _Landing] = {}
         try:
-            self._data(sizes, landings, deadline)
+            sizes = self._offer(sources, deadline, errors)
+            self._room(sizes, landings, deadline, errors)
+            self._data(sizes, sources, landings, deadline)
             self._stored(landings, deadline, errors)
+        except BaseException:
+            for landing in landings.values():
+                landing.abort()
+            raise
         finally:
+            for source in sources.values():
+                source.release()
             for landing in landings.values():
                 landing.release()
         return errors
 
-    def _offer(self, deadline: Deadline, errors: list[str]) -> dict[int, int]:
-        """Exchange sizes; returns each copy's (by index), ``NOTHING`` where none comes."""
+    def _offer(
+        self, sources: dict[int, FileSource], deadline: Deadline, errors: list[str]
+    ) -> dict[int, int]:
+        """Open each file to send and exchange sizes; returns each copy's (by index),
+        ``NOTHING`` where none comes."""
         sizes: dict[int, int] = {}
+        opened: dict[str, FileSource] = {}
         for i, c in self.sends:
+            sizes[i] = NOTHING
             if self.failed is not None:
-                sizes[i] = NOTHING
-            elif not self.location.exists(c.file):
-                sizes[i] = NOTHING
-                error = f"{self.location.url}/{c.file}: this rank's local save is missing"
+                continue
+            try:
+                source = opened.get(c.file) or FileSource.open(self.location, c.file)
+            except (OSError, SlipstreamError, ValueError) as exc:
+                error = f"{self.location.url}/{c.file}: this rank cannot send it: {exc}"
                 if error not in errors:
                     errors.append(error)
-            else:
-                sizes[i] = self.location.size(c.file)
+                continue
+            opened[c.file] = sources[i] = source
+            sizes[i] = source.size
         words = {i: _word(sizes[i]) for i, _ in self.sends}
         words.update({i: _word(NOTHING) for i, _ in self.receives})
         moves = [self._move(0, i, c, words[i], "offer") for i, c in self.sends + self.receives]
@@ -166,59 +183,47 @@ class StepReplication:
         return sizes
 
     def _room(
-        self, sizes: dict[int, int], deadline: Deadline, errors: list[str]
-    ) -> dict[int, _Landing]:
-        landings: dict[int, _Landing] = {}
+        self,
+        sizes: dict[int, int],
+        landings: dict[int, _Landing],
+        deadline: Deadline,
+        errors: list[str],
+    ) -> None:
+        """Make room for each file offered and exchange the answers; a copy either end
+        said no to is ``NOTHING`` from here on."""
         answers: dict[int, torch.Tensor] = {}
         for i, c in self.receives:
+            answers[i] = _word(NOTHING)
             if sizes[i] == NOTHING:
-                answers[i] = _word(NOTHING)
                 continue
             try:
                 landings[i] = _Landing.open(self.location, c.file, sizes[i])
                 answers[i] = _word(1)
-            except (OSError, CheckpointError) as exc:
+            except (OSError, SlipstreamError, ValueError) as exc:
                 errors.append(self._failed_to_store(c, exc))
-                answers[i] = _word(NOTHING)
+                sizes[i] = NOTHING
         words = {i: _word(NOTHING) for i, _ in self.sends}
         words.update(answers)
         moves = [self._move(1, i, c, words[i], "room") for i, c in self.receives + self.sends]
-        try:
-            self.link.move(moves, deadline)
-        except BaseException:
-            for landing in landings.values():
-                landing.abort()
-                landing.release()
-            raise
+        self.link.move(moves, deadline)
         for i, _ in self.sends:
             if int(words[i].item()) == NOTHING:
                 sizes[i] = NOTHING
-        return landings
 
     def _data(
-        self, sizes: dict[int, int], landings: dict[int, _Landing], deadline: Deadline
+        self,
+        sizes: dict[int, int],
+        sources: dict[int, FileSource],
+        landings: dict[int, _Landing],
+        deadline: Deadline,
     ) -> None:
-        sources: list[FileSource] = []
-        try:
-            moves = []
-            for i, c in self.sends:
-                if sizes[i] > 0:
-                    source = FileSource.open(self.location, c.file, sizes[i])
-                    sources.append(source)
-                    moves.append(self._move(2, i, c, source.data, "data"))
-            moves += [
-                self._move(2, i, c, landings[i].data, "data")
-                for i, c in self.receives
-                if i in landings and sizes[i] > 0
-            ]
-            self.link.move(moves, deadline)
-        except BaseException:
-            for landing in landings.values():
-                landing.abort()
-            raise
-        finally:
-            for source in sources:
-                source.release()
+        moves = [
+            self._move(2, i, c, sources[i].data, "data") for i, c in self.sends if sizes[i] > 0
+        ]
+        moves += [
+            self._move(2, i, c, landings[i].data, "data") for i, c in self.receives if sizes[i] > 0
+        ]
+        self.link.move(moves, deadline)
 
     def _stored(self, landings: dict[int, _Landing], deadline: Deadline, errors: list[str]) -> None:
         answers: dict[int, torch.Tensor] = {}
@@ -230,7 +235,7 @@ class StepReplication:
             try:
                 landing.finish()
                 answers[i] = _word(1)
-            except (OSError, CheckpointError) as exc:
+            except (OSError, SlipstreamError) as exc:
                 landing.abort()
                 errors.append(self._failed_to_store(c, exc))
                 answers[i] = _word(NOTHING)
@@ -256,23 +261,26 @@ class StepReplication:
 
 
 class FileSource:
-    """A file's bytes to send (``data``, its first ``size`` bytes): its pages mapped where
-    the storage is a local directory, else read into memory."""
+    """A file's bytes to send (``data``, ``size`` of them): its pages mapped where the
+    storage is a local directory, else read into memory."""
 
     def __init__(self, data: torch.Tensor, mapped: mmap.mmap | None) -> None:
         self.data = data
+        self.size = data.numel()
         self._mapped = mapped
 
     @classmethod
-    def open(cls, location: Storage, file: str, size: int) -> FileSource:
-        if isinstance(location, LocalStorage):
+    def open(cls, location: Storage, file: str) -> FileSource:
+        size = location.size(file)
+        if isinstance(location, LocalStorage) and size:
             with open(os.path.join(location.path, file), "rb") as f:
                 mapped = mmap.mmap(
                     f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
                 )
             return cls(torch.frombuffer(mapped, dtype=torch.uint8), mapped)
         data = torch.empty(size, dtype=torch.uint8)
-        location.read_into(file, 0, byte_view(data))
+        if size:
+            location.read_into(file, 0, byte_view(data))
         return cls(data, None)
 
     def release(self) -> None:
