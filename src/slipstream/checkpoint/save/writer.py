@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 from ...core import tracing
-from ...core.buffers import byte_view
+from ...core.buffers import PAGE_BYTES, byte_view
 from ...core.checksum import BlockChecksums, block_checksums, checksum
 from ...core.threads import lower_thread_priority
 from ...errors import CheckpointError, PeerTimeoutError, SlipstreamError
@@ -98,6 +98,7 @@ class RankWriter:
         staging to end before it is given back."""
         image_bytes = job.plan.image_bytes
         sums = {rec.chunk.record_key: BlockChecksums(rec.nbytes) for rec in job.plan.records}
+        piece_bytes = _piece_bytes(ring, self.options.io_threads, self.options.write_piece_bytes)
         with job.storage.open_writer(job.file, image_bytes) as out:
             try:
                 writes: list[Future[None]] = []
@@ -105,13 +106,10 @@ class RankWriter:
                     for k, part in enumerate(ring.parts):
                         job.progress.wait_for(part.end, job.timeout, f"staging of {where}")
                         data = byte_view(ring.slot(k))[: part.end - part.start]
-                        cuts = range(0, len(data), self.options.write_piece_bytes)
+                        cuts = range(0, len(data), piece_bytes)
                         written = [
                             self._io_pool.submit(
-                                _write_at,
-                                out,
-                                part.start + at,
-                                data[at : at + self.options.write_piece_bytes],
+                                _write_at, out, part.start + at, data[at : at + piece_bytes]
                             )
                             for at in cuts
                         ]
@@ -143,6 +141,15 @@ class RankWriter:
 
     def close(self) -> None:
         self._io_pool.shutdown(wait=True)
+
+
+def _piece_bytes(ring: PartRing, io_threads: int, most: int) -> int:
+    """The pieces a streamed part is written in: every io thread writes a share of each
+    part (a part is the most bytes staged ahead of the writes), at most ``most``, whole
+    pages (so ``O_DIRECT`` writes stay aligned)."""
+    part = ring.parts[0].end - ring.parts[0].start if ring.parts else most
+    share = -(-part // max(io_threads, 1))
+    return max(PAGE_BYTES, min(most, -(-share // PAGE_BYTES) * PAGE_BYTES))
 
 
 def _write_at(out: DataWriter, offset: int, data: memoryview) -> None:
