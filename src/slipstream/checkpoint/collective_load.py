@@ -51,6 +51,7 @@ from .load.read_once import (
     share_of,
 )
 from .load.reader import ReadRequest
+from .save.channel import RankChannel
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +184,18 @@ def _read_part(
     return _Part(group, share, hosts, nbytes)
 
 
-def _exchange(planned: PlannedLoad | None, part: _Part, where: str) -> int:
+def _exchange(
+    planned: PlannedLoad | None,
+    part: _Part,
+    channel: RankChannel,
+    where: str,
+    timeout: float | None,
+) -> int:
     hosts, share = part.hosts, part.share
     sends = [(t, _view(hosts[t.source], t.lo, t.hi)) for t in share.sends]
     receives = [(t, _view(hosts[t.dest], t.lo, t.hi)) for t in share.receives]
     with tracing.span("slipstream.load.exchange", sends=len(sends), receives=len(receives)):
-        received = exchange.move(part.group, sends, receives, where)
+        received = exchange.move(part.group, channel, sends, receives, where, timeout)
     for t in share.copies:
         copy_bytes(_view(hosts[t.dest], t.lo, t.hi), _view(hosts[t.source], t.lo, t.hi))
     if planned is not None:
@@ -233,7 +240,9 @@ def load(
         ranks = sorted(channel.global_ranks)
         try:
             part = agreement.run(what, lambda: _read_part(planned, mode, ranks, timeout), timeout)
-            received = agreement.run(what, lambda: _exchange(planned, part, what), timeout)
+            received = agreement.run(
+                what, lambda: _exchange(planned, part, channel, what, timeout), timeout
+            )
         except Exception:
             exchange.forget_group(ranks)  # every rank raised here: the agreement's invariant
             raise

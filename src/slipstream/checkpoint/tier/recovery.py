@@ -39,8 +39,9 @@ from ..agreement import LoadAgreement
 from ..format.safe_types import Trust, Trusted
 from ..load.loader import PlannedLoad, plan_load
 from ..load.reader import CheckpointReader
+from ..peer_transfers import Move
 from ..storage import DataWriter, Storage
-from .link import Move, TierLink
+from .link import TierLink
 from .nodes import NodeMap
 from .replication import FileSource
 from .sealing import CONTENT, bytes_digest, check_blocks, digest_kind

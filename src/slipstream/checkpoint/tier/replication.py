@@ -39,9 +39,10 @@ from ...core.buffers import byte_view
 from ...core.waits import Deadline
 from ...errors import SlipstreamError
 from ..format.names import METADATA_FILE, data_file_name, index_file
+from ..peer_transfers import Move
 from ..storage import LocalStorage, Storage
 from ..storage.recycle import claim
-from .link import Move, TierLink
+from .link import TierLink
 from .nodes import NodeMap
 
 NOTHING = -1

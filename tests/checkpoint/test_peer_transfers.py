@@ -1,11 +1,13 @@
-"""A local-tier transfer to a peer that vanished (no connection reset: its host cut off or
-frozen) ends when the channel's liveness finds the peer dead, not at the group's timeout.
+"""A transfer between ranks (the read-once exchange's and the local tier's,
+:func:`slipstream.checkpoint.peer_transfers.move`) from a peer that vanished (no
+connection reset: its host cut off or frozen) ends when the channel's liveness finds the
+peer dead, not at the group's timeout.
 
-Two gloo ranks, each with a channel and a :class:`TierLink`. Rank 1 stops itself
-(``SIGSTOP``: its connections stay open and its heartbeat stops, as a frozen host's would)
-before it sends; rank 0's receive fails with a :class:`PeerDiedError` naming rank 1 and
-its silence, well before the link's timeout. Then rank 0 kills rank 1, which ends the
-abandoned receive, and closes its link.
+Two gloo ranks, each with a channel and a gloo group of slipstream's own. Rank 1 stops
+itself (``SIGSTOP``: its connections stay open and its heartbeat stops, as a frozen
+host's would) before it sends; rank 0's receive fails with a :class:`PeerDiedError`
+naming rank 1 and its silence, well before the group's timeout. Then rank 0 kills rank 1,
+which ends the abandoned receive: its waiter thread exits.
 """
 
 from __future__ import annotations
@@ -19,21 +21,23 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_workers
 
+from slipstream.checkpoint.peer_transfers import Move, move
 from slipstream.checkpoint.save import channel as channel_module
 from slipstream.checkpoint.save.channel import RankChannel
-from slipstream.checkpoint.tier.link import Move, TierLink
+from slipstream.core.gloo_groups import new_gloo_group
 from slipstream.core.waits import Deadline
 from slipstream.errors import PeerDiedError
 
-LINK_TIMEOUT = 30.0
+GROUP_TIMEOUT = 30.0
 SILENT_AFTER = 0.5
 
 
 def _frozen_peer(rank: int, world: int, base: str) -> None:
     channel_module.SILENT_AFTER_SECONDS = SILENT_AFTER
     store = dist.distributed_c10d._get_default_store()
-    channel = RankChannel(dist.PrefixStore("link-test", store), rank, world, "ns")
-    link = TierLink(channel, LINK_TIMEOUT)
+    channel = RankChannel(dist.PrefixStore("transfers-test", store), rank, world, "ns")
+    group = new_gloo_group([0, 1], GROUP_TIMEOUT, "test_peer_transfers")
+    abandoned: list = []
     pid_file = os.path.join(base, "pid1")
     if rank == 1:
         with open(pid_file + ".tmp", "w") as f:
@@ -44,19 +48,21 @@ def _frozen_peer(rank: int, world: int, base: str) -> None:
     data = torch.empty(1000, dtype=torch.uint8)
     started = time.monotonic()
     with pytest.raises(PeerDiedError) as err:
-        link.move([Move(1, 0, data, False, "a replica from rank 1")], Deadline(LINK_TIMEOUT))
+        move(group, channel, [Move(1, 0, data, False, "a replica from rank 1")],
+             Deadline(GROUP_TIMEOUT), abandoned)  # fmt: skip
     waited = time.monotonic() - started
     assert err.value.ranks == [1]
     assert "rank 0 found rank 1 dead (no heartbeat for" in str(err.value), err.value
     assert "while a replica from rank 1" in str(err.value), err.value
-    assert waited < LINK_TIMEOUT / 3, f"the receive ended {waited:.1f} s after it started"
+    assert waited < GROUP_TIMEOUT / 3, f"the receive ended {waited:.1f} s after it started"
     while not os.path.exists(pid_file):
         time.sleep(0.01)
     with open(pid_file) as f:
         os.kill(int(f.read()), signal.SIGKILL)
-    closing = time.monotonic()
-    link.close()  # the abandoned receive ends as the connection closes
-    assert time.monotonic() - closing < LINK_TIMEOUT / 3
+    (waiter,) = abandoned
+    waiter.join(GROUP_TIMEOUT / 3)  # the abandoned receive ends as the connection closes
+    assert not waiter.is_alive()
+    dist.destroy_process_group(group)
     channel.close()
 
 
