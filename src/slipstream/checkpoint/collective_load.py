@@ -26,23 +26,28 @@ as a load alone reads them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ..core import tracing
 from ..core.copy import copy_bytes
+from ..core.waits import Deadline
 from ..errors import CorruptCheckpointError
+from . import peer_transfers
 from .agreement import LoadAgreement
 from .load import exchange
 from .load.loader import PlannedLoad, log_loaded
 from .load.read_once import (
     Piece,
     RankShare,
+    Transfer,
     Want,
     assign,
     digest,
@@ -51,11 +56,18 @@ from .load.read_once import (
     share_of,
 )
 from .load.reader import ReadRequest
+from .peer_transfers import Move
 from .save.channel import RankChannel
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+ABANDONED_JOIN_SECONDS = 1.0
+"""How long a failed load waits for each transfer waiter a death left behind."""
+_abandoned: list[threading.Thread] = []
+"""Waiters a death left behind (:mod:`.peer_transfers`): daemon threads whose works end at
+the group's timeout at the latest."""
 
 
 class Sharing(Enum):
@@ -195,12 +207,48 @@ def _exchange(
     sends = [(t, _view(hosts[t.source], t.lo, t.hi)) for t in share.sends]
     receives = [(t, _view(hosts[t.dest], t.lo, t.hi)) for t in share.receives]
     with tracing.span("slipstream.load.exchange", sends=len(sends), receives=len(receives)):
-        received = exchange.move(part.group, channel, sends, receives, where, timeout)
+        received = _move(part.group, channel, sends, receives, where, timeout)
     for t in share.copies:
         copy_bytes(_view(hosts[t.dest], t.lo, t.hi), _view(hosts[t.source], t.lo, t.hi))
     if planned is not None:
         planned.finish()
     return received
+
+
+def _tensor(view: memoryview) -> torch.Tensor:
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _move(
+    group: dist.ProcessGroup,
+    channel: RankChannel,
+    sends: Sequence[tuple[Transfer, memoryview]],
+    receives: Sequence[tuple[Transfer, memoryview]],
+    where: str,
+    timeout: float | None,
+) -> int:
+    """Send and receive every transfer (each with the bytes it sends from, or lands in),
+    all posted at once and then waited for, a peer found dead ending the wait
+    (:mod:`.peer_transfers`); returns the bytes received."""
+    moves = [
+        Move(t.peer, t.tag, _tensor(view), True, f"sending bytes {t.lo}-{t.hi} of {t.file} "
+             f"to rank {t.peer} (read-once load of {where})")
+        for t, view in sends
+    ]  # fmt: skip
+    moves += [
+        Move(t.peer, t.tag, _tensor(view), False, f"receiving bytes {t.lo}-{t.hi} of {t.file} "
+             f"from rank {t.peer} (read-once load of {where})")
+        for t, view in receives
+    ]  # fmt: skip
+    deadline = Deadline(exchange.DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    return peer_transfers.move(group, channel, moves, deadline, _abandoned)
+
+
+def _join_abandoned() -> None:
+    """Join the waiters a death left behind, as far as a second each allows."""
+    waiters, _abandoned[:] = list(_abandoned), []
+    for waiter in waiters:
+        waiter.join(ABANDONED_JOIN_SECONDS)
 
 
 def load(
@@ -245,6 +293,7 @@ def load(
             )
         except Exception:
             exchange.forget_group(ranks)  # every rank raised here: the agreement's invariant
+            _join_abandoned()
             raise
         if planned is not None:
             logger.info(

@@ -1,4 +1,4 @@
-"""The process group a read-once load moves bytes over, and the moving.
+"""The process group a read-once load moves bytes over.
 
 slipstream makes a gloo group of its own for this (``torch.distributed.new_group``), never
 using the job's: its collectives run on the caller's thread, during a load every rank of
@@ -9,9 +9,7 @@ groups gets a new one) and only by a load whose ranks share bytes; a shared load
 fails drops it on every rank (:func:`forget_group`), so none reuses a group a failure may
 have left mid-collective.
 
-Invariant: every wait on a peer is bounded by the load's timeout (the group's) and ends
-once the peer is found dead (:mod:`..peer_transfers`); a transfer that fails or times out
-raises naming the peer and the bytes.
+Invariant: every operation on the group is bounded by the load's timeout (the group's).
 """
 
 from __future__ import annotations
@@ -20,26 +18,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ...core.gloo_groups import new_gloo_group
-from ...core.waits import Deadline
-from .. import peer_transfers
-from ..peer_transfers import Move
-from ..save.channel import RankChannel
-from .read_once import Transfer
 
 DEFAULT_TIMEOUT_S = 600.0
 """The group's timeout where the load has none."""
-ABANDONED_JOIN_SECONDS = 1.0
-"""How long forgetting a group waits for each waiter a death left behind."""
+
 
 _groups: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
 _groups_lock = threading.Lock()
-_abandoned: list[threading.Thread] = []
-"""Waiters a death left behind (:mod:`..peer_transfers`): daemon threads whose works end
-at the group's timeout at the latest, joined when the group is forgotten."""
 
 
 def exchange_group(global_ranks: Sequence[int], timeout: float | None) -> dist.ProcessGroup:
@@ -67,10 +55,6 @@ def forget_group(global_ranks: Sequence[int]) -> None:
         found = _groups.pop(tuple(global_ranks), None)
     if found is not None and found[0] is dist.distributed_c10d._get_default_store():
         dist.destroy_process_group(found[1])
-    with _groups_lock:
-        waiters, _abandoned[:] = list(_abandoned), []
-    for waiter in waiters:
-        waiter.join(ABANDONED_JOIN_SECONDS)
 
 
 def gather_objects(group: dist.ProcessGroup, own: Any) -> list[Any]:
@@ -78,33 +62,3 @@ def gather_objects(group: dist.ProcessGroup, own: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, own, group=group)
     return out
-
-
-def _tensor(view: memoryview) -> torch.Tensor:
-    return torch.frombuffer(view, dtype=torch.uint8)
-
-
-def move(
-    group: dist.ProcessGroup,
-    channel: RankChannel,
-    sends: Sequence[tuple[Transfer, memoryview]],
-    receives: Sequence[tuple[Transfer, memoryview]],
-    where: str,
-    timeout: float | None,
-) -> int:
-    """Send and receive every transfer (each with the bytes it sends from, or lands in),
-    all posted at once and then waited for, a peer found dead ending the wait
-    (:mod:`..peer_transfers`); returns the bytes received. ``where`` names the checkpoint
-    in errors."""
-    moves = [
-        Move(t.peer, t.tag, _tensor(view), True, f"sending bytes {t.lo}-{t.hi} of {t.file} "
-             f"to rank {t.peer} (read-once load of {where})")
-        for t, view in sends
-    ]  # fmt: skip
-    moves += [
-        Move(t.peer, t.tag, _tensor(view), False, f"receiving bytes {t.lo}-{t.hi} of {t.file} "
-             f"from rank {t.peer} (read-once load of {where})")
-        for t, view in receives
-    ]  # fmt: skip
-    deadline = Deadline(DEFAULT_TIMEOUT_S if timeout is None else timeout)
-    return peer_transfers.move(group, channel, moves, deadline, _abandoned)

@@ -33,25 +33,34 @@ ABANDONED_JOIN_SECONDS = 1.0
 
 
 class TierLink:
-    """The tier's gloo group over the ranks of ``channel``."""
+    """The tier's gloo group over the ranks of ``channel`` (none for a single rank, which
+    has no peer to move anything to)."""
 
     def __init__(self, channel: RankChannel, timeout: float) -> None:
         self.channel = channel
         self.timeout = timeout
-        self.group = new_gloo_group(channel.global_ranks, timeout, "slipstream_local_tier")
+        self.group = (
+            new_gloo_group(channel.global_ranks, timeout, "slipstream_local_tier")
+            if channel.world_size > 1
+            else None
+        )
         self._lock = threading.Lock()
         self._abandoned: list[threading.Thread] = []
 
     def move(self, moves: Sequence[Move], deadline: Deadline) -> int:
         """Every move at once, waited for (:func:`..peer_transfers.move`); returns the
         bytes received."""
+        if not moves:
+            return 0
+        assert self.group is not None, "a single rank has no peer to move bytes to"
         with self._lock:  # one batch at a time
             return peer_transfers.move(self.group, self.channel, moves, deadline, self._abandoned)
 
     def close(self) -> None:
         """Drop the group, then join the waiters a death left behind (one still blocked is
         left to end at the group's timeout, logged)."""
-        dist.destroy_process_group(self.group)
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
         for waiter in self._abandoned:
             waiter.join(ABANDONED_JOIN_SECONDS)
             if waiter.is_alive():
