@@ -120,8 +120,9 @@ class SyncGroup:
     _root_store: dist.Store
     _membership: _Membership
     channel_name: str = ""
-    _waiting: WaitingClients | None = None
-    """Clients of ``store`` for this channel's blocking waits (opened with the channel)."""
+    waiting_clients: WaitingClients | None = None
+    """Clients of ``store`` for this channel's blocking waits (:meth:`get_text`): opened
+    by :meth:`open_channel`, never inside a wait; with none, a wait polls."""
     _root_prefix: str = ""
     """What ``store`` puts before a key, in the root store's keys."""
     _subgroups: dict[tuple[str, str, tuple[int, ...]], Backend] = field(default_factory=dict)
@@ -236,13 +237,11 @@ class SyncGroup:
         issue collectives on the same process group from different threads.
         """
         store = dist.PrefixStore(f"{name}/", self.store)
-        waiting = WaitingClients(store)
-        waiting.prime()
         return dataclasses.replace(
             self,
             store=store,
             channel_name=name,
-            _waiting=waiting,
+            waiting_clients=WaitingClients(store),
             _root_prefix=f"{self._root_prefix}{name}//",  # a prefix store adds a "/"
         )
 
@@ -256,7 +255,10 @@ class SyncGroup:
         Raises ``ValueError`` when this process already opened a channel of that name on this
         group: its store keys would meet the old set's (a closed set's keys stay behind).
         """
-        return self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
+        view = self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
+        assert view.waiting_clients is not None
+        view.waiting_clients.prime()
+        return view
 
     def post(self, key: str, text: str) -> None:
         """Write ``text`` (an encoded :mod:`.round.protocol` message) at ``key``."""
@@ -289,11 +291,11 @@ class SyncGroup:
         it polls (:meth:`wait_keys`)."""
         timeout = self.timeout if timeout is None else timeout
         started = time.monotonic()
-        waiting = self._waiting if self._waiting is not None else None
+        waiting = self.waiting_clients
         if waiting is None or waiting.store is not self.store:  # a view of another store
             return self._polled_text(key, rank, what, timeout, started)
         with waiting.lend() as own:
-            if own is None or own is self.store:
+            if own is None:
                 return self._polled_text(key, rank, what, timeout, started)
             client = own
             raw = self._call(lambda: self._blocked_text(client, key, rank, what, timeout), what)
@@ -595,13 +597,14 @@ def init_group(
         "start": process_start(pid),
         "incarnation": incarnation,
     }
-    store.set(f"hello/{rank}", json.dumps(hello))
-    # both under the one prefix: a prefix store puts a "/" between its prefix and a key
+    # both under the one prefix: a prefix store puts a "/" between its prefix and a key;
+    # its first beat before the hello, so that a rank that joined has a counter to read
     membership = _Membership(
         dist.PrefixStore(STORE_PREFIX, clone_store(tcp)),
         dist.PrefixStore(STORE_PREFIX, clone_store(tcp)),
         rank,
     )
+    store.set(f"hello/{rank}", json.dumps(hello))
     group = SyncGroup(
         store, rank, world_size, seconds, backend, addr, incarnation, tcp, store, membership
     )

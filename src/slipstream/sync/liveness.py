@@ -104,8 +104,7 @@ class SyncWatch:
 
     def dead_among(self, ranks: Sequence[int], client: dist.Store | None = None) -> dict[int, str]:
         """Those of ``ranks`` found dead, with why: one read (on ``client``, by default this
-        watch's own), and once per rank this process has not seen joined, a look for its
-        hello."""
+        watch's own), and while some have not been seen joined yet, a look for their hellos."""
         client = client or self._client
         joined = self._joined_among(ranks, client)
         if not joined:
@@ -135,16 +134,18 @@ class SyncWatch:
         return dead
 
     def _joined_among(self, ranks: Sequence[int], client: dist.Store) -> list[int]:
-        """Those of ``ranks`` that joined, their counters made (at 0 where a rank has not
-        beaten yet) so that one ``multi_get`` reads them without blocking."""
+        """Those of ``ranks`` that joined (a rank beats before it posts its hello, so one
+        ``multi_get`` reads the hello and the counter of each without blocking): one look
+        for the hellos of all the ranks not seen joined yet, then one per rank while some
+        are missing."""
         with self._lock:
             unknown = [r for r in ranks if r not in self._joined]
-        for rank in unknown:
-            if client.check([self._hello_key(rank)]):
-                client.add(self._alive_key(rank), 0)
-                with self._lock:
-                    self._joined.add(rank)
+        if unknown and client.check([self._hello_key(r) for r in unknown]):
+            found = unknown
+        else:
+            found = [r for r in unknown if client.check([self._hello_key(r)])]
         with self._lock:
+            self._joined.update(found)
             return [r for r in ranks if r in self._joined]
 
     def _run(self) -> None:

@@ -53,7 +53,7 @@ def _waiting_rank(rank: int, port: int, lead_dies: bool) -> Any:
     from slipstream.sync.round.protocol import Keys
 
     group = init_group("127.0.0.1", port, 3, rank, timeout=60.0)
-    channel = group.channel("channel/traffic")
+    channel = group.open_channel("traffic", [1], [2])
     if rank == 0:
         channel.get_text("done", 2, "the rollout to finish", 60.0)
         group.close()
