@@ -46,6 +46,7 @@ from store_calls import (  # noqa: E402
     start_store_host,
 )
 
+from slipstream.checkpoint import collective_load  # noqa: E402
 from slipstream.checkpoint.agreement import agreement_for  # noqa: E402
 from slipstream.checkpoint.save import channel as channel_module  # noqa: E402
 from slipstream.checkpoint.save import saver as saver_module  # noqa: E402
@@ -140,13 +141,20 @@ def new_saver_first_save(state: RankState) -> None:
 
 
 def plain_load(state: RankState) -> None:
-    agreement_for(state.channel).run("load", lambda: None, TIMEOUT_S)
+    """``ss.load``'s rounds (:func:`slipstream.checkpoint.collective_load.load`): the plan
+    round, then the reads, each rank's plan empty (no storage: a rank that reads nothing
+    takes part in every round all the same, and no two ranks' reads meet, so the load goes
+    on as every rank alone, with no process group made)."""
+    collective_load.load(agreement_for(state.channel), "load", lambda: None, TIMEOUT_S)
 
 
 def checkpointer_load(state: RankState) -> None:
-    """``Checkpointer.load`` without a step: the newest step agreed, then the load."""
-    loaded, differ = agreement_for(state.channel).same("load", lambda: 7, TIMEOUT_S)
+    """``Checkpointer.load`` without a step, as ``Checkpointer._load_agreed`` runs it: the
+    newest step agreed in one round, then that step's load in ``ss.load``'s rounds."""
+    agreement = agreement_for(state.channel)
+    loaded, differ = agreement.same("load of the newest step", lambda: 7, TIMEOUT_S)
     assert loaded == 7 and differ is None
+    collective_load.load(agreement, "load of step 7", lambda: None, TIMEOUT_S)
 
 
 OPS: dict[str, Callable[[RankState], None]] = {
