@@ -18,9 +18,13 @@ beat has been still for :data:`SILENT_AFTER_SECONDS`. A process that restarts ca
 incarnation number) and beats on the same key, so every rank sees it alive again and reads
 its new pid; the store, hosted by rank 0, outlives it.
 
-Invariant: every wait on the store has a timeout and runs through the control plane
-(:mod:`..core.control_plane`): its error names the ranks that did not answer, and a rank
-found dead ends it within seconds.
+Waits: a wait for one rank's key blocks in one ``store.wait`` on a client of its channel's
+own, ended early by the process's :class:`~.liveness.SyncWatch` when it finds that rank
+dead; a wait for many keys, or one that finds its channel's client lent, polls through the
+control plane (:func:`..core.control_plane.wait_for_keys`).
+
+Invariant: every wait on the store has a timeout, its error names the ranks that did not
+answer, and a rank found dead ends it within seconds.
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ BEAT_SECONDS = 0.5
 STORE_HOST = 0
 SILENT_AFTER_SECONDS = 3.0
 """Silence that marks a rank on another host dead (six missed beats): with a look every
-quarter second, a death is noticed within four seconds; on the same host at once."""
+quarter second (a polling wait) or every second (a blocking one), a death is noticed within
+four seconds; on the same host within a look."""
 
 _T = TypeVar("_T")
 #: A process group's backend (gloo or nccl): torch's stubs give them no common base with
