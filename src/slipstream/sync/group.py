@@ -340,6 +340,18 @@ class SyncGroup:
             raise died_error({dead[0]: dead[1]}, what, waited, f"rank {self.rank}")
         return raw
 
+    def read_all(self, keys: Sequence[str]) -> list[bytes]:
+        """The bytes at each of ``keys``, which a wait found there: one request; the death
+        a watch posted in one's place raised."""
+        if not keys:
+            return []
+        started = time.monotonic()
+        found: list[bytes] = self._call(lambda: self.store.multi_get(list(keys)), "reading")
+        return [
+            self._answer(raw, f"reading {key}", started)
+            for key, raw in zip(keys, found, strict=True)
+        ]
+
     def has(self, key: str) -> bool:
         return self._call(lambda: self.store.check([key]), f"looking for {key}")
 
@@ -397,6 +409,14 @@ class SyncGroup:
     def member(self, rank: int) -> Member:
         """Rank ``rank``'s current process, as it posted when it (re)joined."""
         return Member.of_hello(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
+
+    def members(self, ranks: Sequence[int]) -> dict[int, Member]:
+        """The current process of each of ``ranks`` (every one joined): one request."""
+        if not ranks:
+            return {}
+        keys = [f"hello/{r}" for r in ranks]
+        hellos = self._call(lambda: self._root_store.multi_get(keys), "reading hellos")
+        return {r: Member.of_hello(raw) for r, raw in zip(ranks, hellos, strict=True)}
 
     def wait_joined(self, ranks: Sequence[int], what: str, timeout: float | None = None) -> None:
         """Wait until a process joined at each of ``ranks`` (:func:`init_group`), up to
