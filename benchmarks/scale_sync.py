@@ -39,7 +39,7 @@ from slipstream.sync.round.state import EpochState
 from slipstream.sync.round.trainer_round import TrainerRound
 from slipstream.sync.round.versions import RolloutVersions
 
-TIMEOUT_S = 300.0
+TIMEOUT_S = 1800.0
 CHANNEL = "channel/scale"
 OFFER = TransportOffer("relay", "cached", ReceiverShape(1024, 2, 4096, None))
 

@@ -83,6 +83,9 @@ class SyncWatch:
         self._here = host_identity()
         self._lock = threading.Lock()
         self._joined: set[int] = set()
+        self._members: dict[bytes, Member] = {}
+        """Each hello read, as the member it describes (a rank's hello changes only when
+        its process is replaced)."""
         self._seen: dict[int, tuple[int, float]] = {}
         self._awaited: dict[int, Awaited] = {}
         self._stop = threading.Event()
@@ -115,11 +118,16 @@ class SyncWatch:
         now = time.monotonic()
         dead = {}
         n = len(joined)
+        judged: dict[Member, str | None] = {}  # ranks of one process: it is looked at once
         with self._lock:
             for rank, hello, raw in zip(joined, values[:n], values[n:], strict=True):
-                member = Member.of_hello(hello)
+                member = self._members.get(hello)
+                if member is None:
+                    member = self._members[hello] = Member.of_hello(hello)
                 if member.host == self._here:
-                    why = member.gone()
+                    if member not in judged:
+                        judged[member] = member.gone()
+                    why = judged[member]
                     if why is not None:
                         dead[rank] = why
                     continue
