@@ -1,16 +1,18 @@
-"""Store traffic of checkpoint coordination against the number of ranks (issue 55).
+"""Store traffic of checkpoint and sync group coordination against the number of ranks
+(issue 55).
 
 N simulated ranks, each a thread of this process with its own client of one real TCPStore
 (hosted by a child process, as rank 0's process hosts a job's), run the real coordination
 code of slipstream's checkpoints on tiny layouts: the layout exchange of a first save, the
 commit round of every save, a second saver of the same layout (a new ``Checkpointer``), the
-load agreement of ``ss.load`` and of ``Checkpointer.load``, and an idle second with every
-channel open. Every ``torch.distributed.Store`` call made from Python is counted (the
-methods of ``TCPStore`` and ``PrefixStore`` patched at class level) and charged to the
-rank whose thread made it; the calls of the process's own heartbeat and watch thread are
-counted apart, as background traffic. Reported per op: the median and the largest count of
-the ranks other than the coordinator (rank 0), the coordinator's count, and the wall time
-from the start of the op on every rank to its end on the last.
+load agreement of ``ss.load`` and ``Checkpointer.load``'s step agreement and load rounds,
+and an idle second with every channel open; then a publish round of the sync group
+(:mod:`scale_sync`). Every ``torch.distributed.Store`` call made from Python is counted
+(:mod:`store_calls`) and charged to the rank whose thread made it; the calls of the
+process's own heartbeat and watch thread are counted apart, as background traffic.
+Reported per op: the median and the largest count of the ranks other than the coordinator
+(rank 0), the coordinator's count, and the wall time from the start of the op on every
+rank to its end on the last.
 
     python benchmarks/scale.py --out benchmarks/results/scale.json
     python benchmarks/scale.py --quick
@@ -20,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +36,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import Result, Table  # noqa: E402
+from scale_sync import OPS as SYNC_OPS  # noqa: E402
+from scale_sync import measure_sync  # noqa: E402
+from store_calls import (  # noqa: E402
+    CallCounter,
+    OpFigures,
+    figures,
+    label_thread,
+    start_store_host,
+)
 
+from slipstream.checkpoint import collective_load  # noqa: E402
 from slipstream.checkpoint.agreement import agreement_for  # noqa: E402
 from slipstream.checkpoint.save import channel as channel_module  # noqa: E402
 from slipstream.checkpoint.save import saver as saver_module  # noqa: E402
@@ -46,78 +56,6 @@ from slipstream.checkpoint.save.messages import CommitOutcome, Topics, WriteRepo
 from slipstream.checkpoint.save.plan import SavePlan  # noqa: E402
 from slipstream.core.store_watch import StoreWatch  # noqa: E402
 from slipstream.core.waits import Deadline  # noqa: E402
-
-STORE_METHODS = (
-    "add",
-    "append",
-    "check",
-    "compare_set",
-    "delete_key",
-    "get",
-    "multi_get",
-    "multi_set",
-    "num_keys",
-    "set",
-    "wait",
-)
-
-_who = threading.local()
-
-
-class CallCounter:
-    """Counts every Python call of ``STORE_METHODS`` on ``TCPStore`` and ``PrefixStore``
-    (patched at class level, so clones and prefix stores are counted alike), by the rank
-    label of the calling thread (``None``: a background thread)."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[int | None] = Counter()
-        self._lock = threading.Lock()
-        self._saved: list[tuple[type, str, Any]] = []
-
-    def __enter__(self) -> CallCounter:
-        for cls in (dist.TCPStore, dist.PrefixStore):
-            for name in STORE_METHODS:
-                original = getattr(cls, name)
-                self._saved.append((cls, name, original))
-                setattr(cls, name, self._wrap(original))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for cls, name, original in reversed(self._saved):
-            setattr(cls, name, original)
-        self._saved.clear()
-
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        counter = self
-
-        def counted(store: Any, *args: Any, **kwargs: Any) -> Any:
-            rank = getattr(_who, "rank", None)
-            with counter._lock:
-                counter.counts[rank] += 1
-            return original(store, *args, **kwargs)
-
-        return counted
-
-    def take(self) -> Counter[int | None]:
-        with self._lock:
-            taken, self.counts = self.counts, Counter()
-        return taken
-
-
-def start_store_host() -> tuple[subprocess.Popen[str], int]:
-    """A child process hosting a TCPStore server (its sockets count against its own file
-    limit, not this process's); returns it and the port it listens on."""
-    code = (
-        "import sys, torch.distributed as dist\n"
-        "s = dist.TCPStore('127.0.0.1', 0, 1, True, wait_for_workers=False)\n"
-        "print(s.port, flush=True)\n"
-        "sys.stdin.read()\n"
-    )
-    host = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert host.stdout is not None
-    return host, int(host.stdout.readline())
 
 
 def rank_layout(rank: int) -> LocalLayout:
@@ -203,13 +141,20 @@ def new_saver_first_save(state: RankState) -> None:
 
 
 def plain_load(state: RankState) -> None:
-    agreement_for(state.channel).run("load", lambda: None, TIMEOUT_S)
+    """``ss.load``'s rounds (:func:`slipstream.checkpoint.collective_load.load`): the plan
+    round, then the reads, each rank's plan empty (no storage: a rank that reads nothing
+    takes part in every round all the same, and no two ranks' reads meet, so the load goes
+    on as every rank alone, with no process group made)."""
+    collective_load.load(agreement_for(state.channel), "load", lambda: None, TIMEOUT_S)
 
 
 def checkpointer_load(state: RankState) -> None:
-    """``Checkpointer.load`` without a step: the newest step agreed, then the load."""
-    loaded, differ = agreement_for(state.channel).same("load", lambda: 7, TIMEOUT_S)
+    """``Checkpointer.load`` without a step, as ``Checkpointer._load_agreed`` runs it: the
+    newest step agreed in one round, then that step's load in ``ss.load``'s rounds."""
+    agreement = agreement_for(state.channel)
+    loaded, differ = agreement.same("load of the newest step", lambda: 7, TIMEOUT_S)
     assert loaded == 7 and differ is None
+    collective_load.load(agreement, "load of step 7", lambda: None, TIMEOUT_S)
 
 
 OPS: dict[str, Callable[[RankState], None]] = {
@@ -219,16 +164,6 @@ OPS: dict[str, Callable[[RankState], None]] = {
     "ss.load": plain_load,
     "Checkpointer.load": checkpointer_load,
 }
-
-
-@dataclass
-class OpFigures:
-    op: str
-    ranks: int
-    median_rank: float
-    max_rank: int
-    coordinator: int
-    wall_s: float
 
 
 class OneWatch:
@@ -278,7 +213,7 @@ class Ranks:
             raise RuntimeError(f"{len(self.errors)} rank(s) failed: {self.errors[0]!r}")
 
     def _body(self, rank: int, port: int) -> None:
-        _who.rank = rank
+        label_thread(rank)
         try:
             tcp = dist.TCPStore("127.0.0.1", port, self.n, False, wait_for_workers=False)
             store = dist.PrefixStore(self.prefix, tcp)
@@ -324,11 +259,6 @@ class Ranks:
         if self.errors:
             raise RuntimeError(f"{len(self.errors)} rank(s) failed, the first: {self.errors[0]!r}")
         return counter.take(), wall
-
-
-def figures(op: str, n: int, counts: Counter[int | None], wall: float) -> OpFigures:
-    others = [counts.get(r, 0) for r in range(1, n)]
-    return OpFigures(op, n, float(statistics.median(others)), max(others), counts.get(0, 0), wall)
 
 
 def measure(
@@ -425,6 +355,7 @@ def main() -> None:
             for n in ranks:
                 found, idle[n] = measure(n, port, counter, args.idle)
                 rows.extend(found)
+                rows.extend(measure_sync(n, port, counter))
     finally:
         assert host.stdin is not None
         host.stdin.close()
@@ -446,7 +377,7 @@ def main() -> None:
     floors: list[tuple[str, float, str, bool]] = []
     by = {(f.op, f.ranks): f for f in rows}
     small, large = min(ranks), max(ranks)
-    for op in OPS:
+    for op in [*OPS, *SYNC_OPS]:
         if (op, small) in by and (op, large) in by and large > small:
             a, b = by[(op, small)], by[(op, large)]
             floors.append(
@@ -482,7 +413,8 @@ def main() -> None:
     if args.out:
         result = Result(
             benchmark="scale",
-            title="Checkpoint coordination's store traffic against the number of ranks",
+            title="Coordination's store traffic against the number of ranks: checkpoints and "
+            "a publish round",
             command="python benchmarks/scale.py " + " ".join(sys.argv[1:]),
             setup={
                 "ranks": ranks,
@@ -497,6 +429,10 @@ def main() -> None:
                 "client also serves its blocking waits (its thread is the client's only "
                 "user meanwhile), so a simulated rank holds two connections, not three.",
                 WALL_NOTE,
+                "A publish round (benchmarks/scale_sync.py): the sync group's real round "
+                "code on trainers 0 and 1 and N - 2 rollouts, in a steady epoch (no "
+                "transport built, no bytes moved): the requests, the lead's round start, "
+                "the blocking waits for it and the acknowledgements.",
             ],
         )
         for claim, measured, floor, passed in floors:

@@ -2,9 +2,10 @@
 
 64 simulated ranks (threads of this process, each with its own client of one real TCPStore
 hosted by a child process: ``benchmarks/scale.py``'s harness) run the real coordination
-code of the first and steady save, a second saver of the same layout, ``ss.load``'s and
-``Checkpointer.load``'s agreement; every ``torch.distributed.Store`` call is counted by
-patching ``TCPStore`` and ``PrefixStore`` at class level. The same ops at 2 ranks are the
+code of the first and steady save, a second saver of the same layout, ``ss.load``'s rounds
+and ``Checkpointer.load``'s (its step agreed, then ``ss.load``'s rounds); every
+``torch.distributed.Store`` call is counted by patching ``TCPStore`` and ``PrefixStore`` at
+class level. The same ops at 2 ranks are the
 reference: the median rank other than the coordinator may make at most 1.5x as many calls
 at 64 ranks, and at most 20; the coordinator at most 8N + 20. Counts, not times. The same
 harness shows that a failure on one rank, and a rank that falls silent, still end the

@@ -82,7 +82,7 @@ def wait_for_keys(
     look_every: float = LIVENESS_EVERY_SECONDS,
 ) -> dict[int, str]:
     """Wait until every ``keys[rank]`` exists in ``store``: one ``check`` of all of them per
-    poll; each key on its own only when a look or the deadline needs to know which are missing.
+    poll; each key on its own only for the ranks a look found dead and at the deadline.
 
     ``what`` says what is awaited and ``waiter`` who waits, for the error. Every
     ``look_every`` seconds, ``dead`` (when given) is asked about the ranks still missing (a
@@ -102,7 +102,7 @@ def wait_for_keys(
             return dropped
         now = time.monotonic()
         looking = dead is not None and now >= next_look
-        if looking or deadline.expired():  # which ones are still missing, one by one
+        if deadline.expired():  # which ones are still missing, one by one
             for rank, key in list(pending.items()):
                 if store.check([key]):
                     del pending[rank]
@@ -110,7 +110,8 @@ def wait_for_keys(
                 return dropped
         if dead is not None and looking:
             next_look = now + look_every
-            found = dead(sorted(pending))
+            found = dead(sorted(pending))  # of those, the ones that answered before they died:
+            found = {r: why for r, why in found.items() if not store.check([pending[r]])}
             if found and not drop_dead:
                 raise died_error(found, what, now - start, waiter)
             for rank, why in found.items():

@@ -18,9 +18,13 @@ beat has been still for :data:`SILENT_AFTER_SECONDS`. A process that restarts ca
 incarnation number) and beats on the same key, so every rank sees it alive again and reads
 its new pid; the store, hosted by rank 0, outlives it.
 
-Invariant: every wait on the store has a timeout and runs through the control plane
-(:mod:`..core.control_plane`): its error names the ranks that did not answer, and a rank
-found dead ends it within seconds.
+Waits: a wait for one rank's key blocks in one ``store.wait`` on a client of its channel's
+own, ended early by the process's :class:`~.liveness.SyncWatch` when it finds that rank
+dead; a wait for many keys, or one that finds its channel's client lent, polls through the
+control plane (:func:`..core.control_plane.wait_for_keys`).
+
+Invariant: every wait on the store has a timeout, its error names the ranks that did not
+answer, and a rank found dead ends it within seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,7 +43,13 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ..core.control_plane import Heartbeat, LivenessWatch, store_key, wait_for_keys
+from ..core.control_plane import (
+    Heartbeat,
+    died_error,
+    ranks_text,
+    store_key,
+    wait_for_keys,
+)
 from ..core.fork_closed import (
     SYNC_SOCKETS,
     NewSockets,
@@ -47,9 +58,13 @@ from ..core.fork_closed import (
     open_sockets,
     tcp_sockets,
 )
+from ..core.store_watch import WaitingClients, block_until
 from ..core.strays import release_apart
 from ..core.waits import Deadline
-from ..errors import PeerTimeoutError, SyncError
+from ..errors import MissingRanksError, PeerTimeoutError, SyncError
+from .liveness import Awaited, SyncWatch, read_dead_word
+from .members import Member, host_identity, process_start
+from .members import process_alive as process_alive  # sync/'s folders import from the group
 
 STORE_PREFIX = "slipstream/sync/"
 BEAT_SECONDS = 0.5
@@ -57,7 +72,8 @@ BEAT_SECONDS = 0.5
 STORE_HOST = 0
 SILENT_AFTER_SECONDS = 3.0
 """Silence that marks a rank on another host dead (six missed beats): with a look every
-quarter second, a death is noticed within four seconds; on the same host at once."""
+quarter second (a polling wait) or every second (a blocking one), a death is noticed within
+four seconds; on the same host within a look."""
 
 _T = TypeVar("_T")
 #: A process group's backend (gloo or nccl): torch's stubs give them no common base with
@@ -66,79 +82,25 @@ Backend = Any
 _GLOO: Any = dist.ProcessGroupGloo
 
 
-def host_identity() -> str:
-    """Where this process runs: hostname, boot id, PID namespace and ``/dev/shm``.
-
-    Two processes have equal identities exactly when they share a kernel, see each other's
-    pids (so one can judge the other's liveness by its pid, and read its memory) and share
-    ``/dev/shm`` (so a ring file one maps the other can map): containers and pods on one
-    machine share the hostname and the boot id, not the namespaces.
-    """
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        pid_space = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pid_space = ""
-    try:
-        shm = f"shm:{os.stat('/dev/shm').st_dev}"
-    except OSError:
-        shm = ""
-    return f"{socket.gethostname()}/{boot}/{pid_space}/{shm}"
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/{pid}/stat`` after the command name (state first), or
-    ``None`` where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` of this host started (clock ticks since boot): a pid reused by a
-    later process has a later start. ``None`` where it cannot be read."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else None
-
-
-@dataclass(frozen=True)
-class Member:
-    """One rank's current process: its host identity (:func:`host_identity`), pid, start
-    (:func:`process_start`) and incarnation (1 for the first process at that rank, 2 for the
-    one that replaced it, ...)."""
-
-    host: str
-    pid: int
-    incarnation: int
-    start: int | None = None
-
-    def gone(self) -> str | None:
-        """Why this member's process is gone, judged from this host (which must be the
-        member's): it exited, or its pid now names a later process; ``None`` while it runs."""
-        if not process_alive(self.pid, self.start):
-            return f"its process (pid {self.pid}) is gone"
-        return None
-
-
 class _Membership:
-    """This process's heartbeat and its view of everyone's (shared by every channel)."""
+    """This process's heartbeat and its view of everyone's (shared by every channel), each
+    on a client of the group's store of its own."""
 
-    def __init__(self, root: dist.Store, beat_store: dist.Store, rank: int) -> None:
-        self.watch = LivenessWatch(root, self.alive_key, SILENT_AFTER_SECONDS)
+    def __init__(self, beat_store: dist.Store, watch_store: dist.Store, rank: int) -> None:
+        self.watch = SyncWatch(watch_store, self.hello_key, self.alive_key, SILENT_AFTER_SECONDS)
         self.heartbeat = Heartbeat(beat_store, self.alive_key(rank), BEAT_SECONDS)
 
     @staticmethod
     def alive_key(rank: int) -> str:
         return store_key("alive", rank)
 
+    @staticmethod
+    def hello_key(rank: int) -> str:
+        return store_key("hello", rank)
+
     def close(self) -> None:
         self.heartbeat.close()
+        self.watch.close()
 
 
 @dataclass
@@ -163,6 +125,11 @@ class SyncGroup:
     _root_store: dist.Store
     _membership: _Membership
     channel_name: str = ""
+    waiting_clients: WaitingClients | None = None
+    """Clients of ``store`` for this channel's blocking waits (:meth:`get_text`): opened
+    by :meth:`open_channel`, never inside a wait; with none, a wait polls."""
+    _root_prefix: str = ""
+    """What ``store`` puts before a key, in the root store's keys."""
     _subgroups: dict[tuple[str, str, tuple[int, ...]], Backend] = field(default_factory=dict)
     # shared by every channel view of this group (dataclasses.replace keeps the references)
     _channels: _Channels = field(default_factory=lambda: _Channels(), repr=False, compare=False)
@@ -274,8 +241,13 @@ class SyncGroup:
         One channel serves one set of publishers and subscribers, so two channels never
         issue collectives on the same process group from different threads.
         """
+        store = dist.PrefixStore(f"{name}/", self.store)
         return dataclasses.replace(
-            self, store=dist.PrefixStore(f"{name}/", self.store), channel_name=name
+            self,
+            store=store,
+            channel_name=name,
+            waiting_clients=WaitingClients(store),
+            _root_prefix=f"{self._root_prefix}{name}//",  # a prefix store adds a "/"
         )
 
     def open_channel(
@@ -288,7 +260,10 @@ class SyncGroup:
         Raises ``ValueError`` when this process already opened a channel of that name on this
         group: its store keys would meet the old set's (a closed set's keys stay behind).
         """
-        return self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
+        view = self.channel(f"channel/{self._channels.claim(name, trainer_ranks, rollout_ranks)}")
+        assert view.waiting_clients is not None
+        view.waiting_clients.prime()
+        return view
 
     def post(self, key: str, text: str) -> None:
         """Write ``text`` (an encoded :mod:`.round.protocol` message) at ``key``."""
@@ -313,17 +288,78 @@ class SyncGroup:
 
     def get_text(self, key: str, rank: int, what: str, timeout: float | None = None) -> bytes:
         """The bytes at ``key``, written by ``rank``; waits up to ``timeout`` (or until
-        ``rank`` is found dead)."""
+        ``rank`` is found dead: :class:`~slipstream.errors.PeerDiedError` naming it).
+
+        The wait blocks in one ``store.wait`` on a client of the channel's own, this
+        process's :class:`~.liveness.SyncWatch` posting in ``rank``'s place once it finds
+        it dead; where every such client is lent (another thread of this channel waits),
+        it polls (:meth:`wait_keys`)."""
+        timeout = self.timeout if timeout is None else timeout
+        started = time.monotonic()
+        waiting = self.waiting_clients
+        if waiting is None or waiting.store is not self.store:  # a view of another store
+            return self._polled_text(key, rank, what, timeout, started)
+        with waiting.lend() as own:
+            if own is None:
+                return self._polled_text(key, rank, what, timeout, started)
+            client = own
+            raw = self._call(lambda: self._blocked_text(client, key, rank, what, timeout), what)
+        return self._answer(raw, what, started)
+
+    def _polled_text(self, key: str, rank: int, what: str, timeout: float, started: float) -> bytes:
         self.wait_keys({rank: key}, what, timeout)
-        return self._call(lambda: self.store.get(key), what)
+        return self._answer(self._call(lambda: self.store.get(key), what), what, started)
+
+    def _blocked_text(
+        self, client: dist.Store, key: str, rank: int, what: str, timeout: float
+    ) -> bytes:
+        """Block on ``client`` until ``key`` exists (``rank``'s answer, or the word of its
+        death) and read it: two requests, however long the wait."""
+        watch = self._membership.watch
+        number = watch.watch(Awaited(rank, self._root_prefix + key))
+        started = time.monotonic()
+        try:
+            if not block_until(client, [key], timeout) and not client.check([key]):
+                raise MissingRanksError(
+                    f"{ranks_text([rank])} did not answer within {timeout:.1f} s while "
+                    f"rank {self.rank} waited for {what}",
+                    [rank],
+                    what,
+                    time.monotonic() - started,
+                )
+        finally:
+            watch.unwatch(number)
+        raw: bytes = client.get(key)
+        return raw
+
+    def _answer(self, raw: bytes, what: str, started: float) -> bytes:
+        """``raw``, read from a key; the death it names raised where a watch posted one."""
+        dead = read_dead_word(raw)
+        if dead is not None:
+            waited = time.monotonic() - started
+            raise died_error({dead[0]: dead[1]}, what, waited, f"rank {self.rank}")
+        return raw
+
+    def read_all(self, keys: Sequence[str]) -> list[bytes]:
+        """The bytes at each of ``keys``, which a wait found there: one request; the death
+        a watch posted in one's place raised."""
+        if not keys:
+            return []
+        started = time.monotonic()
+        found: list[bytes] = self._call(lambda: self.store.multi_get(list(keys)), "reading")
+        return [
+            self._answer(raw, f"reading {key}", started)
+            for key, raw in zip(keys, found, strict=True)
+        ]
 
     def has(self, key: str) -> bool:
         return self._call(lambda: self.store.check([key]), f"looking for {key}")
 
     def read(self, key: str) -> bytes:
-        """The bytes at ``key``, which :meth:`has` found there (no wait)."""
+        """The bytes at ``key``, which :meth:`has` found there (no wait); the death it
+        names raised where a watch posted one."""
         result: bytes = self._call(lambda: self.store.get(key), f"reading {key}")
-        return result
+        return self._answer(result, f"reading {key}", time.monotonic())
 
     def count(self, key: str, delta: int = 0) -> int:
         """Add ``delta`` to the counter at ``key`` (created at 0) and return its new value."""
@@ -372,8 +408,15 @@ class SyncGroup:
 
     def member(self, rank: int) -> Member:
         """Rank ``rank``'s current process, as it posted when it (re)joined."""
-        hello = json.loads(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
-        return Member(hello["host"], hello["pid"], hello["incarnation"], hello.get("start"))
+        return Member.of_hello(self._call(lambda: self._root_store.get(f"hello/{rank}"), "hello"))
+
+    def members(self, ranks: Sequence[int]) -> dict[int, Member]:
+        """The current process of each of ``ranks`` (every one joined): one request."""
+        if not ranks:
+            return {}
+        keys = [f"hello/{r}" for r in ranks]
+        hellos = self._call(lambda: self._root_store.multi_get(keys), "reading hellos")
+        return {r: Member.of_hello(raw) for r, raw in zip(ranks, hellos, strict=True)}
 
     def wait_joined(self, ranks: Sequence[int], what: str, timeout: float | None = None) -> None:
         """Wait until a process joined at each of ``ranks`` (:func:`init_group`), up to
@@ -390,24 +433,8 @@ class SyncGroup:
         """Those of ``ranks`` found dead, with why: a process of this host (same kernel and
         PID namespace, :func:`host_identity`) that is gone, or a rank whose heartbeat has
         been still for :data:`SILENT_AFTER_SECONDS`."""
-        here = host_identity()
-        found = {}
-        remote = []
-        for r in ranks:
-            if not self.joined(r):
-                continue  # nothing to judge yet
-            m = self.member(r)
-            if m.host == here:
-                why = m.gone()
-                if why is not None:
-                    found[r] = why
-            else:
-                remote.append(r)
-        if remote:
-            found.update(
-                self._call(lambda: self._membership.watch.dead(remote), "reading heartbeats")
-            )
-        return found
+        watch = self._membership.watch
+        return self._call(lambda: watch.dead_among(ranks, self._root_store), "reading heartbeats")
 
     def close(self, timeout: float | None = None) -> None:
         """Leave the group: shut our subgroups down, stop beating, say goodbye on the store.
@@ -526,24 +553,6 @@ def clone_store(store: dist.Store) -> dist.Store:
     return client
 
 
-def process_alive(pid: int, start: int | None = None) -> bool:
-    """Whether process ``pid`` of this host still runs (possibly another user's) and, with
-    ``start``, is the process that started then (:func:`process_start`), not a later one
-    given the same pid. One that exited but was not yet reaped (a zombie) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = _stat(pid)
-    if not fields:
-        return True
-    if fields[0] in ("Z", "X"):
-        return False
-    return start is None or len(fields) <= 19 or int(fields[19]) == start
-
-
 #: The largest world size a rank joined with: ranks past the first world size may join.
 WORLD_KEY = "world_size"
 
@@ -613,9 +622,14 @@ def init_group(
         "start": process_start(pid),
         "incarnation": incarnation,
     }
+    # both under the one prefix: a prefix store puts a "/" between its prefix and a key;
+    # its first beat before the hello, so that a rank that joined has a counter to read
+    membership = _Membership(
+        dist.PrefixStore(STORE_PREFIX, clone_store(tcp)),
+        dist.PrefixStore(STORE_PREFIX, clone_store(tcp)),
+        rank,
+    )
     store.set(f"hello/{rank}", json.dumps(hello))
-    # both under the one prefix: a prefix store puts a "/" between its prefix and a key
-    membership = _Membership(store, dist.PrefixStore(STORE_PREFIX, clone_store(tcp)), rank)
     group = SyncGroup(
         store, rank, world_size, seconds, backend, addr, incarnation, tcp, store, membership
     )

@@ -163,11 +163,12 @@ class TrainerRound:
             raise
         lives = {}
         asked_by: dict[int, Request] = {}
-        for r in self.rollout_ranks:
-            if r in absent:
-                continue
-            asked = decode(Request, self.group.get_text(Keys.request(r, k), r, "a request"))
-            now = self.group.member(r).incarnation
+        present = [r for r in self.rollout_ranks if r not in absent]
+        texts = self.group.read_all([Keys.request(r, k) for r in present])  # one request
+        processes = self.group.members(present)  # and one more
+        for r, text in zip(present, texts, strict=True):
+            asked = decode(Request, text)
+            now = processes[r].incarnation
             if asked.incarnation != now:  # asked by a process that was replaced since
                 absent[r] = f"its request came from incarnation {asked.incarnation}, not {now}"
             else:
