@@ -41,9 +41,9 @@ from scale_sync import measure_sync  # noqa: E402
 from store_calls import (  # noqa: E402
     CallCounter,
     OpFigures,
+    RankThreads,
     figures,
-    label_thread,
-    start_store_host,
+    store_host,
 )
 
 from slipstream.checkpoint import collective_load  # noqa: E402
@@ -184,81 +184,46 @@ class OneWatch:
 
 
 class Ranks:
-    """``n`` simulated ranks, one long-lived thread each (a rank's threads, and so its
-    waiting client, live across ops as a process's do): each makes its own client of the
-    store and its channel, then runs every op it is handed, all ranks together."""
+    """``n`` simulated ranks of checkpoints (:class:`store_calls.RankThreads`): each makes
+    its own client of the store and its channel; one watch serves them all, as a process's
+    one watch does."""
 
     made = 0
 
     def __init__(self, n: int, port: int) -> None:
         self.n = n
+        self.port = port
         Ranks.made += 1
         self.prefix = f"scale/{n}/{Ranks.made}"
         """This job's own keys: one job's leftovers never meet another's."""
-        self.states: list[RankState | None] = [None] * n
-        self._work: Callable[[RankState], None] | None = None
-        self._start = threading.Barrier(n + 1)
-        self._end = threading.Barrier(n + 1)
-        self.errors: list[BaseException] = []
         self._watches = OneWatch(port, self.prefix)
         self._saved_watches = channel_module.WATCHES
         channel_module.WATCHES = self._watches  # type: ignore[assignment]
-        self._threads = [
-            threading.Thread(target=self._body, args=(r, port), daemon=True) for r in range(n)
-        ]
-        for t in self._threads:
-            t.start()
-        self._end.wait()  # every rank has its channel
-        if self.errors:
-            raise RuntimeError(f"{len(self.errors)} rank(s) failed: {self.errors[0]!r}")
+        self.threads = RankThreads(n, self._make, lambda state: state.close())
+        self.states = self.threads.states
 
-    def _body(self, rank: int, port: int) -> None:
-        label_thread(rank)
-        try:
-            tcp = dist.TCPStore("127.0.0.1", port, self.n, False, wait_for_workers=False)
-            store = dist.PrefixStore(self.prefix, tcp)
-            namespace = "channel"
-            # A rank's thread is the only user of its client while it waits, so the client
-            # serves its blocking waits too: one connection fewer per rank (this host's
-            # TCPStore server stands still ~5 s on about one new connection in 25).
-            waiting_clients(store).give(store)
-            channel = RankChannel(store, rank, self.n, namespace)
-            state = self.states[rank] = RankState(channel, rank_layout(rank), store, namespace)
-        except BaseException as exc:
-            self.errors.append(exc)
-            self._end.wait()
-            return
-        self._end.wait()
-        while True:
-            self._start.wait()
-            work = self._work
-            if work is None:
-                state.close()
-                self._end.wait()
-                return
-            try:
-                work(state)
-            except BaseException as exc:
-                self.errors.append(exc)
-            self._end.wait()
+    def _make(self, rank: int) -> RankState:
+        tcp = dist.TCPStore("127.0.0.1", self.port, self.n, False, wait_for_workers=False)
+        store = dist.PrefixStore(self.prefix, tcp)
+        namespace = "channel"
+        # A rank's thread is the only user of its client while it waits, so the client
+        # serves its blocking waits too: one connection fewer per rank (this host's
+        # TCPStore server stands still ~5 s on about one new connection in 25).
+        waiting_clients(store).give(store)
+        channel = RankChannel(store, rank, self.n, namespace)
+        return RankState(channel, rank_layout(rank), store, namespace)
 
     def run(
         self, counter: CallCounter, work: Callable[[RankState], None] | None
     ) -> tuple[Counter[int | None], float]:
         """``work(state)`` on every rank, started together (``None``: close every rank);
         returns the calls counted meanwhile and the wall time to the last rank's end."""
-        self._work = work
-        counter.take()
-        self._start.wait()
-        began = time.perf_counter()
-        self._end.wait()
-        wall = time.perf_counter() - began
-        if work is None:
-            self._watches.watch.close()
-            channel_module.WATCHES = self._saved_watches
-        if self.errors:
-            raise RuntimeError(f"{len(self.errors)} rank(s) failed, the first: {self.errors[0]!r}")
-        return counter.take(), wall
+        try:
+            return self.threads.run(counter, work)
+        finally:
+            if work is None:
+                self._watches.watch.close()
+                channel_module.WATCHES = self._saved_watches
 
 
 def measure(
@@ -347,19 +312,13 @@ def main() -> None:
     # of its own): a thread back from a store request waits for it up to the switch
     # interval, which is kept short. The wall times still grow with the threads.
     sys.setswitchinterval(args.switch_interval)
-    host, port = start_store_host()
     rows: list[OpFigures] = []
     idle: dict[int, float] = {}
-    try:
-        with CallCounter() as counter:
-            for n in ranks:
-                found, idle[n] = measure(n, port, counter, args.idle)
-                rows.extend(found)
-                rows.extend(measure_sync(n, port, counter))
-    finally:
-        assert host.stdin is not None
-        host.stdin.close()
-        host.wait(30)
+    with store_host() as port, CallCounter() as counter:
+        for n in ranks:
+            found, idle[n] = measure(n, port, counter, args.idle)
+            rows.extend(found)
+            rows.extend(measure_sync(n, port, counter))
     table = Table(
         "store calls per op and wall time against the number of ranks",
         ["op", "ranks", "median rank > 0", "max rank > 0", "coordinator", "wall s"],

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from store_calls import CallCounter, OpFigures, figures, label_thread
+from store_calls import CallCounter, OpFigures, RankThreads, figures
 
 from slipstream.sync.group import SILENT_AFTER_SECONDS, SyncGroup
 from slipstream.sync.liveness import SyncWatch
@@ -111,23 +110,13 @@ class SyncRanks:
         self.rollouts = list(range(len(self.trainers), n))
         watch_tcp = dist.TCPStore("127.0.0.1", port, 1, False, wait_for_workers=False)
         self.membership = SharedMembership(dist.PrefixStore(self.prefix, watch_tcp))
-        self.states: list[SyncRank | None] = [None] * n
-        self._work: Callable[[SyncRank], None] | None = None
-        self._start = threading.Barrier(n + 1)
-        self._end = threading.Barrier(n + 1)
-        self.errors: list[BaseException] = []
-        self._threads = [
-            threading.Thread(target=self._body, args=(r, port), daemon=True) for r in range(n)
-        ]
-        for t in self._threads:
-            t.start()
-        self._end.wait()
-        if self.errors:
-            raise RuntimeError(f"{len(self.errors)} rank(s) failed: {self.errors[0]!r}")
+        self.port = port
+        self.threads = RankThreads(n, self._join)
+        self.states = self.threads.states
 
-    def _join(self, rank: int, port: int) -> SyncRank:
+    def _join(self, rank: int) -> SyncRank:
         """What ``init_group`` leaves a rank with, less its own threads and connections."""
-        tcp = dist.TCPStore("127.0.0.1", port, self.n, False, wait_for_workers=False)
+        tcp = dist.TCPStore("127.0.0.1", self.port, self.n, False, wait_for_workers=False)
         root = dist.PrefixStore(self.prefix, tcp)
         incarnation = root.add(f"incarnation/{rank}", 1)
         pid = os.getpid()
@@ -169,43 +158,16 @@ class SyncRanks:
             state.rollout = rollout
         return state
 
-    def _body(self, rank: int, port: int) -> None:
-        label_thread(rank)
-        try:
-            state = self.states[rank] = self._join(rank, port)
-        except BaseException as exc:
-            self.errors.append(exc)
-            self._end.wait()
-            return
-        self._end.wait()
-        while True:
-            self._start.wait()
-            work = self._work
-            if work is None:
-                self._end.wait()
-                return
-            try:
-                work(state)
-            except BaseException as exc:
-                self.errors.append(exc)
-            self._end.wait()
-
     def run(
         self, counter: CallCounter, work: Callable[[SyncRank], None] | None
     ) -> tuple[Counter[int | None], float]:
         """``work(state)`` on every rank, started together (``None``: end every rank's
         thread); returns the calls counted meanwhile and the wall time to the last end."""
-        self._work = work
-        counter.take()
-        self._start.wait()
-        began = time.perf_counter()
-        self._end.wait()
-        wall = time.perf_counter() - began
-        if work is None:
-            self.membership.close()
-        if self.errors:
-            raise RuntimeError(f"{len(self.errors)} rank(s) failed, the first: {self.errors[0]!r}")
-        return counter.take(), wall
+        try:
+            return self.threads.run(counter, work)
+        finally:
+            if work is None:
+                self.membership.close()
 
 
 OPS: dict[str, Callable[[SyncRank], None]] = {

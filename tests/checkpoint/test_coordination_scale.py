@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-from scale import OPS, CallCounter, Ranks, RankState, start_store_host  # noqa: E402
+from scale import OPS, CallCounter, Ranks, RankState, store_host  # noqa: E402
 
 from slipstream.checkpoint.save.channel import LIVENESS_CHECK_SECONDS, SILENT_AFTER_SECONDS
 from slipstream.checkpoint.save.messages import LayoutDescription, LayoutReport, Topics
@@ -35,13 +35,8 @@ IDLE_S = 2.5
 
 @pytest.fixture(scope="module")
 def store_port():
-    host, port = start_store_host()
-    try:
+    with store_host() as port:
         yield port
-    finally:
-        assert host.stdin is not None
-        host.stdin.close()
-        host.wait(30)
 
 
 def _op_counts(n: int, port: int) -> tuple[dict[str, tuple[float, int]], float]:

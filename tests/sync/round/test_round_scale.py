@@ -19,20 +19,15 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 
 from scale_sync import OPS, SyncRanks  # noqa: E402
-from store_calls import CallCounter, start_store_host  # noqa: E402
+from store_calls import CallCounter, store_host  # noqa: E402
 
 N = 64
 
 
 @pytest.fixture(scope="module")
 def store_port():
-    host, port = start_store_host()
-    try:
+    with store_host() as port:
         yield port
-    finally:
-        assert host.stdin is not None
-        host.stdin.close()
-        host.wait(30)
 
 
 def _op_counts(n: int, port: int) -> dict[str, tuple[float, int]]:
