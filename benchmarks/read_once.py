@@ -1,8 +1,12 @@
 """Read-once loads: 4 data-parallel replicas loading one checkpoint, today's way and read-once.
 
 One checkpoint (``--size-mib`` of fp32 tensors, ``--tensors`` of them, saved by one process)
-on a moto S3 server (``tests/storage_server.py``, 127.0.0.1) and on the local disk. ``--ranks``
-processes joined by a gloo group each load the whole state, as DDP replicas do:
+on a moto S3 server (``tests/storage_server.py``, 127.0.0.1), on the local disk, and on a shared
+file system of as many hosts as ranks, emulated on this one (``emulated_hosts.py``: an ext4 image
+that each rank mounts read-only through its own direct-I/O loop device, in its own mount
+namespace, so each has its own page cache and all read the one disk; needs root). ``--where``
+picks among them. ``--ranks`` processes joined by a gloo group each load the whole state, as DDP
+replicas do:
 
 - **every rank reads all** (today): what ``ss.load`` on a group did before read-once, run
   through the same internals: each rank's ``loader.load`` inside one round of the group's
@@ -11,11 +15,12 @@ processes joined by a gloo group each load the whole state, as DDP replicas do:
   parts are exchanged over slipstream's gloo group.
 
 Every load counts the bytes it reads through a wrapper of the storage backend (for S3, the
-bytes of the GET bodies the server sent). Before every local-disk load the checkpoint's
-files are evicted from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``), so reads
-come from the disk. The two ways alternate in a new seeded order each round, after a
-warm-up of each; a load's time is its slowest rank's (the job resumes when all have
-loaded), medians over ``--repeats``. Every loaded state is compared with the saved one.
+bytes of the GET bodies the server sent). Before every load from a disk every rank evicts the
+checkpoint's files from its page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; on one host
+the ranks share one, on the emulated hosts each has its own), so reads come from the disk.
+The two ways alternate in a new seeded order each round, after a warm-up of each; a load's
+time is its slowest rank's (the job resumes when all have loaded), medians over
+``--repeats``. Every loaded state is compared with the saved one.
 
 python benchmarks/read_once.py --out benchmarks/results/read_once.json
 """
@@ -23,6 +28,7 @@ python benchmarks/read_once.py --out benchmarks/results/read_once.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -31,6 +37,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import emulated_hosts
 import torch
 import torch.distributed as dist
 from common import Result, Table, drop_page_cache, fmt, join_all, median, scratch
@@ -55,6 +62,15 @@ BUCKET = "slipstream-read-once"
 TODAY = "every rank reads all (today)"
 READ_ONCE = "read-once"
 WAYS = (TODAY, READ_ONCE)
+S3 = "S3 (moto)"
+LOCAL = "local disk, cold page cache"
+WHERE = ("s3", "local", "hosts")
+
+
+def hosts_name(ranks: int) -> str:
+    return f"shared file system, {ranks} hosts (emulated)"
+
+
 SHUFFLE_SEED = 56
 STORAGE_OPTIONS = {"client_options": {"timeout": "600s"}}
 """On S3 one GET may take long: today's way has 4 x 16 ranged GETs of up to 64 MiB in flight at
@@ -170,7 +186,7 @@ def load_once(
         inner = resolve_storage(location, STORAGE_OPTIONS)
     storage = CountingStorage(inner)
     target = {k: torch.zeros_like(v) for k, v in want.items()}
-    if local_dir is not None and dist.get_rank() == 0:
+    if local_dir is not None:  # each rank its own host's cache (on one host, one cache for all)
         drop_page_cache([local_dir])
     dist.barrier()
     since = time.monotonic_ns() / 1000
@@ -207,20 +223,30 @@ def run_rank(opts: argparse.Namespace, locations: dict[str, tuple[str, str | Non
 
 
 def worker(
-    rank: int, opts: argparse.Namespace, port: int, env: dict, locations, workdir: Path, queue
+    rank: int,
+    opts: argparse.Namespace,
+    port: int,
+    env: dict,
+    locations,
+    hosts: tuple[Path, Path] | None,
+    workdir: Path,
+    queue,
 ) -> None:
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    tracing.start(workdir / f"trace.{rank}.json")  # the exchange's spans, read back per load
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.ranks
-    )
-    try:
-        got = run_rank(opts, locations)
-        if rank == 0:
-            queue.put(got)
-    finally:
-        dist.destroy_process_group()
+    with contextlib.ExitStack() as stack:
+        if hosts is not None:  # first, before this rank starts threads: this rank's host mount
+            stack.enter_context(emulated_hosts.host(*hosts))
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        tracing.start(workdir / f"trace.{rank}.json")  # the exchange's spans, read back per load
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=opts.ranks
+        )
+        try:
+            got = run_rank(opts, locations)
+            if rank == 0:
+                queue.put(got)
+        finally:
+            dist.destroy_process_group()
 
 
 def wait_for_result(queue, procs) -> dict:
@@ -239,30 +265,47 @@ def wait_for_result(queue, procs) -> dict:
 
 
 def run(opts: argparse.Namespace, workdir: Path) -> tuple[dict, int]:
-    import boto3
     import torch.multiprocessing as mp
     from dist_utils import free_port
 
     state = make_state(opts.size_mib, opts.tensors)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    spool = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    with open(workdir / "moto.log", "wb") as log, moto_server(log, spool) as endpoint:
-        env = {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
-        for k in UNSET:
-            os.environ.pop(k, None)
-        os.environ.update(env)
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
-        s3 = f"s3://{BUCKET}/ckpt"
-        disk = str(workdir / "ckpt")
-        ss.save(state, s3)
-        ss.save(state, disk)
+    locations: dict[str, tuple[str, str | None]] = {}
+    env: dict[str, str] = {}
+    hosts = None
+    with contextlib.ExitStack() as stack:
+        if "s3" in opts.where:
+            import boto3
+
+            spool = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            log = stack.enter_context(open(workdir / "moto.log", "wb"))
+            endpoint = stack.enter_context(moto_server(log, spool))
+            env = {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+            for k in UNSET:
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            boto3.client("s3").create_bucket(Bucket=BUCKET)
+            s3 = f"s3://{BUCKET}/ckpt"
+            ss.save(state, s3)
+            locations[S3] = (s3, None)
+        if "local" in opts.where:
+            disk = str(workdir / "ckpt")
+            ss.save(state, disk)
+            locations[LOCAL] = (disk, disk)
+        if "hosts" in opts.where:  # saved into the image; each rank mounts it as its host's
+            hosts = (workdir / "shared_fs.img", workdir / "shared_fs")
+            stack.enter_context(emulated_hosts.released(hosts[0]))  # after the ranks' joins
+            emulated_hosts.make_image(hosts[0], emulated_hosts.image_bytes(nbytes))
+            with emulated_hosts.writable(*hosts) as mountpoint:
+                ss.save(state, str(mountpoint / "ckpt"))
+            shared = str(hosts[1] / "ckpt")
+            locations[hosts_name(opts.ranks)] = (shared, shared)
         del state
-        locations = {"S3 (moto)": (s3, None), "local disk, cold page cache": (disk, disk)}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = free_port()
         procs = [
-            ctx.Process(target=worker, args=(r, opts, port, env, locations, workdir, queue))
+            ctx.Process(target=worker, args=(r, opts, port, env, locations, hosts, workdir, queue))
             for r in range(opts.ranks)
         ]
         for p in procs:
@@ -273,7 +316,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> tuple[dict, int]:
             join_all(procs)
 
 
-FLOORS = {"S3 (moto)": 2.5, "local disk, cold page cache": 2.0}
+FLOORS = {"s3": 2.5, "local": 2.0, "hosts": 2.0}
 
 
 def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
@@ -282,6 +325,8 @@ def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
         f"Read-once loads: {opts.ranks} data-parallel replicas loading one checkpoint, every "
         "rank reading all of it (today) or each a part, exchanged over gloo",
     )
+    hosts = hosts_name(opts.ranks)
+    names = {S3: "s3", LOCAL: "local", hosts: "hosts"}
     result.setup = {
         "ranks": opts.ranks,
         "checkpoint MiB": round(nbytes / MIB),
@@ -289,6 +334,11 @@ def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
         "repeats (interleaved, after one warm-up of each)": opts.repeats,
         "S3": "moto server (tests/storage_server.py) on 127.0.0.1",
         "local disk": "page cache dropped (POSIX_FADV_DONTNEED) before every load",
+        "shared file system (emulated)": (
+            "an ext4 image file on the local disk; each rank in its own mount namespace mounts "
+            "it read-only (ro,noload) through its own loop device with direct I/O, all at one "
+            "path; every rank drops its own mount's page cache before every load"
+        ),
         "process groups": "the job's gloo on 127.0.0.1; slipstream's own gloo group exchanges",
     }
     for where, runs in got.items():
@@ -316,7 +366,7 @@ def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
         result.floor(
             f"{where}: bytes read from storage / checkpoint size", read, "<= 1.05", read <= 1.05
         )
-        floor = FLOORS[where]
+        floor = FLOORS[names[where]]
         result.floor(
             f"{where}: load time, today / read-once", speedup, f">= {floor}", speedup >= floor
         )
@@ -328,15 +378,31 @@ def report(opts: argparse.Namespace, got: dict, nbytes: int) -> Result:
         )
     result.notes.append(
         "Bytes read are counted by a wrapper of the storage backend in every rank (on S3: the "
-        "bodies of the GETs the server answered), metadata and index included. On the local "
-        "disk the replicas are processes of one host: they share its page cache, so today's "
-        "four reads of a page fetch it from the disk once and the others copy it from memory, "
-        "while read-once moves three quarters of the bytes through loopback TCP (gloo) on the "
-        "same cores. The local-disk case where read-once pays is replicas on several hosts "
-        "reading one file system (each host's cache its own), which one host cannot measure: "
-        "so a local path splits reads only when asked (LocalStorage(path, read_once=True), as "
-        "here); by default its replicas read as today's do."
+        "bodies of the GETs the server answered), metadata and index included."
     )
+    if LOCAL in got:
+        result.notes.append(
+            "On the local disk the replicas are processes of one host: they share its page "
+            "cache, so today's four reads of a page fetch it from the disk once and the others "
+            "copy it from memory, while read-once moves three quarters of the bytes through "
+            "loopback TCP (gloo) on the same cores. The local-disk case where read-once pays is "
+            "replicas on several hosts reading one file system (each host's cache its own), "
+            "which one host cannot measure as it is (the emulated case stands in for it): so a "
+            "local path splits reads only when asked (LocalStorage(path, read_once=True), as "
+            "here); by default its replicas read as today's do."
+        )
+    if hosts in got:
+        result.notes.append(
+            f"{hosts}: what it emulates is each host's own page cache and own block device "
+            "(its own mount of one ext4 image, through its own direct-I/O loop device, so a "
+            "page one host read is not in another's cache and every cold read goes to the "
+            "disk), and that the bytes all come from one disk: the storage bandwidth the hosts "
+            "of a shared file system share. What it does not: the exchange still runs over "
+            "loopback TCP on this machine's cores, which the ranks' reads and copies share (a "
+            "cluster's exchange would cross its interconnect, each host with its own cores); "
+            "there is no network file system protocol, server or its cache between the hosts "
+            "and the disk; and the disk is this machine's, not a parallel file system's."
+        )
     return result
 
 
@@ -346,9 +412,19 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=32)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--where",
+        nargs="+",
+        choices=WHERE,
+        default=list(WHERE),
+        help="where the checkpoint is: s3 (moto), local (disk, one host), hosts (a shared "
+        "file system of --ranks hosts, emulated; needs root); all by default",
+    )
     p.add_argument("--workdir", default="/tmp/slipstream-bench/read_once")
     p.add_argument("--out", default="benchmarks/results/read_once.json")
     opts = p.parse_args()
+    if "hosts" in opts.where and os.geteuid() != 0:
+        p.error("--where hosts needs root (loop devices, mounts, a mount namespace per rank)")
     with scratch(opts.workdir) as workdir:
         result_start = Result("read_once", "")
         result_start.note_load("start")
