@@ -59,17 +59,32 @@ def make_image(image: Path, size: int) -> None:
 
 
 def attached(image: Path) -> list[str]:
-    """The loop devices backed by ``image`` now."""
-    if not image.exists():
-        return []
-    out = sh("losetup", "-n", "-O", "NAME", "-j", str(image))
-    return out.split()
+    """The loop devices backed by ``image`` now, or by a file of its path since deleted (a
+    run killed outright before its clean-up, its scratch directory removed by the next)."""
+    path = os.path.abspath(image)
+    devices = []
+    for line in sh("losetup", "-l", "-n", "-O", "NAME,BACK-FILE").splitlines():
+        name, _, backing = line.strip().partition(" ")
+        if backing.strip() in (path, f"{path} (deleted)"):
+            devices.append(name)
+    return devices
 
 
 def detach(device: str) -> None:
     """``losetup -d``; on a device still mounted somewhere the kernel detaches it when the
     last mount goes (the device is marked autoclear)."""
     sh("losetup", "-d", device)
+
+
+def detach_all(image: Path) -> list[str]:
+    """Every loop device of ``image`` detached; the errors of those that would not be."""
+    errors = []
+    for device in attached(image):
+        try:
+            detach(device)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
 
 
 @contextlib.contextmanager
@@ -127,18 +142,15 @@ def host(image: Path, mountpoint: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def released(image: Path) -> Iterator[None]:
-    """On the way out, every loop device backed by ``image`` detached, then an error if any
-    is still attached. A rank killed before its own teardown leaves its device attached (its
-    mount goes with its namespace when its last process exits): this detaches it."""
+    """Every loop device backed by ``image`` detached on the way in (what a run killed
+    outright left) and on the way out, then an error if any is still attached. A rank killed
+    before its own teardown leaves its device attached (its mount goes with its namespace
+    when its last process exits): this detaches it."""
+    detach_all(image)
     try:
         yield
     finally:
-        errors = []
-        for device in attached(image):
-            try:
-                detach(device)
-            except RuntimeError as e:
-                errors.append(str(e))
+        errors = detach_all(image)
         deadline = time.monotonic() + 10  # one detached while mounted goes with its mount
         while (left := attached(image)) and time.monotonic() < deadline:
             time.sleep(0.2)
