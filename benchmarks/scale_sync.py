@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from store_calls import CallCounter, OpFigures, RankThreads, figures
+from store_calls import SPREAD_SILENT_AFTER_S, CallCounter, OpFigures, RankThreads, measure_ops
 
 from slipstream.sync.group import SILENT_AFTER_SECONDS, SyncGroup
 from slipstream.sync.liveness import SyncWatch
@@ -59,8 +58,8 @@ def alive_key(rank: int) -> str:
 class SharedMembership:
     """Every simulated rank's view of the group's liveness: one watch, as one process has."""
 
-    def __init__(self, client: dist.Store) -> None:
-        self.watch = SyncWatch(client, hello_key, alive_key, SILENT_AFTER_SECONDS)
+    def __init__(self, client: dist.Store, silent_after: float = SILENT_AFTER_SECONDS) -> None:
+        self.watch = SyncWatch(client, hello_key, alive_key, silent_after)
 
     def close(self) -> None:
         self.watch.close()
@@ -102,17 +101,28 @@ class SyncRanks:
 
     made = 0
 
-    def __init__(self, n: int, port: int) -> None:
+    def __init__(
+        self,
+        n: int,
+        port: int,
+        ranks: Sequence[int] | None = None,
+        prefix: str | None = None,
+        silent_after: float = SILENT_AFTER_SECONDS,
+    ) -> None:
         self.n = n
-        SyncRanks.made += 1
-        self.prefix = f"scale-sync/{n}/{SyncRanks.made}"
+        self.prefix = prefix or SyncRanks.new_prefix(n)
         self.trainers = trainer_ranks(n)
         self.rollouts = list(range(len(self.trainers), n))
         watch_tcp = dist.TCPStore("127.0.0.1", port, 1, False, wait_for_workers=False)
-        self.membership = SharedMembership(dist.PrefixStore(self.prefix, watch_tcp))
+        self.membership = SharedMembership(dist.PrefixStore(self.prefix, watch_tcp), silent_after)
         self.port = port
-        self.threads = RankThreads(n, self._join)
+        self.threads = RankThreads(range(n) if ranks is None else ranks, self._join)
         self.states = self.threads.states
+
+    @staticmethod
+    def new_prefix(n: int) -> str:
+        SyncRanks.made += 1
+        return f"scale-sync/{n}/{SyncRanks.made}"
 
     def _join(self, rank: int) -> SyncRank:
         """What ``init_group`` leaves a rank with, less its own threads and connections."""
@@ -178,22 +188,14 @@ OPS: dict[str, Callable[[SyncRank], None]] = {
 the next one."""
 
 
-def measure_sync(n: int, port: int, counter: CallCounter) -> list[OpFigures]:
-    """Every op of :data:`OPS` at ``n`` ranks."""
-    began = time.perf_counter()
-    ranks = SyncRanks(n, port)
-    print(f"N={n:5d} sync ranks connected in {time.perf_counter() - began:.1f} s", flush=True)
-    results = []
-    try:
-        for op, work in OPS.items():
-            counts, wall = ranks.run(counter, work)
-            results.append(figures(op, n, counts, wall))
-            print(
-                f"N={n:5d} {op:28s} rank median {results[-1].median_rank:6.1f} "
-                f"max {results[-1].max_rank:6d} coordinator {results[-1].coordinator:7d} "
-                f"wall {wall:7.3f} s",
-                flush=True,
-            )
-    finally:
-        ranks.run(counter, None)
+def measure_sync(n: int, port: int, processes: int, switch_interval: float) -> list[OpFigures]:
+    """Every op of :data:`OPS` at ``n`` ranks spread over ``processes`` processes."""
+    prefix = SyncRanks.new_prefix(n)
+    results, _ = measure_ops(
+        n,
+        processes,
+        lambda share: SyncRanks(n, port, share, prefix, SPREAD_SILENT_AFTER_S),
+        OPS,
+        switch_interval,
+    )
     return results
