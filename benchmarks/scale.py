@@ -65,15 +65,14 @@ def rank_layout(rank: int) -> LocalLayout:
 
 TIMEOUT_S = 120.0
 WALL_NOTE = (
-    "The checkpoint ops' ranks are threads of 8 forked processes (rank 0, the coordinator, "
+    "The ranks are threads of 8 forked processes (rank 0, the coordinator, "
     "alone in one, as a job's rank 0 has a process of its own; the others dealt among 7), "
     "sharing this host's 2 cores with the store's host process: the wall times bound from "
     "above what one process per rank would take. The store's one server thread answers "
     "about 18,000 requests a second on this host (4,096 ranks making 9 requests each of "
     "their own keys, no coordination, took 2.1 s), and every simulated rank also beats once "
     "a second: at 4,096 ranks the server alone needs about 2.6 s for a first save's 9 "
-    "requests a rank. The publish round's ranks are threads of one process (see "
-    "SYNC_PROCESSES)."
+    "requests a rank."
 )
 
 
@@ -271,13 +270,6 @@ def measure(
 
 
 WARM_UP = "warm-up"
-SYNC_PROCESSES = 1
-"""The publish round's ranks stay threads of one process: spread over 8 processes its round
-at 4,096 ranks took 221 s (the first) and 153 s (the next), against 54 s and 83 s in one
-(at 1,024 ranks, 1.8 s against 11 s); why is not known yet."""
-SYNC_SWITCH_INTERVAL = 1e-4
-"""Thousands of rank threads in one interpreter: a thread back from a store request waits
-for the lock up to the switch interval, which is kept short there."""
 
 
 def comparison(before: dict[str, Any], rows: list[OpFigures]) -> Table:
@@ -346,7 +338,7 @@ def main() -> None:
         for n in ranks:
             found, idle[n] = measure(n, port, args.processes, args.switch_interval, args.idle)
             rows.extend(found)
-            rows.extend(measure_sync(n, port, SYNC_PROCESSES, SYNC_SWITCH_INTERVAL))
+            rows.extend(measure_sync(n, port, args.processes, args.switch_interval))
     table = Table(
         "store calls per op and wall time against the number of ranks",
         ["op", "ranks", "median rank > 0", "max rank > 0", "coordinator", "wall s"],
@@ -406,10 +398,8 @@ def main() -> None:
             setup={
                 "ranks": ranks,
                 "beat_s": channel_module.BEAT_SECONDS,
-                "processes (checkpoint ops)": args.processes,
-                "switch interval s (checkpoint ops)": args.switch_interval,
-                "processes (publish round)": SYNC_PROCESSES,
-                "switch interval s (publish round)": SYNC_SWITCH_INTERVAL,
+                "processes": args.processes,
+                "switch interval s": args.switch_interval,
             },
             tables=tables,
             notes=[

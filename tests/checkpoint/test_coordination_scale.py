@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
-from scale import OPS, CallCounter, Ranks, RankState, store_host  # noqa: E402
+from scale import OPS, CallCounter, Ranks, RankState, measure, store_host  # noqa: E402
 
 from slipstream.checkpoint.save.channel import LIVENESS_CHECK_SECONDS, SILENT_AFTER_SECONDS
 from slipstream.checkpoint.save.messages import LayoutDescription, LayoutReport, Topics
@@ -68,6 +68,18 @@ def test_store_calls_per_rank_do_not_grow_with_the_ranks(store_port):
         )
         assert coordinator <= 8 * N + 20, f"{op}: rank 0 made {coordinator} calls at {N} ranks"
     # one beat per rank per second, and a beat more in the window at most
+    assert idle <= 1.0 + 1.0 / IDLE_S, f"{idle:.2f} calls per rank per second while idle"
+
+
+def test_ranks_spread_over_processes_make_the_calls_of_ranks_in_one(store_port):
+    """The benchmark's wall times come from ranks spread over forked processes (rank 0
+    alone): each op's counts there are those of the same ranks as threads of one process."""
+    together, _ = _op_counts(16, store_port)
+    spread, idle = measure(16, store_port, 4, 0.005, IDLE_S)
+    assert {f.op for f in spread} == set(together)
+    for f in spread:
+        median, coordinator = together[f.op]
+        assert (f.median_rank, f.coordinator) == (median, coordinator), (f, together[f.op])
     assert idle <= 1.0 + 1.0 / IDLE_S, f"{idle:.2f} calls per rank per second while idle"
 
 
