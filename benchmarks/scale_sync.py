@@ -95,9 +95,11 @@ def publish_round(state: SyncRank) -> None:
 
 
 class SyncRanks:
-    """``n`` simulated ranks of one sync group, one long-lived thread each: each makes its
-    own client of the store, posts its first beat and its hello, builds its channel view and
-    its round, then runs every op it is handed, all ranks together."""
+    """The simulated ranks ``ranks`` (all ``n`` by default) of one sync group of ``n``, one
+    long-lived thread each: each makes its own client of the store, posts its first beat
+    and its hello, builds its channel view and its round, then runs every op it is handed,
+    all ranks together. Keys under ``prefix`` (a new one by default), shared by every
+    process of one group; ``silent_after``: the bound of the process's one watch."""
 
     made = 0
 
