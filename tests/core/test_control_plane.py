@@ -57,7 +57,8 @@ def test_a_wait_that_expires_names_the_missing_ranks_what_and_how_long():
     assert 0.3 <= elapsed < 1.5
     e = err.value
     assert isinstance(e, PeerTimeoutError) and not isinstance(e, PeerDiedError)
-    assert e.ranks == [2, 3] and e.what == "the layout" and 0.3 <= e.waited < 1.5
+    # the wait starts a moment after its deadline was made: it waits that much less
+    assert e.ranks == [2, 3] and e.what == "the layout" and 0.29 <= e.waited < 1.5
     assert str(e) == (
         "rank(s) [2, 3] did not answer within 0.3 s while rank 0 waited for the layout"
     )

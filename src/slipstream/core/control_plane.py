@@ -127,7 +127,7 @@ def wait_for_keys(
                 f"waited for {what}",
                 missing,
                 what,
-                now - start,
+                time.monotonic() - start,  # read after the deadline was found passed
             )
         if idle is not None:
             idle()
